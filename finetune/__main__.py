@@ -1,0 +1,7 @@
+"""python -m finetune [+recipe=NAME] [mode=plan|data|train|eval|export|all] [key=value ...]"""
+
+import sys
+
+from finetune.cli import main
+
+sys.exit(main())

@@ -1,0 +1,334 @@
+"""Typed configuration: one dataclass per concern, registered in Hydra's ConfigStore.
+
+The YAML files under `configs/` extend these schemas; `recipes/*.yaml` are
+registered as the group `recipe` (package `_global_`) so `+recipe=NAME` works
+although the folder is called `recipes/`. The entry point composes once and
+converts once (`OmegaConf.to_object`): everything downstream gets these
+objects, never a dict. Cross-field checks live in `__post_init__` and raise
+`ConfigError` with the key's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from finetune.data.config import DataConfig
+from finetune.errors import ConfigError
+
+METHODS = ("full", "lora", "qlora")
+OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
+SHARDINGS = ("none", "ddp", "fsdp", "zero3")
+MODES = ("all", "plan", "data", "train", "eval", "export", "launch", "compare")
+
+
+def _check_choice(key: str, value: Any, valid: tuple, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value not in valid:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, valid))}")
+
+
+def _check_positive(
+    key: str, value: Optional[float], allow_none: bool = False, allow_zero: bool = False
+) -> None:
+    if value is None:
+        if allow_none:
+            return
+        raise ConfigError(f"{key} must be set")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture facts, so the planner works offline. `config_path` reads a local config.json instead."""
+
+    name: str = "tiny"
+    hub_id: Optional[str] = None
+    config_path: Optional[str] = None
+    architecture: str = "llama"  # llama | qwen2
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 172
+    vocab_size: int = 512
+    tie_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 2048
+    rope_theta: float = 500000.0
+    rms_norm_eps: float = 1e-5
+    # Weights: safetensors only unless this is set (pickle files can run code).
+    allow_pickle_weights: bool = False
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        _check_choice("model.architecture", self.architecture, ("llama", "qwen2"))
+        for key in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
+            _check_positive(f"model.{key}", getattr(self, key))
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}"
+            )
+
+
+@dataclass
+class MethodConfig:
+    """Full fine-tuning, LoRA or QLoRA, and the optimizer settings that belong to each."""
+
+    name: str = "lora"
+    # None: the planner chooses (adamw, or an 8-bit optimizer when memory needs it).
+    optimizer: Optional[str] = None
+    learning_rate: float = 2e-4
+    weight_decay: float = 0.0
+    # bf16 | fp32 | auto (bf16 on GPUs, fp32 on the CPU, where bf16 matmuls are slow)
+    precision: str = "auto"
+    # LoRA / QLoRA adapters.
+    lora_rank: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    # fp32 is PEFT's default (upcast adapters); bf16 saves ~30% of activation memory.
+    adapter_dtype: str = "fp32"
+    # QLoRA base quantization (bitsandbytes).
+    quant_type: str = "nf4"
+    double_quant: bool = True
+    compute_dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        _check_choice("method.name", self.name, METHODS)
+        _check_choice("method.optimizer", self.optimizer, OPTIMIZERS, allow_none=True)
+        _check_choice("method.precision", self.precision, ("auto", "bf16", "fp32"))
+        _check_choice("method.adapter_dtype", self.adapter_dtype, ("bf16", "fp32"))
+        _check_choice("method.quant_type", self.quant_type, ("nf4", "fp4"))
+        _check_choice("method.compute_dtype", self.compute_dtype, ("bf16", "fp32"))
+        _check_positive("method.learning_rate", self.learning_rate)
+        _check_positive("method.weight_decay", self.weight_decay, allow_zero=True)
+        if self.name != "full":
+            _check_positive("method.lora_rank", self.lora_rank)
+            _check_positive("method.lora_alpha", self.lora_alpha)
+            if not 0.0 <= self.lora_dropout < 1.0:
+                raise ConfigError(f"method.lora_dropout={self.lora_dropout} must be in [0, 1)")
+            if not self.target_modules:
+                raise ConfigError("method.target_modules is empty: name the projections to adapt")
+
+    @property
+    def uses_adapters(self) -> bool:
+        return self.name in ("lora", "qlora")
+
+    def dtype_on(self, device: str) -> str:
+        """The training precision: `auto` is bf16 on GPUs and fp32 on the CPU."""
+        if self.precision != "auto":
+            return self.precision
+        return "bf16" if device == "cuda" else "fp32"
+
+
+@dataclass
+class HardwareConfig:
+    """One GPU profile (DESIGN.md's table). Facts a vendor does not publish stay None."""
+
+    name: str = "cpu"
+    device: str = "cpu"  # cuda | cpu
+    gpus_per_node: int = 1
+    nodes: int = 1
+    # None for `cpu`: read from the machine at run time; for `auto`: chosen by the planner.
+    gpu_memory_gb: Optional[float] = None
+    hbm_tb_per_s: Optional[float] = None
+    peak_bf16_tflops: Optional[float] = None
+    host_memory_gb: Optional[float] = None
+    vcpus: Optional[int] = None
+    local_nvme_tb: Optional[float] = None
+    interconnect: Optional[str] = None  # nvlink | pcie | None
+    usd_per_month: Optional[float] = None
+    # hardware=auto: the profiles to choose from, cheapest that fits wins.
+    candidates: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check_choice("hardware.device", self.device, ("cuda", "cpu"))
+        _check_positive("hardware.gpus_per_node", self.gpus_per_node)
+        _check_positive("hardware.nodes", self.nodes)
+        _check_positive("hardware.gpu_memory_gb", self.gpu_memory_gb, allow_none=True)
+        _check_positive("hardware.host_memory_gb", self.host_memory_gb, allow_none=True)
+
+    @property
+    def is_auto(self) -> bool:
+        return self.name == "auto"
+
+    @property
+    def total_gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass
+class TrainConfig:
+    """What the trainer does. `None` means: the planner decides; a value a user sets is honoured."""
+
+    # Tokens per sequence; `auto` takes the longest kept sequence from the data stage.
+    seq_len: Union[int, str] = 2048
+    # Sequences per optimizer step over all GPUs (micro_batch_size x grad_accum_steps x data-parallel ranks).
+    batch_size: int = 16
+    micro_batch_size: Optional[int] = None
+    grad_accum_steps: Optional[int] = None
+    activation_checkpointing: Optional[bool] = None
+    chunked_loss: Optional[bool] = None
+    loss_chunk_size: int = 1024
+    sharding: Optional[str] = None  # none | ddp | fsdp | zero3
+    engine: str = "fsdp"  # fsdp | deepspeed: which engine runs a sharded plan
+    offload_optimizer: Optional[bool] = None
+    offload_params: Optional[bool] = None
+    # Length of the run: max_steps when > 0, else epochs over the prepared data.
+    max_steps: int = -1
+    epochs: float = 1.0
+    # Used by the planner's time estimate when no data stage has run yet.
+    dataset_tokens: Optional[int] = None
+    lr_scheduler: str = "cosine"
+    warmup_ratio: float = 0.03
+    max_grad_norm: float = 1.0
+    logging_steps: int = 10
+    eval_steps: int = 100
+    save_steps: int = 200
+    save_total_limit: int = 2
+    seed: int = 42
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    # Stop early when a loss exceeds this factor times its moving average, or
+    # eval loss rises this many evaluations in a row (0 disables each).
+    loss_spike_factor: float = 3.0
+    eval_rise_patience: int = 3
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seq_len, str):
+            if self.seq_len != "auto":
+                raise ConfigError(f"train.seq_len={self.seq_len!r} must be a positive integer or 'auto'")
+        else:
+            _check_positive("train.seq_len", self.seq_len)
+        _check_positive("train.batch_size", self.batch_size)
+        _check_positive("train.micro_batch_size", self.micro_batch_size, allow_none=True)
+        _check_positive("train.grad_accum_steps", self.grad_accum_steps, allow_none=True)
+        _check_positive("train.loss_chunk_size", self.loss_chunk_size)
+        _check_positive("train.epochs", self.epochs)
+        _check_positive("train.dataset_tokens", self.dataset_tokens, allow_none=True)
+        _check_choice("train.sharding", self.sharding, SHARDINGS, allow_none=True)
+        _check_choice("train.engine", self.engine, ("fsdp", "deepspeed"))
+        _check_choice(
+            "train.lr_scheduler", self.lr_scheduler, ("cosine", "linear", "constant", "constant_with_warmup")
+        )
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ConfigError(f"train.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+        for key in ("logging_steps", "eval_steps", "save_steps", "save_total_limit"):
+            _check_positive(f"train.{key}", getattr(self, key))
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ConfigError(f"train.max_steps={self.max_steps} must be > 0, or -1 to train by epochs")
+        if self.offload_params and self.sharding in ("none", "ddp"):
+            raise ConfigError(
+                f"train.offload_params=true needs train.sharding=fsdp or zero3, not {self.sharding!r}"
+            )
+
+
+@dataclass
+class PlanConfig:
+    """Pre-flight planner settings."""
+
+    out: Optional[str] = None  # also write plan.json here
+    # Fraction of each GPU kept free (allocator fragmentation, spikes) when judging fit.
+    headroom: float = 0.10
+    # Fraction of the profile's dense bf16 peak the estimate assumes (model FLOPs utilisation).
+    mfu: float = 0.40
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.headroom < 0.9:
+            raise ConfigError(f"plan.headroom={self.headroom} must be in [0, 0.9)")
+        if not 0.0 < self.mfu <= 1.0:
+            raise ConfigError(f"plan.mfu={self.mfu} must be in (0, 1]")
+
+
+@dataclass
+class SmokeConfig:
+    """`smoke=true`: the recipe's pipeline on its 8B sibling for a few steps before the real run."""
+
+    enabled: bool = False
+    steps: int = 200
+    # The sibling recipe; `tiny` stands in where the model hub is unreachable.
+    sibling: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _check_positive("smoke.steps", self.steps)
+
+
+@dataclass
+class Config:
+    """The root: one object per concern, plus the stage to run and where."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    smoke: SmokeConfig = field(default_factory=SmokeConfig)
+    # The recipe's name; names the default run directory.
+    name: str = "tiny"
+    mode: str = "all"
+    run_dir: Optional[str] = None  # default: runs/<name>
+    # resume: true (last complete checkpoint), false (start fresh) or a checkpoint path.
+    resume: Union[bool, str] = True
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, MODES)
+        if self.method.optimizer == "paged_adamw_8bit" and self.hardware.device == "cpu":
+            raise ConfigError(
+                "method.optimizer=paged_adamw_8bit needs CUDA (paged memory); use adamw on hardware=cpu"
+            )
+
+    @property
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir if self.run_dir else Path("runs") / self.name)
+
+
+def package_dir(name: str) -> Path:
+    """`configs/` or `recipes/`: inside the installed package, else at the repository root."""
+    here = Path(__file__).resolve().parent
+    installed = here / f"_{name}"
+    return installed if installed.is_dir() else here.parent / name
+
+
+def register_configs() -> None:
+    """Register the schemas and the recipes (group `recipe`, package `_global_`) in Hydra's ConfigStore."""
+    import yaml
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, schema in (
+        ("model", ModelConfig),
+        ("method", MethodConfig),
+        ("hardware", HardwareConfig),
+        ("data", DataConfig),
+        ("train", TrainConfig),
+        ("plan", PlanConfig),
+    ):
+        cs.store(group=group, name=f"{group}_schema", node=schema)
+    for path in sorted(package_dir("recipes").glob("*.yaml")):
+        node = yaml.safe_load(path.read_text()) or {}
+        cs.store(group="recipe", name=path.stem, node=node, package="_global_")
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in package_dir("recipes").glob("*.yaml"))
+
+
+def group_choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (package_dir("configs") / group).glob("*.yaml"))

@@ -1,0 +1,105 @@
+"""Activation memory: bytes a Llama-style decoder saves for backward, per token (pure: stdlib only).
+
+Where the coefficients come from: scripts/measure_activations.py counts, under
+`torch.autograd.graph.saved_tensors_hooks`, the distinct storages autograd keeps
+(parameters and the shared rotary cos/sin excluded) for transformers 5.24's
+LlamaDecoderLayer / Qwen2DecoderLayer with bf16 weights, batch 1, SDPA, on CPU
+(torch 2.13, peft 0.21, bitsandbytes 0.50), over 10 layer shapes from hidden 256
+to 8192; the measurements are in activations.json next to this file. Every term
+below is an integer count of saved tensors and reproduces every measurement to
+the byte (tests/test_activations.py checks it). Rerun the script after upgrading
+torch, transformers or peft.
+
+Symbols: h hidden, I intermediate, H heads, KV kv heads, d head dim, r LoRA rank,
+a adapter bytes (2 bf16, 4 fp32). Per layer, without checkpointing:
+
+    full FT           16h +  8I +  4Hd + 4KVd + 4H + 8
+    LoRA/QLoRA a=2    12h +  8I +  4Hd + 4KVd + 4H + 8 + 7ra
+    LoRA/QLoRA a=4    28h + 10I +  8Hd + 4KVd + 4H + 8 + 7ra
+    dropout > 0       (8h + 8) + (4Hd + 4KVd + 4H) + 6I + 2a(5h + Hd + I) + 7ra
+
+Caveats: measured on CPU. There, dropout keeps an a-byte noise tensor per
+adapted input; CUDA's fused dropout keeps a 1-byte mask instead, so with dropout
+this over-counts by (a - 1)(5h + Hd + I) on a GPU (conservative). CUDA's flash /
+memory-efficient SDPA keep the same output and fp32 logsumexp (4H, possibly
+padded to a multiple of 32-128 tokens) plus a few bytes of RNG state. Eager
+attention would add a term growing with sequence length; it is not modelled.
+"""
+
+from __future__ import annotations
+
+METHODS = ("full", "lora", "qlora")
+
+
+def layer_bytes_per_token(
+    *,
+    hidden: int,
+    intermediate: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    method: str,
+    adapter_bytes: int = 2,
+    lora_dropout: bool = False,
+    checkpointing: bool = False,
+    attention_bias: bool = False,
+    lora_rank: int = 16,
+) -> int:
+    """Bytes one decoder layer keeps for backward per token (bf16 weights, SDPA).
+
+    `method` is "full", "lora" or "qlora" (LoRA on all seven projections; QLoRA
+    measures the same as LoRA: the NF4 base keeps nothing per token). With
+    `checkpointing` this is what each checkpointed layer keeps, its bf16 input
+    (2 x hidden); the planner must add ONE layer's non-checkpointed figure for
+    the layer being recomputed during backward. `attention_bias` (Qwen2's q/k/v
+    biases) changes nothing: measured, the bias add keeps no tensor.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if adapter_bytes not in (2, 4):
+        raise ValueError(f"adapter_bytes must be 2 (bf16) or 4 (fp32), got {adapter_bytes!r}")
+    h, inter, q_dim, kv_dim = hidden, intermediate, heads * head_dim, kv_heads * head_dim
+    if checkpointing:
+        return 2 * h  # the bf16 layer input, saved by torch.utils.checkpoint
+    # attention: q and k after rotary, v (all bf16), SDPA's output (bf16) and fp32 logsumexp per head;
+    # o_proj's input is a view of SDPA's output.
+    attention = 2 * q_dim + 2 * kv_dim + 2 * kv_dim + 2 * q_dim + 4 * heads
+    # each RMSNorm: its fp32 upcast of the input, and the fp32 rsqrt per token
+    norms = 2 * (4 * h + 4)
+    # gate, up and silu(gate) outputs, bf16
+    mlp = 3 * 2 * inter
+    if method == "full":
+        # each RMSNorm also keeps its bf16 normalized input to the weight product (for the norm weight's
+        # grad) and its output (for the projections' weight grads); down_proj keeps act*up.
+        return norms + 2 * (2 * h + 2 * h) + attention + mlp + 2 * inter
+    a = adapter_bytes
+    lora_a_outputs = 7 * lora_rank * a  # kept by each lora_B
+    if lora_dropout:
+        # per adapted input (q, k, v, gate, up: h; o: H*d; down: I): the dropout noise and its output, a bytes each
+        adapter_inputs = 2 * a * (5 * h + q_dim + inter)
+    elif a == 4:
+        # PEFT casts each adapter's input to fp32 separately: five copies of h, one of H*d, one of I
+        adapter_inputs = a * (5 * h + q_dim + inter)
+    else:
+        # bf16 adapters keep the base layers' own inputs: the two norm outputs and act*up (o's is SDPA's)
+        adapter_inputs = 2 * h + 2 * h + 2 * inter
+    return norms + attention + mlp + adapter_inputs + lora_a_outputs
+
+
+def model_bytes_per_token(
+    *, hidden: int, vocab: int, plain_loss: bool = True, trainable_head: bool = True
+) -> int:
+    """Bytes kept once per model per token: final RMSNorm, lm_head input, plain cross-entropy.
+
+    Measured with transformers' ForCausalLMLoss (fp32 upcast of the logits): the fp32
+    log-softmax (4 x vocab) and the int64 labels (8). `plain_loss=False` (a chunked
+    loss) leaves out both: the chunk's own logits are a separate, per-chunk term. A
+    frozen head and norm (LoRA, QLoRA: `trainable_head=False`) keep 4 x hidden less.
+    """
+    h = hidden
+    kept = 4 * h + 4  # the norm's fp32 upcast and rsqrt
+    if trainable_head:
+        kept += 2 * h + 2 * h  # normalized bf16 input of the norm weight, and lm_head's input
+    if plain_loss:
+        kept += 4 * vocab + 8
+    return kept

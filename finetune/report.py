@@ -1,0 +1,75 @@
+"""The plan as a readable table on the terminal (rich)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from finetune.planner import Plan
+
+
+def _gb(value: float) -> str:
+    return f"{value:,.2f}"
+
+
+def print_plan(plan: Plan, title: str, console: Console | None = None) -> None:
+    console = console or Console()
+    hw, s, m = plan.hardware, plan.strategy, plan.gpu_memory
+    verdict = "[bold green]FITS[/]" if plan.fits else "[bold red]DOES NOT FIT[/]"
+    gpus = f"{hw.total_gpus} x " if hw.total_gpus > 1 else ""
+    console.print(
+        f"\n[bold]{title}[/] on [bold]{hw.name}[/] ({gpus}{hw.gpu_memory_gb:g} GB): {verdict}"
+        f"  - {m.total:,.1f} GB of {plan.usable_gpu_memory_gb:,.1f} GB usable per GPU"
+    )
+    console.print(
+        f"params: {plan.params_total:,} total, {plan.params_trainable:,} trainable"
+        f" ({100 * plan.params_trainable / plan.params_total:.2f}%), seq_len {plan.seq_len:,}"
+    )
+
+    terms = Table(title="GPU memory per GPU (GB)", show_footer=True)
+    terms.add_column("term", footer="total")
+    terms.add_column("GB", justify="right", footer=_gb(m.total))
+    for name in ("weights", "trainable_state", "activations", "logits", "overhead"):
+        terms.add_row(name, _gb(getattr(m, name)))
+    strategy = Table(title="strategy")
+    strategy.add_column("setting")
+    strategy.add_column("value")
+    strategy.add_row("sharding", s.sharding)
+    strategy.add_row("optimizer", s.optimizer)
+    strategy.add_row("offload optimizer / params", f"{s.offload_optimizer} / {s.offload_params}")
+    strategy.add_row("activation checkpointing", str(s.activation_checkpointing))
+    strategy.add_row("chunked loss", str(s.chunked_loss))
+    strategy.add_row("micro-batch x accumulation", f"{s.micro_batch_size} x {s.grad_accum_steps}")
+    console.print(terms, strategy)
+
+    e = plan.estimate
+    host = f"host RAM {plan.host_memory_gb:,.0f} GB per node"
+    if hw.host_memory_gb is not None:
+        host += f" of {hw.host_memory_gb:,.0f}"
+    console.print(
+        f"{host}; disk: checkpoint {plan.disk_checkpoint_gb:,.2f} GB, export {plan.disk_export_gb:,.2f} GB"
+    )
+    if e.tokens_per_second is not None:
+        line = f"estimate: {e.tokens_per_second:,.0f} tokens/s, {e.step_seconds:,.2f} s/step"
+        if e.run_hours is not None:
+            line += f", {e.run_hours:,.2f} h"
+        if e.usd is not None:
+            line += f", {e.usd:,.0f} USD"
+        console.print(line)
+    for title_, items in (("why", plan.reasons), ("what would fit", plan.suggestions)):
+        if items:
+            console.print(f"[bold]{title_}:[/]")
+            for item in items:
+                console.print(f"  - {item}")
+    if plan.alternatives:
+        alts = Table(title="alternatives")
+        for col in ("hardware", "fits", "GB per GPU", "USD/month"):
+            alts.add_column(col)
+        for a in plan.alternatives:
+            alts.add_row(
+                a.hardware,
+                "yes" if a.fits else "no",
+                _gb(a.total_gb),
+                "-" if a.usd_per_month is None else f"{a.usd_per_month:,.0f}",
+            )
+        console.print(alts)

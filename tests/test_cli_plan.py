@@ -1,0 +1,128 @@
+"""`python -m finetune ... mode=plan` end to end: exit codes, plan.json, the table, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", *args],
+        cwd=cwd or ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_plan_70b_qlora_fits_one_h100(tmp_path: Path):
+    out = tmp_path / "plan.json"
+    run_dir = tmp_path / "run"
+    r = run_cli("+recipe=llama70b_qlora", "mode=plan", f"plan.out={out}", f"run_dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(out.read_text())
+    assert plan["fits"] is True
+    assert plan["hardware"]["name"] == "h100" and plan["hardware"]["gpus"] == 1
+    assert plan["params"] == {"total": 70_553_706_496, "trainable": 207_093_760}
+    assert plan["strategy"]["activation_checkpointing"] is True
+    assert json.loads((run_dir / "plan.json").read_text()) == plan
+    assert (run_dir / "config.yaml").is_file()
+    for word in ("FITS", "weights", "trainable_state", "activations", "logits", "overhead", "alternatives"):
+        assert word in r.stdout
+
+
+def test_plan_contract_command_with_groups(tmp_path: Path):
+    out = tmp_path / "p.json"
+    r = run_cli(
+        "mode=plan", "model=llama3_1_70b", "method=lora", "hardware=h100", "train.seq_len=8192",
+        f"plan.out={out}", f"run_dir={tmp_path / 'run'}",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr  # exit 0 whether or not it fits
+    plan = json.loads(out.read_text())
+    assert plan["fits"] is False
+    assert plan["reasons"] and plan["suggestions"]
+    assert any(a["fits"] for a in plan["alternatives"])
+    assert "DOES NOT FIT" in r.stdout
+
+
+def test_hardware_auto_picks_cheapest_that_fits(tmp_path: Path):
+    out = tmp_path / "p.json"
+    r = run_cli(
+        "+recipe=llama70b_lora", "hardware=auto", "mode=plan", f"plan.out={out}", f"run_dir={tmp_path / 'r'}"
+    )
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(out.read_text())
+    fitting = [a for a in plan["alternatives"] if a["fits"]]
+    assert plan["hardware"]["usd_per_month"] == min(a["usd_per_month"] for a in fitting)
+
+
+def test_local_config_json(tmp_path: Path):
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    out = tmp_path / "p.json"
+    r = run_cli(
+        "mode=plan",
+        f"model.config_path={path}",
+        "hardware=h100",
+        f"plan.out={out}",
+        f"run_dir={tmp_path / 'r'}",
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["params"]["total"] == 8_030_261_248
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["mode=plan", "train.seq_len=0"], "train.seq_len=0"),
+        (["mode=plan", "method.lora_rank=-1"], "method.lora_rank=-1"),
+        (["+recipe=does_not_exist"], "choose from llama70b_full"),
+        (["mode=plan", "model=gpt5"], "choose from llama3_1_70b"),
+        (["mode=plan", "hardware=tpu_v5"], "choose from auto, b200"),
+        (["mode=plan", "train.bogus=1"], "train.bogus: unknown key"),
+        (["mode=plan", "train.batch_size=many"], "train.batch_size"),
+        (["mode=plan", "model=llama3_1_8b", "train.seq_len=999999"], "train.seq_len=999999 exceeds"),
+        (
+            ["mode=plan", "model.config_path=/nonexistent/config.json"],
+            "model.config_path=/nonexistent/config.json",
+        ),
+        (
+            ["mode=plan", "train.seq_len=auto", "run_dir=/tmp/finetune-no-such-run"],
+            "train.seq_len=auto needs",
+        ),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(args, needle):
+    r = run_cli(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    assert needle in lines[0]
+
+
+def test_help_lists_choices():
+    r = run_cli("--help")
+    assert r.returncode == 0
+    assert "llama70b_qlora" in r.stdout and "h200x8" in r.stdout

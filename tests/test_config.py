@@ -1,0 +1,149 @@
+"""Every recipe and every config group composes and validates; bad values fail with the key's name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from finetune.cli import compose
+from finetune.config import Config, group_choices, package_dir, recipe_names
+from finetune.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _yaml_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*.yaml"))
+
+
+def test_config_folders_are_walked_recursively():
+    # The ConfigStore registers recipes/*.yaml; a nested file would be silently skipped.
+    assert all(p.parent == ROOT / "recipes" for p in _yaml_files(ROOT / "recipes"))
+    groups = {p.parent.name for p in _yaml_files(ROOT / "configs") if p.parent != ROOT / "configs"}
+    assert groups == {"model", "method", "hardware", "data", "train", "plan"}
+
+
+@pytest.mark.parametrize("recipe", recipe_names())
+def test_every_recipe_composes(recipe: str):
+    cfg = compose([f"+recipe={recipe}", "mode=plan"])
+    assert isinstance(cfg, Config)
+    assert cfg.name == recipe
+    text = (package_dir("recipes") / f"{recipe}.yaml").read_text()
+    assert text.startswith(f"# python -m finetune +recipe={recipe}"), "a recipe starts with its exact command"
+    assert len(text.splitlines()) <= 30
+    if cfg.model.name in ("llama3_1_70b", "qwen2_5_32b"):
+        assert cfg.smoke.sibling in recipe_names() and cfg.smoke.sibling.startswith("llama8b")
+
+
+@pytest.mark.parametrize(
+    "group,option",
+    [(g, o) for g in ("model", "method", "hardware", "data", "train", "plan") for o in group_choices(g)],
+)
+def test_every_group_option_composes(group: str, option: str):
+    cfg = compose([f"{group}={option}", "mode=plan"])
+    assert getattr(cfg, group).__class__.__name__.endswith("Config")
+    if group in ("model", "method", "hardware"):
+        assert getattr(cfg, group).name == option
+
+
+def test_stable_names():
+    assert set(recipe_names()) == {
+        "tiny", "llama8b_lora", "llama8b_qlora", "llama70b_qlora", "llama70b_lora",
+        "llama70b_full", "qwen32b_lora", "qwen32b_full",
+    }  # fmt: skip
+    assert set(group_choices("model")) == {
+        "tiny",
+        "llama3_2_3b",
+        "llama3_1_8b",
+        "qwen2_5_32b",
+        "llama3_1_70b",
+    }
+    assert set(group_choices("method")) == {"full", "lora", "qlora"}
+    assert set(group_choices("hardware")) == {
+        "cpu", "h100", "h200", "b200", "b300", "h100x8", "h200x8", "b200x8", "b300x8", "auto",
+    }  # fmt: skip
+
+
+def test_embedded_default_is_the_tiny_recipe():
+    cfg = compose([])
+    assert (cfg.name, cfg.model.name, cfg.method.name, cfg.hardware.name) == ("tiny", "tiny", "lora", "cpu")
+    assert cfg.mode == "all"
+
+
+def test_groups_without_recipe_do_not_inherit_tiny_values():
+    cfg = compose(["model=llama3_1_8b", "method=full"])
+    assert cfg.name == "llama3_1_8b_full"
+    assert cfg.method.learning_rate == 1e-5
+    assert cfg.method.dtype_on("cuda") == "bf16" and cfg.method.dtype_on("cpu") == "fp32"
+
+
+def test_command_line_beats_recipe():
+    cfg = compose(
+        ["+recipe=llama70b_qlora", "hardware=h200", "train.seq_len=4096", "smoke=true", "smoke.steps=7"]
+    )
+    assert cfg.hardware.name == "h200" and cfg.train.seq_len == 4096
+    assert cfg.smoke.enabled and cfg.smoke.steps == 7 and cfg.smoke.sibling == "llama8b_qlora"
+
+
+def test_method_defaults():
+    lora = compose(["method=lora"]).method
+    assert (lora.lora_rank, lora.lora_alpha, lora.lora_dropout) == (16, 32, 0.05)
+    assert lora.target_modules == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
+    q = compose(["method=qlora"]).method
+    assert (q.quant_type, q.double_quant, q.compute_dtype) == ("nf4", True, "bf16")
+    assert compose(["method=full"]).method.optimizer is None
+
+
+def test_hardware_facts_match_design():
+    facts = {  # name: (gpus, GB per GPU, host GB, USD/month)
+        "h100": (1, 80, 225, 2190), "h200": (1, 141, 240, 3090), "b200": (1, 180, 256, 4590),
+        "b300": (1, 288, None, 5190), "h100x8": (8, 80, 2000, 16900), "h200x8": (8, 141, 2000, 23900),
+        "b200x8": (8, 180, 2000, 34900), "b300x8": (8, 288, 2000, 39900),
+    }  # fmt: skip
+    for name, (gpus, gb, host, usd) in facts.items():
+        hw = compose([f"hardware={name}"]).hardware
+        assert (hw.total_gpus, hw.gpu_memory_gb, hw.host_memory_gb, hw.usd_per_month) == (gpus, gb, host, usd)
+        assert hw.peak_bf16_tflops == (989 if name.startswith("h") else 2250)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["train.seq_len=0"], "train.seq_len=0 must be > 0"),
+        (["train.seq_len=abc"], "train.seq_len='abc'"),
+        (["method.lora_rank=-1"], "method.lora_rank=-1 must be > 0"),
+        (["train.batch_size=abc"], "train.batch_size"),
+        (["train.foo=1"], "train.foo: unknown key"),
+        (["foo=1"], "foo: unknown key"),
+        (["+foo=1"], "foo: unknown key"),
+        (["model=gpt5"], "model=gpt5: unknown model; choose from llama3_1_70b"),
+        (["method=dora"], "method=dora: unknown method; choose from full, lora, qlora"),
+        (["hardware=tpu"], "hardware=tpu: unknown hardware; choose from auto"),
+        (["+recipe=nope"], "recipe=nope: unknown recipe; choose from llama70b_full"),
+        (["mode=fly"], "mode='fly' is not one of"),
+        (["method.optimizer=sgd"], "method.optimizer='sgd' is not one of adamw"),
+        (["smoke=maybe"], "smoke.enabled"),
+        (["train.sharding=tp"], "train.sharding='tp'"),
+        (["method.lora_dropout=1.5"], "method.lora_dropout=1.5"),
+        (["data.eval_fraction=1.0"], "data.eval_fraction=1.0"),
+        (["plan.headroom=2"], "plan.headroom=2"),
+        (["model.num_kv_heads=3"], "model.num_heads=4 must be a multiple of model.num_kv_heads=3"),
+        (["train.max_steps=0"], "train.max_steps=0"),
+        (["train.sharding=ddp", "train.offload_params=true"], "train.offload_params=true needs"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        compose(overrides)
+    text = str(err.value)
+    assert message in text
+    assert "\n" not in text
