@@ -20,7 +20,7 @@ from typing import Any, Optional
 from finetune.config import Config, HardwareConfig, group_choices, package_dir, recipe_names, register_configs
 from finetune.errors import ConfigError, FinetuneError
 
-_GROUPS = ("model", "method", "hardware", "data", "train", "plan")
+_GROUPS = ("model", "method", "hardware", "data", "train", "plan", "launch")
 DEFAULT_RECIPE = "tiny"
 
 
@@ -69,16 +69,16 @@ def _check_overrides(overrides: Sequence[str]) -> None:
     """Name the valid choices for an unknown group option or recipe before Hydra's long message."""
     for item in overrides:
         added = re.fullmatch(r"\+{1,2}([\w.]+)=.*", item)
-        if added and added.group(1) != "recipe":
+        if added and added.group(1) != "recipe" and not added.group(1).startswith("launch.env."):
             key = added.group(1)
-            raise ConfigError(f"{key}: unknown key ('+' adds keys; only +recipe=NAME is accepted)")
+            raise ConfigError(f"{key}: unknown key ('+' adds keys; only +recipe=NAME and +launch.env.NAME=VALUE are accepted)")
         m = re.fullmatch(r"\+?\+?(\w+)=([\w.\-/]+)", item)
         if not m:
             continue
         key, value = m.groups()
         if key == "recipe":
             valid = recipe_names()
-        elif key in _GROUPS and key not in ("train", "plan"):
+        elif key in _GROUPS and key not in ("train", "plan", "launch"):
             valid = group_choices(key)
         else:
             continue

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from finetune.data.config import DataConfig
+from finetune.launch.config import LaunchConfig
 from finetune.errors import ConfigError
 
 METHODS = ("full", "lora", "qlora")
@@ -279,6 +280,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     # The recipe's name; names the default run directory.
     name: str = "tiny"
     mode: str = "all"
@@ -319,6 +321,7 @@ def register_configs() -> None:
         ("data", DataConfig),
         ("train", TrainConfig),
         ("plan", PlanConfig),
+        ("launch", LaunchConfig),
     ):
         cs.store(group=group, name=f"{group}_schema", node=schema)
     for path in sorted(package_dir("recipes").glob("*.yaml")):

@@ -16,7 +16,7 @@ from finetune.config import Config, ModelConfig
 from finetune.errors import ConfigError, PlanError
 from finetune.planner import Plan, make_plan
 
-NOT_BUILT = ("train", "eval", "export", "launch", "compare")
+NOT_BUILT = ("train", "eval", "export", "compare")
 
 
 def model_from_config_json(model: ModelConfig) -> ModelConfig:
@@ -110,6 +110,10 @@ def run(cfg: Config) -> int:
     if cfg.mode == "plan":
         plan_stage(cfg, run_dir)
         return 0
+    if cfg.mode == "launch":
+        from finetune.launch import stage as launch_stage
+
+        return launch_stage.run(cfg, run_dir, plan_stage(cfg, run_dir, quiet=True))
     if cfg.mode in ("data", "all"):
         from finetune.data import stage as data_stage
 

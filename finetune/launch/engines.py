@@ -1,0 +1,368 @@
+"""Engine settings from the plan: a DeepSpeed ZeRO-3 JSON or an accelerate FSDP2 config, written into the run dir.
+
+The plan's sharding verdict picks the engine (`zero3` -> DeepSpeed, `fsdp` ->
+FSDP2, `ddp` -> plain data parallel, `none` -> one process); `train.engine`
+already chose between the two sharded engines when the plan was made. Every
+number DeepSpeed needs is filled in (no "auto"), and the same numbers are
+returned as `trainer_kwargs` so SFTConfig agrees with the files (HF's DeepSpeed
+integration refuses a config whose batch sizes, clipping or learning rate
+differ from the TrainingArguments).
+
+The trainer (each rank) calls `engine_files(plan, run_dir)`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+from finetune.config import Config
+from finetune.errors import LaunchError
+from finetune.launch.config import LaunchConfig
+from finetune.planner import Plan, Strategy
+
+DEEPSPEED_FILE = "deepspeed.json"
+ACCELERATE_FSDP_FILE = "accelerate_fsdp.yaml"
+ACCELERATE_FILE = "accelerate.yaml"  # launcher=accelerate with a DDP or ZeRO-3 plan
+# TrainingArguments' AdamW defaults, written into the DeepSpeed optimizer block and returned
+# in trainer_kwargs so both sides agree.
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPSILON = 1e-8
+DECODER_LAYERS = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer"}
+
+PlanLike = Union[Plan, Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the ranks run and with which strategy: the plan's strategy and the launch's process counts."""
+
+    strategy: Strategy
+    nproc_per_node: int
+    nnodes: int
+    device: str  # cuda | cpu
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def engine(self) -> str:
+        """deepspeed | fsdp | ddp | single."""
+        if self.strategy.sharding == "zero3":
+            return "deepspeed"
+        if self.strategy.sharding == "fsdp":
+            return "fsdp"
+        return "ddp" if self.world_size > 1 else "single"
+
+
+def launch_of(cfg: Config) -> LaunchConfig:
+    """`cfg.launch` (the root Config carries it once mode=launch is wired in; defaults until then)."""
+    launch = getattr(cfg, "launch", None)
+    return launch if isinstance(launch, LaunchConfig) else LaunchConfig()
+
+
+def layout(cfg: Config, plan: PlanLike, launch: Optional[LaunchConfig] = None) -> Layout:
+    """The plan's strategy and hardware (a `Plan` or the plan.json dict), with the launch's overrides."""
+    launch = launch or launch_of(cfg)
+    if isinstance(plan, Plan):
+        strategy = plan.strategy
+        gpus_per_node, nodes, device = plan.hardware.gpus_per_node, plan.hardware.nodes, plan.hardware.device
+    else:
+        try:
+            known = {f.name for f in fields(Strategy)}
+            strategy = Strategy(**{k: v for k, v in plan["strategy"].items() if k in known})
+            nodes = cfg.hardware.nodes
+            gpus_per_node = max(1, int(plan["hardware"]["gpus"]) // nodes)
+        except (KeyError, TypeError) as exc:
+            raise LaunchError(f"plan.json: missing or malformed field {exc}; re-run mode=plan") from None
+        device = cfg.hardware.device
+    return Layout(
+        strategy=strategy,
+        nproc_per_node=launch.nproc_per_node or gpus_per_node,
+        nnodes=launch.nnodes or nodes,
+        device=device,
+    )
+
+
+def _bf16(cfg: Config, lay: Layout) -> bool:
+    return cfg.method.dtype_on(lay.device) == "bf16"
+
+
+# ---------------------------------------------------------------- DeepSpeed ZeRO-3
+
+
+def deepspeed_config(cfg: Config, lay: Layout) -> dict[str, Any]:
+    """ZeRO stage 3 with the plan's offload, every batch number concrete (DeepSpeed asserts
+    train_batch_size == micro_batch x accumulation x world size at start-up)."""
+    s = lay.strategy
+    h = cfg.model.hidden_size
+    pin = lay.device == "cuda"  # pinned host buffers speed up PCIe copies; meaningless without a GPU
+    zero: dict[str, Any] = {
+        "stage": 3,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        # HF's "auto" values, computed here from the model's hidden size.
+        "reduce_bucket_size": h * h,
+        "stage3_prefetch_bucket_size": int(0.9 * h * h),
+        "stage3_param_persistence_threshold": 10 * h,
+        "sub_group_size": 1_000_000_000,
+        "stage3_max_live_parameters": 1_000_000_000,
+        "stage3_max_reuse_distance": 1_000_000_000,
+        # Save a consolidated bf16 model, not only ZeRO shards (export and eval load it directly).
+        "stage3_gather_16bit_weights_on_model_save": True,
+    }
+    if s.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if s.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    ds: dict[str, Any] = {
+        "train_batch_size": s.micro_batch_size * s.grad_accum_steps * lay.world_size,
+        "train_micro_batch_size_per_gpu": s.micro_batch_size,
+        "gradient_accumulation_steps": s.grad_accum_steps,
+        "gradient_clipping": cfg.train.max_grad_norm,
+        "bf16": {"enabled": _bf16(cfg, lay)},
+        "zero_optimization": zero,
+        "steps_per_print": max(cfg.train.logging_steps, 1) * 100,
+        "wall_clock_breakdown": False,
+    }
+    if s.offload_optimizer:
+        # ZeRO-Offload runs DeepSpeed's CPU Adam; a torch or bitsandbytes optimizer is refused with offload.
+        ds["optimizer"] = {
+            "type": "AdamW",
+            "params": {
+                "lr": cfg.method.learning_rate,
+                "betas": list(ADAM_BETAS),
+                "eps": ADAM_EPSILON,
+                "weight_decay": cfg.method.weight_decay,
+            },
+        }
+    return ds
+
+
+# ---------------------------------------------------------------- accelerate / FSDP2
+
+
+def decoder_layer_class(cfg: Config) -> str:
+    try:
+        return DECODER_LAYERS[cfg.model.architecture]
+    except KeyError:
+        raise LaunchError(
+            f"model.architecture={cfg.model.architecture!r}: no decoder layer class known for FSDP auto-wrap"
+        ) from None
+
+
+def _fsdp_offload(s: Strategy) -> bool:
+    """FSDP2 offloads parameters, gradients and optimizer state together (CPUOffloadPolicy):
+    a plan that offloads only the optimizer gets the whole offload."""
+    return s.offload_optimizer or s.offload_params
+
+
+def accelerate_config(
+    cfg: Config, lay: Layout, launch: LaunchConfig, deepspeed_file: Optional[Path] = None
+) -> dict:
+    """An `accelerate launch --config_file` config: FSDP2 for an fsdp plan, DeepSpeed (pointing at the JSON)
+    for zero3, multi-GPU/CPU data parallel otherwise. machine_rank is 0 here; other nodes pass --machine_rank."""
+    s = lay.strategy
+    cpu = lay.device == "cpu"
+    if lay.engine == "fsdp":
+        distributed_type = "FSDP"
+    elif lay.engine == "deepspeed":
+        distributed_type = "DEEPSPEED"
+    elif lay.engine == "ddp":
+        distributed_type = "MULTI_CPU" if cpu else "MULTI_GPU"
+    else:
+        distributed_type = "NO"
+    out: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": distributed_type,
+        "mixed_precision": "bf16" if _bf16(cfg, lay) else "no",
+        "use_cpu": cpu,
+        "debug": False,
+        "num_machines": lay.nnodes,
+        "machine_rank": 0,
+        "num_processes": lay.world_size,
+        "main_training_function": "main",
+        "enable_cpu_affinity": False,
+        "downcast_bf16": False,
+    }
+    if lay.nnodes > 1:
+        out.update(
+            main_process_ip=launch.master_addr,
+            main_process_port=launch.master_port,
+            rdzv_backend=launch.rdzv_backend,
+            same_network=True,
+        )
+    if lay.engine == "fsdp":
+        out["fsdp_config"] = {
+            "fsdp_version": 2,
+            "fsdp_reshard_after_forward": True,  # full shard
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": decoder_layer_class(cfg),
+            "fsdp_activation_checkpointing": s.activation_checkpointing,
+            "fsdp_offload_params": _fsdp_offload(s),
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_sync_module_states": True,  # accelerate requires it with cpu_ram_efficient_loading
+        }
+    elif lay.engine == "deepspeed":
+        if deepspeed_file is None:
+            raise LaunchError("a zero3 plan under accelerate needs the DeepSpeed JSON written first")
+        # With a config file, accelerate takes mixed precision from the JSON and refuses its own setting.
+        del out["mixed_precision"]
+        out["deepspeed_config"] = {"deepspeed_config_file": str(deepspeed_file), "zero3_init_flag": True}
+    return out
+
+
+def fsdp_trainer_config(cfg: Config, lay: Layout) -> dict[str, Any]:
+    """The same FSDP2 settings in TrainingArguments' `fsdp_config` spelling (works under torchrun too)."""
+    s = lay.strategy
+    return {
+        "version": 2,
+        "reshard_after_forward": True,
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "transformer_layer_cls_to_wrap": [decoder_layer_class(cfg)],
+        "activation_checkpointing": s.activation_checkpointing,
+        "cpu_offload": _fsdp_offload(s),
+        "state_dict_type": "SHARDED_STATE_DICT",
+        "cpu_ram_efficient_loading": True,
+    }
+
+
+# ---------------------------------------------------------------- what the trainer reads
+
+
+@dataclass(frozen=True)
+class EngineFiles:
+    """The engine of a run and the files and SFTConfig arguments that configure it."""
+
+    engine: str  # deepspeed | fsdp | ddp | single
+    world_size: int
+    deepspeed: Optional[Path] = None
+    accelerate_config: Optional[Path] = None
+    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "world_size": self.world_size,
+            "deepspeed": None if self.deepspeed is None else str(self.deepspeed),
+            "accelerate_config": None if self.accelerate_config is None else str(self.accelerate_config),
+            "trainer_kwargs": dict(self.trainer_kwargs),
+            "notes": list(self.notes),
+        }
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    """Every rank may call this with the same text; the atomic rename makes concurrent writers harmless."""
+    from finetune.rundir import atomic_write_text
+
+    if not path.is_file() or path.read_text() != text:
+        atomic_write_text(path, text)
+
+
+def write_engine_files(
+    cfg: Config, plan: PlanLike, run_dir: Path, launch: Optional[LaunchConfig] = None
+) -> EngineFiles:
+    """Write deepspeed.json / accelerate_fsdp.yaml (as the plan needs) into the run dir and describe them."""
+    launch = launch or launch_of(cfg)
+    lay = layout(cfg, plan, launch)
+    run_dir = Path(run_dir).resolve()
+    s = lay.strategy
+    bf16 = _bf16(cfg, lay)
+    kwargs: dict[str, Any] = {
+        "per_device_train_batch_size": s.micro_batch_size,
+        "gradient_accumulation_steps": s.grad_accum_steps,
+        "max_grad_norm": cfg.train.max_grad_norm,
+        "learning_rate": cfg.method.learning_rate,
+        "weight_decay": cfg.method.weight_decay,
+        "adam_beta1": ADAM_BETAS[0],
+        "adam_beta2": ADAM_BETAS[1],
+        "adam_epsilon": ADAM_EPSILON,
+        "bf16": bf16,
+        "use_cpu": lay.device == "cpu",
+        "ddp_timeout": launch.nccl_timeout_s,
+        "activation_checkpointing": s.activation_checkpointing,
+    }
+    notes: list[str] = []
+    ds_path: Optional[Path] = None
+    acc_path: Optional[Path] = None
+    if lay.engine == "deepspeed":
+        ds_path = run_dir / DEEPSPEED_FILE
+        _write_if_changed(ds_path, json.dumps(deepspeed_config(cfg, lay), indent=2) + "\n")
+        kwargs["deepspeed"] = str(ds_path)
+        if s.offload_optimizer and s.optimizer != "adamw":
+            notes.append(
+                f"plan optimizer {s.optimizer} is replaced by DeepSpeed's CPU AdamW (fp32 moments on the host): "
+                "ZeRO-Offload does not run 8-bit optimizers"
+            )
+    elif lay.engine == "fsdp":
+        acc_path = run_dir / ACCELERATE_FSDP_FILE
+        _write_if_changed(acc_path, yaml.safe_dump(accelerate_config(cfg, lay, launch), sort_keys=False))
+        kwargs["fsdp"] = True
+        kwargs["fsdp_config"] = fsdp_trainer_config(cfg, lay)
+        # FSDP checkpoints each wrapped layer itself; the Trainer's own checkpointing would add an all-gather.
+        kwargs["activation_checkpointing"] = False
+        if s.offload_optimizer and not s.offload_params:
+            notes.append(
+                "FSDP2 offloads parameters with the optimizer state (CPUOffloadPolicy): both go to host RAM"
+            )
+    if launch.launcher == "accelerate" and acc_path is None:
+        acc_path = run_dir / ACCELERATE_FILE
+        _write_if_changed(
+            acc_path, yaml.safe_dump(accelerate_config(cfg, lay, launch, ds_path), sort_keys=False)
+        )
+    return EngineFiles(
+        engine=lay.engine,
+        world_size=lay.world_size,
+        deepspeed=ds_path,
+        accelerate_config=acc_path,
+        trainer_kwargs=kwargs,
+        notes=tuple(notes),
+    )
+
+
+def engine_files(plan: PlanLike, run_dir: Union[str, Path], cfg: Optional[Config] = None) -> dict[str, Any]:
+    """What each rank's trainer calls: the engine, its files and the SFTConfig arguments that match them.
+
+        files = engine_files(plan, run_dir)          # plan: a Plan or the plan.json dict
+        SFTConfig(output_dir=..., **files["trainer_kwargs"], ...)
+
+    Returns {"engine": "deepspeed"|"fsdp"|"ddp"|"single", "world_size": int,
+    "deepspeed": path or None, "accelerate_config": path or None,
+    "trainer_kwargs": {per_device_train_batch_size, gradient_accumulation_steps, max_grad_norm,
+    learning_rate, weight_decay, adam_beta1/2, adam_epsilon, bf16, use_cpu, ddp_timeout,
+    activation_checkpointing, and deepspeed=PATH or fsdp=True + fsdp_config={...}}, "notes": [...]}.
+    The config is read from run_dir/config.yaml unless given. Files are (re)written only when their
+    content changes, so every rank may call this.
+    """
+    from finetune.rundir import load_config
+
+    run_dir = Path(run_dir)
+    cfg = cfg or load_config(run_dir)
+    return write_engine_files(cfg, plan, run_dir).to_dict()
+
+
+def nccl_env(launch: LaunchConfig, lay: Layout) -> dict[str, str]:
+    """Environment every rank gets: NCCL error handling and timeouts, CPU mode, the user's extras."""
+    env: dict[str, str] = {}
+    if lay.world_size > 1:
+        if launch.nccl_async_error_handling:
+            env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+        if launch.nccl_debug:
+            env["NCCL_DEBUG"] = launch.nccl_debug
+        # The trainer passes ddp_timeout; DeepSpeed's own process group reads this (whole minutes).
+        if lay.engine == "deepspeed":
+            env["DEEPSPEED_TIMEOUT"] = str(max(1, math.ceil(launch.nccl_timeout_s / 60)))
+        if lay.device == "cpu":
+            # Without it accelerate looks for CUDA, finds none, and each torchrun rank trains alone.
+            env["ACCELERATE_USE_CPU"] = "true"
+    env.update({k: str(v) for k, v in launch.env.items()})
+    return env

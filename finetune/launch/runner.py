@@ -1,0 +1,104 @@
+"""Side effects of launching, behind small parameters tests replace: the process runner and the TCP probe.
+
+A runner takes (argv, env added to os.environ, cwd) and returns the exit code,
+as TRL's launcher and httpx's MockTransport let tests capture what would run.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Optional
+
+from finetune.errors import LaunchError
+
+Runner = Callable[[Sequence[str], Mapping[str, str], str], int]
+Probe = Callable[[str, int, float], bool]
+Which = Callable[[str], Optional[str]]
+
+
+def subprocess_runner(argv: Sequence[str], env: Mapping[str, str], cwd: str) -> int:
+    """Run and wait; the child inherits the terminal."""
+    try:
+        return subprocess.run(list(argv), env={**os.environ, **env}, cwd=cwd, check=False).returncode
+    except FileNotFoundError:
+        raise LaunchError(
+            f"{argv[0]}: not found; install the project's environment there (or set launch.python=PATH)"
+        ) from None
+
+
+def tcp_reachable(host: str, port: int, timeout: float) -> bool:
+    """Can this node open a TCP connection to host:port? (Name resolution failures count as unreachable.)"""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def wait_for_rendezvous(
+    host: str,
+    port: int,
+    wait_s: float,
+    node_rank: int,
+    probe: Probe = tcp_reachable,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Nodes other than 0: wait for node 0's rendezvous port, then fail with what to check.
+
+    torchrun alone would wait out its own long timeout with a stack trace; this says it in one line.
+    """
+    try:
+        socket.getaddrinfo(host, port)
+    except OSError:
+        raise LaunchError(
+            f"launch.master_addr={host}: cannot resolve this name from node_rank {node_rank}; use node 0's IP address"
+        ) from None
+    deadline = clock() + wait_s
+    while True:
+        if probe(host, port, min(2.0, max(wait_s, 0.1))):
+            return
+        if clock() >= deadline:
+            raise LaunchError(
+                f"rendezvous {host}:{port} unreachable from node_rank {node_rank} after {wait_s:g} s: start node_rank 0 "
+                "first, and check launch.master_addr/launch.master_port and that the port is open between the nodes"
+            )
+        sleep(1.0)
+
+
+def detach(script: Path, log: Path, session: str, runner: Runner, which: Which) -> list[str]:
+    """Start `bash script` so it outlives this shell: in tmux when present, else under nohup.
+
+    Returns the lines that tell the user how to attach and follow the log.
+    """
+    script_q, log_q = shlex.quote(str(script)), shlex.quote(str(log))
+    cwd = str(script.parent)
+    if which("tmux"):
+        inner = f"bash {script_q} 2>&1 | tee -a {log_q}; exit ${{PIPESTATUS[0]}}"
+        code = runner(["tmux", "new-session", "-d", "-s", session, f"bash -c {shlex.quote(inner)}"], {}, cwd)
+        if code != 0:
+            raise LaunchError(
+                f"tmux could not start session {session!r} (exit {code}); if it exists: tmux attach -t {session}, "
+                "or choose another name with launch.session=NAME"
+            )
+        return [
+            f"started in tmux session {session!r}",
+            f"  attach:  tmux attach -t {session}      (detach again: Ctrl-b d)",
+            f"  follow:  tail -f {log}",
+        ]
+    pid_file = script.with_name("launch.pid")
+    line = f"nohup bash {script_q} > {log_q} 2>&1 < /dev/null & echo $! > {shlex.quote(str(pid_file))}"
+    code = runner(["bash", "-c", line], {}, cwd)
+    if code != 0:
+        raise LaunchError(f"nohup could not start {script} (exit {code})")
+    return [
+        "started under nohup (tmux not found)",
+        f"  follow:  tail -f {log}",
+        f"  stop:    kill $(cat {pid_file})",
+    ]

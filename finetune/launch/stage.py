@@ -1,0 +1,195 @@
+"""mode=launch: write the engine settings the plan chose, then start the ranks (or print how).
+
+    python -m finetune +recipe=llama70b_full mode=launch launch.dry_run=true   # print, write launch.sh
+    python -m finetune +recipe=llama70b_full mode=launch launch.detach=true    # tmux / nohup
+    python -m finetune +recipe=llama70b_full mode=launch launch.scheduler=slurm
+
+Ranks run `python -m finetune.train RUN_DIR` and read config.yaml and plan.json from there.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Optional
+
+from finetune import rundir
+from finetune.config import Config
+from finetune.errors import LaunchError
+from finetune.launch.commands import NODE_RANK_SLOT, build_command, launch_script
+from finetune.launch.config import LaunchConfig
+from finetune.launch.engines import (
+    EngineFiles,
+    Layout,
+    PlanLike,
+    launch_of,
+    layout,
+    nccl_env,
+    write_engine_files,
+)
+from finetune.launch.runner import (
+    Probe,
+    Runner,
+    Which,
+    detach,
+    subprocess_runner,
+    tcp_reachable,
+    wait_for_rendezvous,
+)
+from finetune.launch.slurm import SBATCH_FILE, sbatch_script
+from finetune.planner import Plan
+
+LAUNCH_SCRIPT = "launch.sh"
+LAUNCH_LOG = "launch.log"
+
+
+def _fits(plan: PlanLike) -> tuple[bool, str]:
+    if isinstance(plan, Plan):
+        return plan.fits, (plan.reasons[0] if plan.reasons else "")
+    reasons = plan.get("reasons") or [""]
+    return bool(plan.get("fits", True)), str(reasons[0])
+
+
+def describe(files: EngineFiles, lay: Layout) -> str:
+    s = lay.strategy
+    engine = {
+        "deepspeed": "DeepSpeed ZeRO-3",
+        "fsdp": "FSDP2 full shard",
+        "ddp": "DDP (replicated)",
+        "single": "one process",
+    }[files.engine]
+    offload = [
+        name for name, on in (("optimizer", s.offload_optimizer), ("parameters", s.offload_params)) if on
+    ]
+    parts = [
+        engine,
+        f"{lay.nnodes} node(s) x {lay.nproc_per_node} process(es)",
+        f"micro-batch {s.micro_batch_size} x accumulation {s.grad_accum_steps} x {lay.world_size} rank(s)"
+        f" = {s.micro_batch_size * s.grad_accum_steps * lay.world_size} sequences a step",
+        f"offload to CPU: {', '.join(offload) if offload else 'none'}",
+        f"activation checkpointing: {'on' if s.activation_checkpointing else 'off'}",
+    ]
+    return "; ".join(parts)
+
+
+def run(
+    cfg: Config,
+    run_dir: Path,
+    plan: PlanLike,
+    *,
+    launch: Optional[LaunchConfig] = None,
+    runner: Runner = subprocess_runner,
+    which: Which = shutil.which,
+    probe: Probe = tcp_reachable,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Write the engine files, then run, detach, submit to SLURM, or only print (dry_run). Returns the exit code."""
+    launch = launch or launch_of(cfg)
+    run_dir = Path(run_dir).resolve()
+    for name in (rundir.CONFIG_FILE, rundir.PLAN_FILE):
+        if not (run_dir / name).is_file():
+            raise LaunchError(
+                f"{run_dir / name}: missing; the ranks read it (run mode=plan with this run_dir first)"
+            )
+    fits, why = _fits(plan)
+    if not fits:
+        message = f"the plan does not fit: {why} (see {run_dir / rundir.PLAN_FILE})"
+        if not launch.dry_run:
+            raise LaunchError(message + "; launch refuses a job that would run out of memory")
+        print(f"warning: {message}")
+
+    lay = layout(cfg, plan, launch)
+    files = write_engine_files(cfg, plan, run_dir, launch)
+    env = nccl_env(launch, lay)
+    print(f"launch: {describe(files, lay)}")
+    for path in (files.deepspeed, files.accelerate_config):
+        if path is not None:
+            print(f"  engine settings: {path}")
+    for note in files.notes:
+        print(f"  note: {note}")
+
+    if launch.scheduler == "slurm":
+        return _slurm(cfg, plan, launch, lay, files, run_dir, env, runner, which)
+
+    cmd = build_command(launch, lay, files, run_dir, cfg.name, env)
+    script_cmd = build_command(launch, lay, files, run_dir, cfg.name, env, node_rank=NODE_RANK_SLOT)
+    script = run_dir / LAUNCH_SCRIPT
+    header = [
+        f"{cfg.name}: {describe(files, lay)}",
+        "Written by mode=launch; re-run as is: bash " + str(script),
+    ]
+    rundir.atomic_write_text(
+        script, launch_script(script_cmd if lay.nnodes > 1 else cmd, lay, launch, header)
+    )
+    script.chmod(0o755)
+
+    print("command:")
+    for key, value in cmd.env.items():
+        print(f"  export {key}={value}")
+    print(f"  {cmd.shell()}")
+    print(f"script: {script}")
+    if lay.nnodes > 1:
+        others = ", ".join(str(r) for r in range(lay.nnodes) if r != launch.node_rank)
+        print(
+            f"  on the other nodes ({others}): NODE_RANK=<rank> bash {script}  (or mode=launch launch.node_rank=<rank>)"
+        )
+    if lay.nnodes > 1 and launch.master_addr in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: launch.master_addr={launch.master_addr} is each node itself; give node 0's address")
+    if launch.dry_run:
+        print("dry run: nothing started")
+        return 0
+
+    if lay.nnodes > 1 and launch.node_rank != 0:
+        wait_for_rendezvous(
+            launch.master_addr,
+            launch.master_port,
+            launch.rdzv_wait_s,
+            launch.node_rank,
+            probe=probe,
+            sleep=sleep,
+        )
+    if launch.detach:
+        session = launch.session or re.sub(r"[^\w-]", "-", f"ft-{cfg.name}")
+        for line in detach(script, run_dir / LAUNCH_LOG, session, runner, which):
+            print(line)
+        return 0
+    code = runner(list(cmd.argv), cmd.env, cmd.cwd)
+    if code != 0:
+        print(f"launch: {Path(cmd.argv[0]).name} exited with {code}")
+    return code
+
+
+def _slurm(
+    cfg: Config,
+    plan: PlanLike,
+    launch: LaunchConfig,
+    lay: Layout,
+    files: EngineFiles,
+    run_dir: Path,
+    env: dict[str, str],
+    runner: Runner,
+    which: Which,
+) -> int:
+    path = run_dir / SBATCH_FILE
+    vcpus = plan.hardware.vcpus if isinstance(plan, Plan) else cfg.hardware.vcpus
+    text = sbatch_script(launch, lay, files, run_dir, cfg.name, env, os.getcwd(), vcpus=vcpus)
+    rundir.atomic_write_text(path, text)
+    print(f"sbatch script: {path}")
+    print(text, end="")
+    if launch.dry_run:
+        print(f"dry run: not submitted (sbatch {path})")
+        return 0
+    sbatch = which("sbatch")
+    if not sbatch:
+        print(f"sbatch not found here: submit from the cluster's login node with  sbatch {path}")
+        return 0
+    code = runner([sbatch, str(path)], {}, str(run_dir))
+    if code == 0:
+        print(f"submitted; logs: {run_dir}/slurm-<jobid>.out  (squeue --me to watch)")
+    else:
+        print(f"launch: sbatch exited with {code}")
+    return code
