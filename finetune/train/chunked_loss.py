@@ -1,0 +1,276 @@
+"""Exact causal-LM loss that never materialises the full fp32 logits.
+
+A plain loss builds [tokens, vocab] fp32 logits (4.2 GB at 8,192 tokens and a
+128k vocabulary) and peaks at two to three times that in backward. Here the LM
+head and the cross-entropy are fused and run chunk by chunk over flattened 2-D
+rows: each chunk's gradients are computed in the forward, the hidden-state
+gradient into one [N, h] buffer and the head gradient (when the head trains)
+accumulated into one [V, h] buffer, so the peak is a chunk of logits. The
+result equals transformers' ``ForCausalLMLoss`` up to fp32 rounding.
+
+On CUDA with ``liger-kernel`` installed, Liger's fused Triton kernel is used
+instead (same semantics, faster).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# Rows per chunk: a [1024, V] fp32 chunk of logits (0.5 GB at V = 128,256). At
+# 4,096 tokens on 2 CPU cores the loss peak is 11x below the plain loss's, and
+# the step no slower (BENCHMARKS.md, scripts/bench_loss.py).
+DEFAULT_CHUNK_SIZE = 1024
+
+IGNORE_INDEX = -100
+
+
+def liger_available() -> bool:
+    """Whether ``liger_kernel`` is importable (checked without importing it)."""
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half-precision logits are upcast to fp32 for the softmax; fp32 and fp64 stay."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_loss_and_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    index: torch.Tensor | None,
+    start: int,
+    end: int,
+    token_scale: torch.Tensor | float,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+    grad_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """Summed loss of rows ``start:end`` (or of the rows ``index``), adding their gradients in place."""
+    if index is None:
+        x, target = hidden[start:end], targets[start:end]
+    else:
+        x, target = hidden.index_select(0, index), targets.index_select(0, index)
+    logits = torch.addmm(bias, x, weight.t()) if bias is not None else x @ weight.t()
+    logits = logits.to(_loss_dtype(logits.dtype))  # no copy in fp32; a bf16 chunk is freed here
+    target_logit = logits.gather(1, target.unsqueeze(1))
+    row_max = logits.amax(dim=1, keepdim=True)
+    exp = logits.sub_(row_max).exp_()  # in place: one [chunk, V] fp32 buffer
+    sum_exp = exp.sum(dim=1, keepdim=True)
+    loss_sum = (row_max + sum_exp.log() - target_logit).sum()
+    if grad_hidden is None and grad_weight is None and grad_bias is None:
+        return loss_sum
+    # d loss / d logits = (softmax - one_hot) * token_scale
+    grad_logits = exp.mul_(token_scale / sum_exp)
+    grad_logits[torch.arange(end - start, device=target.device), target] -= token_scale
+    if grad_bias is not None:
+        grad_bias += grad_logits.sum(dim=0)
+    grad_logits = grad_logits.to(hidden.dtype)
+    if grad_hidden is not None:
+        if index is None:
+            torch.mm(grad_logits, weight, out=grad_hidden[start:end])
+        else:
+            grad_hidden.index_copy_(0, index, grad_logits @ weight)
+    if grad_weight is not None:
+        grad_weight.addmm_(grad_logits.t(), x)
+    return loss_sum
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Fused ``cross_entropy(hidden @ weight.T + bias, targets)``, reduced by sum.
+
+    The forward returns ``sum(token losses) / denominator`` (or the plain sum when
+    ``denominator`` is None) and computes the matching gradients as it goes; the
+    backward only scales them by ``grad_output``. Backward runs once per forward
+    (the stored gradients are handed over, not copied).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        denominator: torch.Tensor | None,
+        chunk_size: int,
+        ignore_index: int,
+    ) -> torch.Tensor:
+        need_hidden_grad, need_weight_grad, need_bias_grad = ctx.needs_input_grad[:3]
+        num_rows = hidden.shape[0]
+        grad_hidden = torch.zeros_like(hidden) if need_hidden_grad else None
+        grad_weight = torch.zeros_like(weight) if need_weight_grad else None
+        loss_dtype = _loss_dtype(hidden.dtype)
+        grad_bias = (
+            torch.zeros(weight.shape[0], dtype=loss_dtype, device=weight.device) if need_bias_grad else None
+        )
+        # Gradient of the loss with respect to each token's loss.
+        token_scale = 1.0 / denominator if denominator is not None else 1.0
+
+        # Only rows with a label cost anything (prompt tokens in SFT are skipped).
+        rows = (targets != ignore_index).nonzero().squeeze(1)
+        all_rows = rows.numel() == num_rows
+        total = torch.zeros((), dtype=loss_dtype, device=hidden.device)
+        for start in range(0, rows.numel(), chunk_size):
+            end = min(start + chunk_size, rows.numel())
+            # One chunk per call, so its [chunk, V] logits are freed before the next is made.
+            total += _chunk_loss_and_grads(
+                hidden,
+                weight,
+                bias,
+                targets,
+                None if all_rows else rows[start:end],
+                start,
+                end,
+                token_scale,
+                grad_hidden,
+                grad_weight,
+                grad_bias,
+            )
+
+        if grad_bias is not None and bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+        return total / denominator if denominator is not None else total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.grads is None:
+            raise RuntimeError(
+                "chunked loss: backward ran twice through one forward (retain_graph); "
+                "recompute the loss instead"
+            )
+        # Drop our reference so autograd can take the buffers without copying them.
+        grads, ctx.grads = ctx.grads, None
+        scaled = tuple(g.mul_(grad_output.to(g.dtype)) if g is not None else None for g in grads)
+        return (*scaled, None, None, None, None)
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    reduction: str = "mean",
+    num_items_in_batch: torch.Tensor | int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """``F.cross_entropy(hidden @ weight.T + bias, targets)`` in fp32, chunk by chunk.
+
+    ``hidden`` is [N, h] and ``targets`` [N]. ``reduction`` is "mean" (over tokens
+    whose target is not ``ignore_index``) or "sum"; ``num_items_in_batch``, when
+    given, replaces both: the loss is the sum divided by it, as transformers does
+    for gradient accumulation. As with ``F.cross_entropy``, a mean over no tokens is nan.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"expected hidden [N, h] and weight [V, h], got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"expected targets [{hidden.shape[0]}], got {tuple(targets.shape)}")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    hidden, targets = hidden.contiguous(), targets.to(hidden.device)
+    if num_items_in_batch is not None:
+        denominator = torch.as_tensor(num_items_in_batch, device=hidden.device).to(_loss_dtype(hidden.dtype))
+    elif reduction == "mean":
+        denominator = (targets != ignore_index).sum().to(_loss_dtype(hidden.dtype))
+    else:
+        denominator = None
+    loss: torch.Tensor = _ChunkedLinearCrossEntropy.apply(
+        hidden, weight, bias, targets, denominator, chunk_size, ignore_index
+    )
+    return loss
+
+
+def _liger_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    reduction: str,
+    num_items_in_batch: torch.Tensor | int | None,
+    ignore_index: int,
+) -> torch.Tensor:
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    reduction = "sum" if num_items_in_batch is not None else reduction
+    loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=ignore_index, reduction=reduction)
+    loss = loss_fn(weight, hidden, targets.to(hidden.device), bias)
+    if isinstance(loss, tuple):  # versions that can also return a z-loss
+        loss = loss[0]
+    if num_items_in_batch is not None:
+        loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
+    return loss
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    reduction: str = "mean",
+    num_items_in_batch: torch.Tensor | int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Fused LM head + cross-entropy: Liger's kernel on CUDA when installed, else ours."""
+    if hidden.is_cuda and liger_available():
+        return _liger_linear_cross_entropy(
+            hidden, weight, targets, bias, reduction, num_items_in_batch, ignore_index
+        )
+    return chunked_linear_cross_entropy(
+        hidden,
+        weight,
+        targets,
+        bias=bias,
+        reduction=reduction,
+        num_items_in_batch=num_items_in_batch,
+        chunk_size=chunk_size,
+        ignore_index=ignore_index,
+    )
+
+
+def chunked_causal_lm_loss(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor | None,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    lm_head_bias: torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    shift_labels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The causal-LM loss of ``hidden_states`` [..., h] under the LM head, without full logits.
+
+    Same semantics as transformers' ``ForCausalLMLoss``: token t predicts
+    ``labels[..., t + 1]`` (the last position is ignored), unless ``shift_labels``
+    is given already shifted; the mean over non-ignored tokens, or the sum divided
+    by ``num_items_in_batch`` when given.
+    """
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("chunked_causal_lm_loss needs labels or shift_labels")
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])  # 2-D rows: see DESIGN.md "Loss memory"
+    return linear_cross_entropy(
+        hidden,
+        lm_head_weight,
+        shift_labels.reshape(-1),
+        bias=lm_head_bias,
+        num_items_in_batch=num_items_in_batch,
+        chunk_size=chunk_size,
+        ignore_index=ignore_index,
+    )

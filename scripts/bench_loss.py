@@ -1,0 +1,181 @@
+"""Peak memory and time of the causal-LM loss step, plain vs chunked, on CPU.
+
+Usage:
+    python scripts/bench_loss.py                    # vocab 128,256, hidden 4,096, 4,096 tokens, fp32
+    python scripts/bench_loss.py --quick            # vocab 32,000, hidden 1,024, 2,048 tokens (~1 min)
+    python scripts/bench_loss.py --chunk-sizes 512 1024 2048 --repeats 3 --hidden 2048
+
+The loss step is forward + backward from the final hidden states [1, tokens, h]
+through the LM head to the scalar loss, for a frozen head (LoRA/QLoRA: only the
+hidden states get a gradient) and a trainable head (full fine-tuning: the head
+gets a [V, h] gradient too). The plain path is ``transformers``'
+``ForCausalLMLoss(F.linear(hidden, W), labels)`` (what an nn.Linear head feeds it); the chunked path is
+``finetune.train.chunked_loss.chunked_causal_lm_loss``.
+
+Each measurement runs in a fresh subprocess: peak = the process's RSS
+high-water mark (VmHWM, reset through /proc/self/clear_refs once the inputs are
+allocated) after the step minus the RSS before it, so it counts everything the step allocates, including the
+head's gradient in the trainable case ("head grad" column: the part no loss can
+avoid). Cases are interleaved across repeats; the table shows medians. Prints
+a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GB = 1e9
+
+
+def load_chunked_loss():
+    """Imports finetune/train/chunked_loss.py by path: the step's memory, not the package's CLI imports."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "chunked_loss", REPO_ROOT / "finetune/train/chunked_loss.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def rss_kb() -> dict[str, int]:
+    """Current (VmRSS) and peak (VmHWM) resident memory of this process, in kB (Linux)."""
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return {key: int(fields[key].split()[0]) for key in ("VmRSS", "VmHWM")}
+
+
+def reset_peak_rss() -> None:
+    """Resets VmHWM to the current RSS, so temporaries freed before the step do not count."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def run_case(path: str, head: str, chunk_size: int, vocab: int, hidden: int, tokens: int, dtype: str) -> dict:
+    """Runs one loss step in this (fresh) process; returns peak bytes and seconds."""
+    import gc
+    import time
+
+    import torch
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    chunked_causal_lm_loss = load_chunked_loss().chunked_causal_lm_loss
+    torch.manual_seed(0)
+    torch_dtype = getattr(torch, dtype)
+    weight = (
+        torch.randn(vocab, hidden, dtype=torch_dtype).mul_(hidden**-0.5).requires_grad_(head == "trainable")
+    )
+    hidden_states = torch.randn(1, tokens, hidden, dtype=torch_dtype, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, tokens))
+    gc.collect()
+    reset_peak_rss()
+    baseline_kb = rss_kb()["VmRSS"]
+
+    start = time.perf_counter()
+    if path == "plain":
+        loss = ForCausalLMLoss(torch.nn.functional.linear(hidden_states, weight), labels, vocab)
+    else:
+        loss = chunked_causal_lm_loss(hidden_states, weight, labels, chunk_size=chunk_size)
+    loss.backward()
+    seconds = time.perf_counter() - start
+
+    peak_kb = rss_kb()["VmHWM"]
+    return {"peak_bytes": (peak_kb - baseline_kb) * 1024, "seconds": seconds, "loss": loss.item()}
+
+
+def measure(args: argparse.Namespace, path: str, head: str, chunk_size: int) -> dict:
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        json.dumps([path, head, chunk_size, args.vocab, args.hidden, args.tokens, args.dtype]),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=128_256)
+    parser.add_argument("--hidden", type=int, default=4_096)
+    parser.add_argument("--tokens", type=int, default=4_096)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--chunk-sizes", type=int, nargs="+", default=None, help="default: the module's default"
+    )
+    parser.add_argument(
+        "--heads", nargs="+", choices=["frozen", "trainable"], default=["frozen", "trainable"]
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="vocab 32,000, hidden 1,024, 2,048 tokens")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child:
+        print(json.dumps(run_case(*json.loads(args.child))))
+        return
+    if args.quick:
+        args.vocab, args.hidden, args.tokens = 32_000, 1_024, 2_048
+    if args.chunk_sizes is None:
+        args.chunk_sizes = [load_chunked_loss().DEFAULT_CHUNK_SIZE]
+
+    cases = [(head, "plain", 0) for head in args.heads]
+    cases += [(head, "chunked", c) for head in args.heads for c in args.chunk_sizes]
+    results: dict[tuple, list[dict]] = {case: [] for case in cases}
+    for repeat in range(args.repeats):
+        for case in cases:
+            head, path, chunk_size = case
+            results[case].append(measure(args, path, head, chunk_size))
+            last = results[case][-1]
+            print(
+                f"# repeat {repeat + 1}/{args.repeats} {head:9} {path:7} chunk {chunk_size:5}: "
+                f"peak {last['peak_bytes'] / GB:.2f} GB, {last['seconds']:.2f} s, loss {last['loss']:.6f}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    import torch
+    import transformers
+
+    dtype_bytes = 4 if args.dtype == "float32" else 2
+    print(
+        f"vocab {args.vocab:,}, hidden {args.hidden:,}, {args.tokens:,} tokens, {args.dtype}; "
+        f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
+        f"torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"median of {args.repeats}, peak = RSS high-water mark of the step over its inputs\n"
+    )
+    print(
+        "| head | chunk | head grad GB | plain peak GB | chunked peak GB | peak ratio | plain s | chunked s | time ratio |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for head in args.heads:
+        plain = results[(head, "plain", 0)]
+        plain_peak = statistics.median(r["peak_bytes"] for r in plain)
+        plain_s = statistics.median(r["seconds"] for r in plain)
+        head_grad = args.vocab * args.hidden * dtype_bytes if head == "trainable" else 0
+        for chunk_size in args.chunk_sizes:
+            chunked = results[(head, "chunked", chunk_size)]
+            peak = statistics.median(r["peak_bytes"] for r in chunked)
+            seconds = statistics.median(r["seconds"] for r in chunked)
+            print(
+                f"| {head} | {chunk_size} | {head_grad / GB:.2f} | {plain_peak / GB:.2f} | {peak / GB:.2f} "
+                f"| {plain_peak / peak:.1f}x | {plain_s:.1f} | {seconds:.1f} | {seconds / plain_s:.2f}x |"
+            )
+            if head_grad:
+                print(
+                    f"| {head}, excl. head grad | {chunk_size} | | {(plain_peak - head_grad) / GB:.2f} "
+                    f"| {(peak - head_grad) / GB:.2f} | {(plain_peak - head_grad) / (peak - head_grad):.1f}x | | | |"
+                )
+
+
+if __name__ == "__main__":
+    main()
