@@ -1,0 +1,79 @@
+"""The prepared-data cache: one folder per fingerprint, published by an atomic rename.
+
+A folder under the cache root either is complete or does not exist: it is
+built in a temporary sibling and renamed into place, so an interrupted run
+never leaves a half-written cache that a later run would trust.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Optional
+
+COMPLETE = "stats.json"  # written last, inside the temporary folder
+
+
+def default_root() -> Path:
+    base = os.environ.get("FINETUNE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "finetune"
+    )
+    return Path(base) / "data"
+
+
+def root(cache_dir: Optional[str]) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir else default_root()
+
+
+def fingerprint(parts: dict[str, Any]) -> str:
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:32]
+
+
+def lookup(cache_root: Path, key: str) -> Optional[Path]:
+    entry = cache_root / key
+    return entry if (entry / COMPLETE).is_file() else None
+
+
+@contextmanager
+def building(cache_root: Path, key: str) -> Iterator[Path]:
+    """Yield a temporary folder to fill; on success it becomes `cache_root/key`, on failure it is removed."""
+    cache_root.mkdir(parents=True, exist_ok=True)
+    tmp = cache_root / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        final = cache_root / key
+        if final.exists():  # another run published the same entry meanwhile: keep theirs
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def publish_copy(src: Path, dst: Path) -> None:
+    """Replace `dst` by a hard-linked (or copied) tree of `src`, via a temporary sibling and a rename."""
+    tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        shutil.copytree(src, tmp, copy_function=_link_or_copy)
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,174 @@
+"""Rendering with the model's own chat template, and the label masks.
+
+The trainable character spans of a conversation come from one of two places:
+
+- the template's `{% generation %}` markers, where it has them;
+- otherwise (most stock templates), rendering prefixes: assistant turn i spans
+  from the end of `render(messages[:i], add_generation_prompt=True)` to the
+  end of `render(messages[:i+1])`, so it holds the reply and the template's
+  end-of-turn token, and none of the header the prompt already contains. The
+  whitespace a template puts after the end-of-turn token is not trained on (a
+  model never generates it: generation stops at that token).
+
+Texts are then tokenized in batches by the fast tokenizer with offsets, and a
+token is trainable when it starts inside a trainable span. Both routes give
+the same labels for the same conversation (tested).
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from typing import Any
+
+from finetune.data.formats import Messages
+from finetune.errors import DataError
+
+IGNORE_INDEX = -100
+_MARKERS = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def has_generation_markers(template: str) -> bool:
+    return bool(_MARKERS.search(template))
+
+
+class Renderer:
+    """Turns conversations into `input_ids` and `labels` with one tokenizer's chat template."""
+
+    def __init__(self, tokenizer: Any, train_on: str = "assistant"):
+        if not getattr(tokenizer, "is_fast", False):
+            raise DataError(
+                "the tokenizer is not a fast tokenizer (offsets are needed to place the label masks)"
+            )
+        template = tokenizer.chat_template
+        if isinstance(template, dict):
+            template = template.get("default")
+        if not template:
+            raise DataError(
+                "the tokenizer has no chat template: set one (tokenizer.chat_template) for this model"
+            )
+        self.tokenizer = tokenizer
+        self.template: str = template
+        self.train_on = train_on
+        self.markers = has_generation_markers(template)
+        self.template_kwargs = dict(tokenizer.special_tokens_map)
+        self.prefix_fallbacks = 0  # conversations whose prefixes did not render as prefixes
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            self._compiled: Any = _compile_jinja_template(template)
+        except ImportError:  # a private helper: fall back to the public path if it moves
+            self._compiled = None
+
+    def __getstate__(self) -> dict:  # compiled templates do not pickle (datasets.map with num_proc)
+        return {**self.__dict__, "_compiled": None, "_recompile": True}
+
+    def __setstate__(self, state: dict) -> None:
+        recompile = state.pop("_recompile", False)
+        self.__dict__.update(state)
+        if recompile:
+            try:
+                from transformers.utils.chat_template_utils import _compile_jinja_template
+
+                self._compiled = _compile_jinja_template(self.template)
+            except ImportError:
+                self._compiled = None
+
+    def _render(self, convs: list[Messages], add_generation_prompt: bool = False, markers: bool = False):
+        if not markers and self._compiled is not None:
+            # The same compiled template and variables transformers uses, without its per-call copying.
+            return [
+                self._compiled.render(
+                    messages=c, add_generation_prompt=add_generation_prompt, **self.template_kwargs
+                )
+                for c in convs
+            ], []
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        return render_jinja_template(
+            conversations=convs,
+            chat_template=self.template,
+            add_generation_prompt=add_generation_prompt,
+            return_assistant_tokens_mask=markers,
+            **self.template_kwargs,
+        )
+
+    def render(self, msgs: Messages) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and its trainable character spans."""
+        if self.train_on == "all":
+            (text,), _ = self._render([msgs])
+            return text, [(0, len(text))]
+        if self.markers:
+            (text,), (indices,) = self._render([msgs], markers=True)
+            spans = [(int(s), int(e)) for s, e in indices]
+        else:
+            text, spans = self._render_by_prefixes(msgs)
+        spans = [(s, e) for s, e in (self._trim(text, s, e) for s, e in spans) if e > s]
+        if self.train_on == "last":
+            spans = spans[-1:]
+        return text, spans
+
+    @staticmethod
+    def _trim(text: str, start: int, end: int) -> tuple[int, int]:
+        while end > start and text[end - 1].isspace():
+            end -= 1
+        return start, end
+
+    def _render_by_prefixes(self, msgs: Messages) -> tuple[str, list[tuple[int, int]]]:
+        turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        (text,), _ = self._render([msgs])
+        if not turns:
+            return text, []
+        prompts, _ = self._render([msgs[:i] for i in turns], add_generation_prompt=True)
+        # A conversation that ends on its last reply: that turn ends where the text does (one render saved).
+        last_is_end = turns[-1] == len(msgs) - 1
+        ends, _ = self._render([msgs[: i + 1] for i in (turns[:-1] if last_is_end else turns)])
+        if last_is_end:
+            ends.append(text)
+        spans = []
+        for p, q in zip(prompts, ends):
+            if len(q) > len(p) and text.startswith(q) and q.startswith(p):
+                spans.append((len(p), len(q)))
+            else:
+                return text, self._spans_by_search(text, msgs, turns)
+        return text, spans
+
+    def _spans_by_search(self, text: str, msgs: Messages, turns: list[int]) -> list[tuple[int, int]]:
+        """Fallback for templates that rewrite earlier turns: find each reply in order, plus a following EOS."""
+        self.prefix_fallbacks += 1
+        eos = self.tokenizer.eos_token or ""
+        spans, cursor = [], 0
+        for i in turns:
+            content = msgs[i]["content"]
+            start = text.find(content, cursor)
+            if start < 0 or not content:
+                continue
+            end = start + len(content)
+            if eos and text.startswith(eos, end):
+                end += len(eos)
+            spans.append((start, end))
+            cursor = end
+        return spans
+
+    def encode(self, convs: list[Messages]) -> tuple[list[list[int]], list[list[int]]]:
+        """Render, tokenize (one batched call) and mask a batch of conversations."""
+        rendered = [self.render(m) for m in convs]
+        enc = self.tokenizer(
+            [t for t, _ in rendered],
+            add_special_tokens=False,
+            return_offsets_mapping=True,
+            return_attention_mask=False,
+        )
+        all_labels = []
+        for ids, offsets, (_, spans) in zip(enc["input_ids"], enc["offset_mapping"], rendered):
+            labels = [IGNORE_INDEX] * len(ids)
+            for a, b in spans:  # tokens starting inside [a, b): a slice per span, found by bisection
+                ta = bisect.bisect_left(offsets, a, key=_start)
+                tb = bisect.bisect_left(offsets, b, lo=ta, key=_start)
+                labels[ta:tb] = ids[ta:tb]
+            all_labels.append(labels)
+        return list(enc["input_ids"]), all_labels
+
+
+def _start(offset: tuple[int, int]) -> int:
+    return offset[0]

@@ -1,0 +1,499 @@
+"""The data stage: raw conversations in, packed and masked training rows out (`mode=data`).
+
+    python -m finetune mode=data data.path=PATH model=tiny train.seq_len=N
+
+Steps: read (bad input located by file and line) -> map to messages -> clean
+(turn order, empty, personal data, exact and near duplicates) -> held-out
+split by seed (after deduplication; train keeps no exact or near duplicate of
+an eval sample) -> render with the tokenizer's chat template and mask labels ->
+length limits -> resolve `train.seq_len=auto` -> best-fit-decreasing packing.
+
+The result is cached under a fingerprint of the inputs' content, the
+tokenizer, its template, the data config and the sequence length, then linked
+into `run_dir/data/`; statistics go to `run_dir/data_stats.json`. Training
+reads it back with `load_prepared(run_dir)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from finetune import rundir
+from finetune.config import Config, ModelConfig
+from finetune.data import cache, clean, pack, sources, stats
+from finetune.data.formats import Messages, RecordError, to_messages, turn_order_problem
+from finetune.data.render import IGNORE_INDEX, Renderer
+from finetune.errors import ConfigError, DataError
+
+DATA_DIR = "data"
+STATS_FILE = "data_stats.json"
+HISTOGRAM_FILE = "data_tokens.png"
+# Bump when the prepared format or the cleaning rules change: old cache entries stop matching.
+PREPARED_VERSION = 1
+
+
+def load_tokenizer(model: ModelConfig) -> Any:
+    """The tokenizer whose chat template renders the data: the tiny one built locally, else the model's own."""
+    if model.name == "tiny" and not model.hub_id:
+        from finetune.tiny import load_tokenizer as tiny_tokenizer
+
+        return tiny_tokenizer(model)
+    source = model.hub_id or (str(Path(model.config_path).parent) if model.config_path else None)
+    if not source:
+        raise ConfigError(
+            f"model.hub_id is not set for model={model.name}: the data stage needs its tokenizer"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=model.trust_remote_code)
+    except OSError as exc:
+        raise DataError(f"model.hub_id={source}: cannot load the tokenizer ({exc})") from None
+
+
+def _default_data_path() -> Path:
+    try:
+        from finetune.tiny import bundled_data_path
+    except ImportError:  # finetune.tiny is being written; the file's place is fixed
+        return Path(__file__).resolve().parent / "bundled" / "chat.jsonl"
+    return bundled_data_path()
+
+
+def _tokenizer_fingerprint(tokenizer: Any) -> str:
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(
+        backend.to_str().encode()
+        if backend is not None
+        else repr(sorted(tokenizer.get_vocab().items())).encode()
+    )
+    h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def _fingerprint(cfg: Config, input_fp: str, tokenizer: Any) -> str:
+    data = {k: v for k, v in asdict(cfg.data).items() if k not in ("name", "path", "num_proc", "cache_dir")}
+    return cache.fingerprint(
+        {
+            "version": PREPARED_VERSION,
+            "input": input_fp,
+            "tokenizer": _tokenizer_fingerprint(tokenizer),
+            "template": tokenizer.chat_template,
+            "data": data,
+            "seq_len": cfg.train.seq_len,
+            "max_position_embeddings": cfg.model.max_position_embeddings,
+        }
+    )
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _progress(console):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("data: {task.description:<18}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The stage
+
+
+def run(cfg: Config, run_dir: Path, *, tokenizer: Any = None) -> dict:
+    """Prepare (or fetch from the cache) the training and eval data; write `data_stats.json`; return the stats."""
+    run_dir = Path(run_dir)
+    console = _console()
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+    path = cfg.data.path or str(_default_data_path())
+    local = Path(path).expanduser()
+
+    preloaded = None
+    if local.exists():
+        input_fp = sources.content_fingerprint(local)
+    else:  # a hub name: its fingerprint is known once it is loaded
+        preloaded, input_fp = sources.load(path)
+    key = _fingerprint(cfg, input_fp, tokenizer)
+    cache_root = cache.root(cfg.data.cache_dir)
+
+    entry = cache.lookup(cache_root, key)
+    hit = entry is not None
+    if entry is None:
+        with cache.building(cache_root, key) as tmp:
+            loaded = preloaded if preloaded is not None else sources.load(path)[0]
+            prepared = _prepare(cfg, tokenizer, loaded, path, console)
+            prepared["stats"]["input"]["fingerprint"] = input_fp
+            _save(prepared, tmp)
+            prepared["stats"]["cache"] = {"fingerprint": key, "hit": False, "dir": str(cache_root / key)}
+            rundir.write_json(tmp / cache.COMPLETE, prepared["stats"])
+        entry = cache_root / key
+    result = json.loads((entry / cache.COMPLETE).read_text())
+    result["cache"] = {"fingerprint": key, "hit": hit, "dir": str(entry)}
+
+    cache.publish_copy(entry, run_dir / DATA_DIR)
+    hist = entry / HISTOGRAM_FILE
+    if hist.is_file():
+        _copy_file(hist, run_dir / HISTOGRAM_FILE)
+    rundir.write_json(run_dir / STATS_FILE, result)
+    _report(console, result)
+    return result
+
+
+def _copy_file(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def _raise_bad_input(loaded: sources.Loaded, path: str, num_input: int) -> None:
+    counts = sources.bad_summary(loaded.bad)
+    if loaded.empty_files:
+        counts["empty_file"] += len(loaded.empty_files)
+    detail = ", ".join(f"{n} {reason}" for reason, n in counts.most_common())
+    if loaded.bad:
+        first = loaded.bad[0]
+        head = f"{first.where}: {first.message}"
+    else:
+        head = f"{loaded.empty_files[0]}: empty file (no records)"
+    raise DataError(
+        f"{head}; {sum(counts.values())} problems in {num_input} records of data.path={path} ({detail}); "
+        "fix the input or set data.on_error=skip to skip and count them"
+    )
+
+
+def _to_conversations(loaded: sources.Loaded, cfg: Config, progress) -> list[tuple[sources.Record, Messages]]:
+    out = []
+    task = progress.add_task("messages", total=len(loaded.records))
+    for i, rec in enumerate(loaded.records):
+        try:
+            out.append((rec, to_messages(rec.data, cfg.data)))
+        except RecordError as exc:
+            loaded.bad.append(sources.BadRecord(rec.source, rec.line, exc.reason, str(exc)))
+        if i % 1000 == 999:
+            progress.update(task, completed=i + 1)
+    progress.update(task, completed=len(loaded.records))
+    loaded.bad.sort(key=lambda b: (b.source, b.line))
+    return out
+
+
+def _split_order(keys: list[str], seed: int) -> list[int]:
+    return sorted(range(len(keys)), key=lambda i: hashlib.sha1(f"{seed}:{keys[i]}".encode()).hexdigest())
+
+
+def _encode_batch(batch: dict, renderer: Renderer) -> dict:
+    input_ids, labels = renderer.encode([json.loads(m) for m in batch["messages"]])
+    for lab in labels:  # the first token of a sample is never predicted (and never from the previous sample)
+        if lab:
+            lab[0] = IGNORE_INDEX
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def tokenize(convs: list[Messages], renderer: Renderer, num_proc: int = 1):
+    """Render + mask + tokenize with `datasets.map` (batched, fast tokenizer, `num_proc` workers)."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"messages": [json.dumps(m, ensure_ascii=False) for m in convs]})
+    return ds.map(
+        _encode_batch,
+        batched=True,
+        batch_size=256,
+        num_proc=num_proc if num_proc > 1 and len(convs) > 1000 else None,
+        fn_kwargs={"renderer": renderer},
+        keep_in_memory=True,
+        load_from_cache_file=False,
+        desc="data: render+tokenize",
+    )
+
+
+def _prepare(cfg: Config, tokenizer: Any, loaded: sources.Loaded, path: str, console) -> dict:
+    dc = cfg.data
+    t0 = time.perf_counter()
+    dropped: Counter = Counter()
+    pii: Counter = Counter()
+    renderer = Renderer(tokenizer, dc.train_on)
+
+    num_input = loaded.num_input  # every record read, good or bad
+    with _progress(console) as progress:
+        convs = _to_conversations(loaded, cfg, progress)
+        if (loaded.bad or loaded.empty_files) and dc.on_error == "raise":
+            _raise_bad_input(loaded, path, num_input)
+        dropped.update(sources.bad_summary(loaded.bad))
+        if num_input == 0:
+            raise DataError(f"data.path={path}: no records")
+
+        # Cleaning, in the order that makes each count mean one thing.
+        kept: list[Messages] = []
+        task = progress.add_task("clean", total=len(convs))
+        for _, msgs in convs:
+            progress.advance(task)
+            if any(not m["content"].strip() for m in msgs):
+                dropped["empty"] += 1
+                continue
+            if dc.check_roles and turn_order_problem(msgs):
+                dropped["invalid_turn_order"] += 1
+                continue
+            if dc.scrub_pii:
+                msgs = [{"role": m["role"], "content": clean.scrub_pii(m["content"], pii)} for m in msgs]
+            kept.append(msgs)
+        keys = [clean.conversation_key(m) for m in kept]
+        if dc.dedup:
+            seen: set[str] = set()
+            keep = []
+            for i, k in enumerate(keys):
+                h = clean.exact_hash(k)
+                if h in seen:
+                    dropped["duplicate"] += 1
+                else:
+                    seen.add(h)
+                    keep.append(i)
+            kept, keys = [kept[i] for i in keep], [keys[i] for i in keep]
+        need_minhash = dc.near_dedup or dc.eval_fraction > 0
+        hashes = clean.minhashes(keys) if need_minhash and kept else None
+        if dc.near_dedup and hashes is not None:
+            task = progress.add_task("near-duplicates", total=1)
+            dup = clean.near_duplicates(hashes, dc.near_dedup_threshold)
+            progress.advance(task)
+            dropped["near_duplicate"] += sum(dup)
+            keep = [i for i, d in enumerate(dup) if not d]
+            kept, keys, hashes = [kept[i] for i in keep], [keys[i] for i in keep], [hashes[i] for i in keep]
+
+        # Held-out split: by seed, after deduplication; then no exact or near duplicate of eval stays in train.
+        n = len(kept)
+        n_eval = round(dc.eval_fraction * n)
+        if dc.eval_fraction > 0 and n >= 2:
+            n_eval = min(max(n_eval, 1), n - 1)
+        order = _split_order(keys, dc.seed)
+        eval_idx, train_idx = sorted(order[:n_eval]), sorted(order[n_eval:])
+        if eval_idx:
+            leak = clean.leaks(
+                [keys[i] for i in train_idx],
+                [hashes[i] for i in train_idx] if hashes else None,
+                [keys[i] for i in eval_idx],
+                [hashes[i] for i in eval_idx] if hashes else None,
+                dc.near_dedup_threshold,
+            )
+            dropped["eval_leak"] += sum(leak)
+            train_idx = [i for i, bad in zip(train_idx, leak) if not bad]
+
+    # Render, mask, tokenize. From here on samples are (start, length) slices of flat numpy token arrays.
+    import numpy as np
+
+    train_convs, eval_convs = [kept[i] for i in train_idx], [kept[i] for i in eval_idx]
+    encoded = tokenize(train_convs + eval_convs, renderer, dc.num_proc)
+    ids_col = encoded.data.column("input_ids").combine_chunks()
+    labels_col = encoded.data.column("labels").combine_chunks()
+    offsets = ids_col.offsets.to_numpy().astype(np.int64)
+    ids_flat = ids_col.values.to_numpy()
+    labels_flat = labels_col.values.to_numpy()
+    trainable_cum = np.concatenate([[0], np.cumsum(labels_flat != IGNORE_INDEX)])
+    starts, full_lengths = offsets[:-1], np.diff(offsets)
+
+    def trainable(lengths: Any) -> Any:
+        return trainable_cum[starts + lengths] - trainable_cum[starts]
+
+    if not trainable(full_lengths).any():
+        raise DataError(
+            f"every sample has an empty label mask (data.train_on={dc.train_on}, {len(full_lengths)} samples): "
+            "training would see zero loss; check the chat template and the assistant turns"
+        )
+
+    # Length limits, then train.seq_len=auto (the longest kept sample, or a percentile with truncation).
+    seq_len_cfg = cfg.train.seq_len
+    auto = seq_len_cfg == "auto"
+    hard = cfg.model.max_position_embeddings if auto else int(seq_len_cfg)
+    if dc.max_tokens:
+        hard = min(hard, dc.max_tokens)
+    keep = full_lengths >= dc.min_tokens
+    dropped["too_short"] += int((~keep).sum())
+    over = keep & (full_lengths > hard)
+    if dc.too_long == "drop":
+        dropped["too_long"] += int(over.sum())
+        keep &= ~over
+    lengths = np.minimum(full_lengths, hard)
+    truncated = int((keep & over).sum())
+    if not keep.any():
+        raise DataError(f"no samples left after the length limits ({dict(dropped)})")
+    seq_len = (
+        stats.percentile(np.sort(lengths[keep]).tolist(), dc.seq_len_percentile) if auto else int(seq_len_cfg)
+    )
+    truncated += int((keep & (lengths > seq_len)).sum())  # only with auto below the 100th percentile
+    lengths = np.minimum(lengths, seq_len)
+    empty = keep & (trainable(lengths) == 0)
+    empty_masks = int(empty.sum())
+    if empty_masks == int(keep.sum()):
+        raise DataError(
+            f"every sample has an empty label mask after the length limits (seq_len {seq_len}, "
+            f"data.train_on={dc.train_on}): training would see zero loss; raise train.seq_len or data.max_tokens"
+        )
+    dropped["no_trainable_tokens"] += empty_masks
+    keep &= ~empty
+    n_train = len(train_convs)
+    train_rows = np.flatnonzero(keep[:n_train])
+    eval_rows = n_train + np.flatnonzero(keep[n_train:])
+    if not len(train_rows):
+        raise DataError(f"no training samples left after cleaning ({dict(dropped)})")
+
+    # Packing.
+    train_lengths = lengths[train_rows].tolist()
+    eval_lengths = lengths[eval_rows].tolist()
+    if dc.packing:
+        bins = pack.best_fit_decreasing(train_lengths, seq_len)
+    else:
+        bins = [[i] for i in range(len(train_rows))]
+    bins = pack.order_bins(bins, train_lengths, dc.seed)
+    overall = stats.summary(train_lengths + eval_lengths)
+    efficiency = pack.efficiency(train_lengths, bins, seq_len)
+    arrays = {"ids": ids_flat, "labels": labels_flat, "starts": starts, "lengths": lengths}
+    train = {"rows": train_rows, "bins": bins, **arrays}
+    evals = {"rows": eval_rows, "messages": [eval_convs[i - n_train] for i in eval_rows.tolist()], **arrays}
+
+    result = {
+        "num_input": num_input,
+        "num_train": len(train_rows),
+        "num_eval": len(eval_rows),
+        "dropped": {k: v for k, v in sorted(dropped.items()) if v},
+        "truncated": truncated,
+        "pii": dict(sorted(pii.items())),
+        "skipped_files": loaded.empty_files,
+        "bad_input_examples": list(sources.iter_where(loaded.bad)),
+        "tokens": {
+            "train_total": sum(train_lengths),
+            "eval_total": sum(eval_lengths),
+            **{k: overall[k] for k in ("min", "p50", "p95", "p99", "max")},
+        },
+        "splits": {"train": stats.summary(train_lengths), "eval": stats.summary(eval_lengths)},
+        "trainable_tokens": {
+            "train": int(trainable(lengths)[train_rows].sum()),
+            "eval": int(trainable(lengths)[eval_rows].sum()),
+        },
+        "empty_masks": empty_masks,
+        "masks": {
+            "train_on": dc.train_on,
+            "method": "generation_markers"
+            if renderer.markers or dc.train_on == "all"
+            else "prefix_rendering",
+            "search_fallbacks": renderer.prefix_fallbacks,
+        },
+        "packing": {
+            "enabled": dc.packing,
+            "bins": len(bins),
+            "efficiency": round(efficiency, 6),
+            "seq_len": seq_len,
+            "longest_first": True,
+        },
+        "seq_len": seq_len,
+        "seq_len_source": (f"auto: p{dc.seq_len_percentile:g} of kept lengths" if auto else "train.seq_len"),
+        "input": {"path": path, "fingerprint": None},
+        "seconds": None,
+    }
+    result["seconds"] = round(time.perf_counter() - t0, 3)
+    return {"stats": result, "train": train, "evals": evals}
+
+
+@contextmanager
+def _quiet_datasets():
+    """datasets' own progress bars off (saving a few files needs none), restored afterwards."""
+    import datasets
+
+    was_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
+
+
+def _save(prepared: dict, out: Path) -> None:
+    with _quiet_datasets():
+        _save_rows(prepared, out)
+
+
+def _save_rows(prepared: dict, out: Path) -> None:
+    import pyarrow as pa
+    from datasets import Dataset
+
+    train, evals = prepared["train"], prepared["evals"]
+    groups = [[int(train["rows"][i]) for i in b] for b in train["bins"]]
+    ids = pack.gather_rows(train["ids"], train["starts"], train["lengths"], groups)
+    labels = pack.gather_rows(train["labels"], train["starts"], train["lengths"], groups)
+    Dataset(
+        pa.table(
+            {
+                "input_ids": ids["tokens"],
+                "labels": labels["tokens"],
+                "position_ids": ids["position_ids"],
+                "seq_lengths": ids["seq_lengths"],
+            }
+        )
+    ).save_to_disk(str(out / "train"))
+    singles = [[int(r)] for r in evals["rows"]]
+    eval_ids = pack.gather_rows(evals["ids"], evals["starts"], evals["lengths"], singles)
+    eval_labels = pack.gather_rows(evals["labels"], evals["starts"], evals["lengths"], singles)
+    messages = pa.array([json.dumps(m, ensure_ascii=False) for m in evals["messages"]], pa.string())
+    Dataset(
+        pa.table({"input_ids": eval_ids["tokens"], "labels": eval_labels["tokens"], "messages": messages})
+    ).save_to_disk(str(out / "eval"), num_shards=1)  # one shard even when empty (eval_fraction=0)
+    lengths = train["lengths"]
+    stats.histogram(
+        out / HISTOGRAM_FILE,
+        {"train": lengths[train["rows"]].tolist(), "eval": lengths[evals["rows"]].tolist()},
+        prepared["stats"]["seq_len"],
+    )
+
+
+def load_prepared(run_dir: Path):
+    """(train, eval) `datasets.Dataset`s written by the data stage into `run_dir/data/`.
+
+    train: packed rows with `input_ids`, `labels` (-100 where masked), `position_ids` (restarting at every
+    sample) and `seq_lengths`; row 0 holds the longest sample. eval: one conversation a row with `input_ids`,
+    `labels` and `messages` (JSON text, for generation from the prompt).
+    """
+    from datasets import load_from_disk
+
+    base = Path(run_dir) / DATA_DIR
+    if not (base / "train").is_dir():
+        raise DataError(f"{base}: no prepared data; run the data stage (mode=data) first")
+    return load_from_disk(str(base / "train")), load_from_disk(str(base / "eval"))
+
+
+def _report(console, s: dict) -> None:
+    from rich.table import Table
+
+    t = Table(title="data", show_header=True, header_style="bold")
+    for col in ("split", "samples", "tokens", "p50", "p95", "max"):
+        t.add_column(col, justify="right" if col != "split" else "left")
+    for name in ("train", "eval"):
+        sp = s["splits"][name]
+        t.add_row(
+            name, f"{sp['count']:,}", f"{sp['total']:,}", str(sp["p50"]), str(sp["p95"]), str(sp["max"])
+        )
+    console.print(t)
+    dropped = ", ".join(f"{k} {v}" for k, v in s["dropped"].items()) or "none"
+    cache_line = "hit" if s["cache"]["hit"] else "miss (prepared and stored)"
+    console.print(
+        f"data: {s['num_input']:,} input, dropped: {dropped}; seq_len {s['seq_len']}; "
+        f"packing {s['packing']['bins']:,} bins at {s['packing']['efficiency']:.1%}; "
+        f"cache {cache_line} {s['cache']['fingerprint']}"
+    )
+
+
+__all__ = ["run", "load_prepared", "load_tokenizer", "tokenize", "STATS_FILE", "DATA_DIR"]

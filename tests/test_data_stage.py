@@ -1,0 +1,336 @@
+"""The data stage end to end: the data_stats.json contract, prepared rows, split, cache, bad input."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from finetune.config import Config, TrainConfig
+from finetune.data import clean, stage, synthetic
+from finetune.data.config import DataConfig
+from finetune.errors import DataError
+
+IGNORE = -100
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return synthetic.build_tokenizer(
+        synthetic.corpus_of(synthetic.conversations(60, seed=9, median_words=15)),
+        synthetic.LLAMA3,
+        vocab_size=400,
+    )
+
+
+def _rows(n: int, seed: int = 0) -> list[dict]:
+    return [{"messages": c} for c in synthetic.conversations(n, seed=seed, median_words=15, sigma=0.6)]
+
+
+def _write(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _cfg(tmp_path: Path, path: Path, seq_len="auto", **data) -> Config:
+    data.setdefault("cache_dir", str(tmp_path / "cache"))
+    return Config(data=DataConfig(path=str(path), **data), train=TrainConfig(seq_len=seq_len))
+
+
+def _run(cfg, tmp_path, tokenizer, name="run"):
+    return stage.run(cfg, tmp_path / name, tokenizer=tokenizer)
+
+
+@pytest.fixture
+def dirty(tmp_path):
+    """200 conversations plus 3 exact duplicates, 3 near duplicates, 2 bad turn orders, 1 empty, 1 with PII."""
+    rows = _rows(200)
+    for i in range(3):
+        rows.append(json.loads(json.dumps(rows[i])))
+    for i in range(3, 6):
+        near = json.loads(json.dumps(rows[i]))
+        near["messages"][-1]["content"] += " extra"
+        rows.append(near)
+    rows.append({"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]})
+    rows.append({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]})
+    rows.append({"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "b"}]})
+    rows.append(
+        {
+            "messages": [
+                {"role": "user", "content": "mail me at bob@example.com"},
+                {"role": "assistant", "content": "Sure, bob@example.com noted."},
+            ]
+        }
+    )
+    return _write(tmp_path / "dirty.jsonl", rows)
+
+
+def test_contract_and_prepared_rows(tmp_path, tokenizer, dirty):
+    s = _run(_cfg(tmp_path, dirty, seq_len=512), tmp_path, tokenizer)
+    on_disk = json.loads((tmp_path / "run" / "data_stats.json").read_text())
+    assert on_disk == s
+    for key in ("num_input", "num_train", "num_eval", "dropped", "tokens", "packing", "cache", "seq_len"):
+        assert key in s
+    assert set(s["tokens"]) >= {"train_total", "eval_total", "min", "p50", "p95", "p99", "max"}
+    assert set(s["packing"]) >= {"bins", "efficiency"} and set(s["cache"]) >= {"fingerprint", "hit"}
+    assert s["num_input"] == 210
+    assert s["num_input"] == s["num_train"] + s["num_eval"] + sum(s["dropped"].values())
+    assert s["dropped"]["duplicate"] == 3
+    assert s["dropped"]["near_duplicate"] == 3
+    assert s["dropped"]["invalid_turn_order"] == 2
+    assert s["dropped"]["empty"] == 1
+    assert s["pii"] == {"EMAIL": 2}
+    assert s["seq_len"] == 512 and s["cache"]["hit"] is False
+    assert (tmp_path / "run" / "data_tokens.png").stat().st_size > 1000
+
+    train, evals = stage.load_prepared(tmp_path / "run")
+    assert len(train) == s["packing"]["bins"] and len(evals) == s["num_eval"]
+    lengths = []
+    for row in train:
+        n = len(row["input_ids"])
+        assert n <= 512 and n == sum(row["seq_lengths"]) == len(row["labels"]) == len(row["position_ids"])
+        starts = [0]
+        for k in row["seq_lengths"][:-1]:
+            starts.append(starts[-1] + k)
+        assert [i for i, p in enumerate(row["position_ids"]) if p == 0] == starts
+        for st in starts:  # never predict a sample's first token (from the previous sample)
+            assert row["labels"][st] == IGNORE
+        assert all(lab in (IGNORE, tok) for lab, tok in zip(row["labels"], row["input_ids"]))
+        lengths += row["seq_lengths"]
+    assert max(train[0]["seq_lengths"]) == max(lengths) == s["splits"]["train"]["max"]
+    assert sum(lengths) == s["tokens"]["train_total"]
+    assert s["packing"]["efficiency"] == pytest.approx(sum(lengths) / (len(train) * 512), abs=1e-6)
+    ev = evals[0]
+    msgs = json.loads(ev["messages"])
+    assert msgs[-1]["role"] == "assistant" and len(ev["input_ids"]) == len(ev["labels"])
+    assert "bob@example.com" not in json.dumps(list(evals["messages"])) + tokenizer.decode(
+        sum(train["input_ids"], [])
+    )
+
+
+def test_second_run_is_a_cache_hit_and_config_changes_miss(tmp_path, tokenizer):
+    path = _write(tmp_path / "d.jsonl", _rows(60))
+    first = _run(_cfg(tmp_path, path), tmp_path, tokenizer, "a")
+    second = _run(_cfg(tmp_path, path), tmp_path, tokenizer, "b")
+    assert second["cache"] == {**first["cache"], "hit": True}
+    assert {k: v for k, v in first.items() if k != "cache"} == {
+        k: v for k, v in second.items() if k != "cache"
+    }
+    ta, _ = stage.load_prepared(tmp_path / "a")
+    tb, _ = stage.load_prepared(tmp_path / "b")
+    assert ta["input_ids"] == tb["input_ids"]
+    other = _run(_cfg(tmp_path, path, train_on="last"), tmp_path, tokenizer, "c")
+    assert other["cache"]["hit"] is False and other["cache"]["fingerprint"] != first["cache"]["fingerprint"]
+    _write(path, _rows(61))
+    changed = _run(_cfg(tmp_path, path), tmp_path, tokenizer, "d")
+    assert changed["cache"]["hit"] is False and changed["num_input"] == 61
+
+
+def test_failure_leaves_no_cache_entry(tmp_path, tokenizer, monkeypatch):
+    path = _write(tmp_path / "d.jsonl", _rows(20))
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(stage, "_save", boom)
+    with pytest.raises(RuntimeError):
+        _run(_cfg(tmp_path, path), tmp_path, tokenizer)
+    assert list((tmp_path / "cache").iterdir()) == []
+    monkeypatch.undo()
+    assert _run(_cfg(tmp_path, path), tmp_path, tokenizer)["cache"]["hit"] is False
+
+
+def test_split_is_deterministic_and_leak_free(tmp_path, tokenizer):
+    rows = _rows(150, seed=5)
+    # Plant exact and near duplicates and switch deduplication off: the split must still keep eval clean.
+    rng = random.Random(0)
+    for r in rng.sample(rows, 40):
+        twin = json.loads(json.dumps(r))
+        if rng.random() < 0.5:
+            twin["messages"][-1]["content"] += " indeed"
+        rows.append(twin)
+    path = _write(tmp_path / "d.jsonl", rows)
+    cfg = _cfg(tmp_path, path, dedup=False, near_dedup=False, eval_fraction=0.2, seed=7)
+    s = _run(cfg, tmp_path, tokenizer, "a")
+    assert s["dropped"].get("eval_leak", 0) > 0
+    train, evals = stage.load_prepared(tmp_path / "a")
+    eval_msgs = [json.loads(m) for m in evals["messages"]]
+    # Train rows hold tokens; recover the train conversations from the input by elimination.
+    eval_keys = [clean.conversation_key(m) for m in eval_msgs]
+    all_keys = [clean.conversation_key(r["messages"]) for r in rows]
+    train_keys = [k for k in all_keys if k not in set(eval_keys)]
+    eh, th = clean.minhashes(eval_keys), clean.minhashes(train_keys)
+    surviving = [k for k, h in zip(train_keys, th) if not any(e.jaccard(h) >= 0.85 for e in eh)]
+    assert s["num_train"] == len(surviving)  # every train-side twin of an eval sample was removed
+
+    again = _run(cfg, tmp_path, tokenizer, "b")
+    assert again["cache"]["hit"]
+    fresh = _run(
+        _cfg(
+            tmp_path,
+            path,
+            dedup=False,
+            near_dedup=False,
+            eval_fraction=0.2,
+            seed=7,
+            cache_dir=str(tmp_path / "cache2"),
+        ),
+        tmp_path,
+        tokenizer,
+        "c",
+    )
+    assert list(stage.load_prepared(tmp_path / "c")[1]["messages"]) == list(evals["messages"])
+    assert fresh["num_eval"] == s["num_eval"]
+    other = _run(
+        _cfg(tmp_path, path, dedup=False, near_dedup=False, eval_fraction=0.2, seed=8),
+        tmp_path,
+        tokenizer,
+        "d",
+    )
+    assert list(stage.load_prepared(tmp_path / "d")[1]["messages"]) != list(evals["messages"])
+    assert other["num_eval"] == s["num_eval"]
+
+
+def test_seq_len_auto_longest_or_percentile_with_truncation(tmp_path, tokenizer):
+    path = _write(tmp_path / "d.jsonl", _rows(80))
+    s = _run(_cfg(tmp_path, path), tmp_path, tokenizer, "a")
+    assert s["seq_len"] == s["tokens"]["max"] and s["truncated"] == 0
+    from finetune.stages import data_seq_len
+
+    assert data_seq_len(tmp_path / "a") == s["seq_len"]
+    p = _run(_cfg(tmp_path, path, seq_len_percentile=50.0), tmp_path, tokenizer, "b")
+    assert p["seq_len"] == s["tokens"]["p50"]
+    assert p["truncated"] > 0 and p["tokens"]["max"] == p["seq_len"]
+
+
+def test_too_long_drop_or_truncate(tmp_path, tokenizer):
+    path = _write(tmp_path / "d.jsonl", _rows(80))
+    full = _run(_cfg(tmp_path, path), tmp_path, tokenizer, "a")
+    limit = full["tokens"]["p50"]
+    d = _run(_cfg(tmp_path, path, seq_len=limit), tmp_path, tokenizer, "b")
+    assert d["dropped"]["too_long"] > 0 and d["tokens"]["max"] <= limit
+    t = _run(_cfg(tmp_path, path, seq_len=limit, too_long="truncate"), tmp_path, tokenizer, "c")
+    assert "too_long" not in t["dropped"] and t["truncated"] == d["dropped"]["too_long"]
+    short = _run(_cfg(tmp_path, path, min_tokens=full["tokens"]["p50"]), tmp_path, tokenizer, "e")
+    assert short["dropped"]["too_short"] > 0
+
+
+def test_every_mask_empty_is_an_error(tmp_path, tokenizer):
+    rows = [{"prompt": "ka lo mi ne ru sa to vi " * 4, "completion": f"an el {i}"} for i in range(30)]
+    path = _write(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DataError, match="empty label mask"):
+        _run(_cfg(tmp_path, path, seq_len=12, too_long="truncate", near_dedup=False), tmp_path, tokenizer)
+
+
+def test_bad_input_raises_with_file_line_and_counts(tmp_path, tokenizer):
+    good = [json.dumps(r) for r in _rows(30)]
+    lines = (
+        good[:5]
+        + ["{broken", '{"messages": [{"role": "wizard", "content": "x"}]}']
+        + good[5:]
+        + ['{"text": 1}']
+    )
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError) as exc:
+        _run(_cfg(tmp_path, path), tmp_path, tokenizer)
+    msg = str(exc.value)
+    assert f"{path} line 6: malformed JSON" in msg
+    assert "3 problems in 33 records" in msg and "data.on_error=skip" in msg
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+    s = _run(_cfg(tmp_path, path, on_error="skip"), tmp_path, tokenizer)
+    assert s["dropped"]["malformed_json"] == 1 and s["dropped"]["unknown_role"] == 1
+    assert s["dropped"]["missing_field"] == 1
+    assert s["num_input"] == 33 == s["num_train"] + s["num_eval"] + sum(s["dropped"].values())
+    assert any("line 7" in e for e in s["bad_input_examples"])
+
+
+def test_invalid_utf8_and_empty_files(tmp_path, tokenizer):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    _write(folder / "a.jsonl", _rows(20))
+    (folder / "b.jsonl").write_bytes(
+        b'{"prompt": "ok", "completion": "fine"}\n{"prompt": "\xc3\x28", "completion": "x"}\n'
+    )
+    (folder / "c.jsonl").write_text("")
+    with pytest.raises(DataError, match=r"b\.jsonl line 2: invalid UTF-8"):
+        _run(_cfg(tmp_path, folder), tmp_path, tokenizer)
+    (folder / "b.jsonl").write_text('{"prompt": "ok", "completion": "fine"}\n')
+    with pytest.raises(DataError, match=r"c\.jsonl: empty file"):
+        _run(_cfg(tmp_path, folder), tmp_path, tokenizer)
+    s = _run(_cfg(tmp_path, folder, on_error="skip"), tmp_path, tokenizer)
+    assert s["skipped_files"] == [str(folder / "c.jsonl")] and s["num_input"] == 21
+
+
+def test_formats_folder_and_save_to_disk(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    convs = synthetic.conversations(40, seed=11, median_words=10, sigma=0.5)
+    pairs = [(c[-2]["content"], c[-1]["content"]) for c in convs]
+    _write(folder / "a.jsonl", [{"messages": c} for c in convs[:10]])
+    (folder / "b.json").write_text(json.dumps([{"prompt": p, "completion": c} for p, c in pairs[10:20]]))
+    pq.write_table(
+        pa.table({"instruction": [p for p, _ in pairs[20:30]], "output": [c for _, c in pairs[20:30]]}),
+        folder / "c.parquet",
+    )
+    import csv
+
+    with (folder / "d.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["prompt", "completion"])
+        w.writerows(pairs[30:40])
+    s = _run(_cfg(tmp_path, folder, near_dedup=False), tmp_path, tokenizer, "a")
+    assert s["num_input"] == 40 and s["num_train"] + s["num_eval"] == 40
+
+    Dataset.from_list([{"messages": c} for c in convs]).save_to_disk(str(tmp_path / "saved"))
+    s2 = _run(_cfg(tmp_path, tmp_path / "saved", near_dedup=False), tmp_path, tokenizer, "b")
+    assert s2["num_input"] == 40 and s2["num_train"] + s2["num_eval"] == 40
+
+
+def test_missing_path_is_a_data_error(tmp_path, tokenizer):
+    with pytest.raises(DataError, match="no such file"):
+        _run(_cfg(tmp_path, tmp_path / "nope.jsonl"), tmp_path, tokenizer)
+
+
+def test_bundled_data_through_the_command_line(tmp_path, monkeypatch):
+    """`python -m finetune mode=data` on the bundled set with the tiny tokenizer, twice: the second is a hit."""
+    from finetune.cli import main
+
+    args = [
+        "mode=data",
+        f"run_dir={tmp_path / 'run'}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "train.seq_len=1024",
+    ]
+    assert main(args) == 0
+    s = json.loads((tmp_path / "run" / "data_stats.json").read_text())
+    assert s["num_train"] > 2000 and s["num_eval"] > 200
+    assert s["masks"]["method"] == "generation_markers" and s["empty_masks"] == 0
+    assert s["packing"]["efficiency"] >= 0.98 and s["seq_len"] == 1024
+    assert sum(s["dropped"].values()) < 0.05 * s["num_input"]  # templated questions are not near duplicates
+    assert main(args) == 0
+    assert json.loads((tmp_path / "run" / "data_stats.json").read_text())["cache"]["hit"] is True
+
+
+def test_tokenize_with_worker_processes_matches_one_process(tokenizer):
+    from finetune.data.render import Renderer
+
+    convs = synthetic.conversations(1100, seed=2, median_words=4, sigma=0.3)
+    renderer = Renderer(tokenizer)
+    one = stage.tokenize(convs, renderer, num_proc=1)[:]
+    two = stage.tokenize(convs, renderer, num_proc=2)[:]
+    assert one["input_ids"] == two["input_ids"] and one["labels"] == two["labels"]
+
+
+def test_no_eval_split_and_no_packing(tmp_path, tokenizer):
+    path = _write(tmp_path / "d.jsonl", _rows(30))
+    s = _run(_cfg(tmp_path, path, seq_len=512, eval_fraction=0.0, packing=False), tmp_path, tokenizer)
+    train, evals = stage.load_prepared(tmp_path / "run")
+    assert s["num_eval"] == 0 == len(evals) and len(train) == s["num_train"] == s["packing"]["bins"]
+    assert all(len(r) == 1 for r in train["seq_lengths"])
