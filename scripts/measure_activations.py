@@ -1,0 +1,396 @@
+"""Measure the bytes a decoder layer saves for backward, per token.
+
+The pre-flight planner's activation formulas (finetune/planner/_activations.py)
+are fitted to these measurements. For each layer shape and training case this
+builds one transformers decoder layer (LlamaDecoderLayer; Qwen2DecoderLayer for
+shapes with q/k/v biases) with bf16 weights, runs a forward pass on CPU (batch
+1, SDPA attention) under `torch.autograd.graph.saved_tensors_hooks`, and counts
+the storages autograd keeps for backward: each storage once (by data pointer),
+module parameters and the shared rotary cos/sin excluded. The layer input
+requires grad, as it does for every layer but the first in a real model.
+
+Cases: full fine-tuning; LoRA r=16 on all seven projections with fp32 adapters
+(PEFT's default upcast) or bf16 adapters, without dropout or with dropout 0.05;
+non-reentrant activation checkpointing around the layer (full and LoRA); QLoRA
+(bitsandbytes NF4 Linear4bit + bf16 LoRA) where bitsandbytes runs on the CPU.
+Also the once-per-model term: final RMSNorm + lm_head + transformers' plain
+causal-LM cross-entropy in fp32, with a trainable head (full fine-tuning) and
+a frozen one (LoRA/QLoRA).
+
+Writes every measurement to finetune/planner/activations.json and prints
+measured vs formula. Takes about 11 minutes on 2 CPU cores (the 70B layer has
+1.7 GB of bf16 weights); needs about 8 GB of RAM.
+
+Usage:
+    /tmp/venv/bin/python scripts/measure_activations.py            # measure all, write the json
+    /tmp/venv/bin/python scripts/measure_activations.py --check    # only compare the stored json with the formula
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+JSON_PATH = ROOT / "finetune" / "planner" / "activations.json"
+
+# name: (hidden, intermediate, heads, kv_heads, head_dim, attention_bias)
+SHAPES: dict[str, tuple[int, int, int, int, int, bool]] = {
+    "llama3_1_8b": (4096, 14336, 32, 8, 128, False),
+    "qwen2_5_32b": (5120, 27648, 40, 8, 128, True),
+    "llama3_1_70b": (8192, 28672, 64, 8, 128, False),
+    "llama3_2_1b": (2048, 8192, 32, 8, 64, False),
+    "llama3_2_3b": (3072, 8192, 24, 8, 128, False),
+    "qwen2_5_0_5b": (896, 4864, 14, 2, 64, True),
+    "qwen2_5_1_5b": (1536, 8960, 12, 2, 128, True),
+    "small_mha": (256, 688, 4, 4, 64, False),
+    "small_gqa": (512, 1536, 8, 2, 64, False),
+    "odd": (384, 1000, 6, 3, 32, False),
+    "wide_head": (640, 1792, 4, 2, 160, False),
+}
+BIG = ("llama3_1_8b", "qwen2_5_32b", "llama3_1_70b")
+
+# case name: keyword arguments of layer_bytes_per_token (besides the shape)
+CASES: dict[str, dict[str, Any]] = {
+    "full": dict(method="full"),
+    "lora_fp32": dict(method="lora", adapter_bytes=4),
+    "lora_bf16": dict(method="lora", adapter_bytes=2),
+    "lora_fp32_dropout": dict(method="lora", adapter_bytes=4, lora_dropout=True),
+    "lora_bf16_dropout": dict(method="lora", adapter_bytes=2, lora_dropout=True),
+    "full_ckpt": dict(method="full", checkpointing=True),
+    "lora_fp32_ckpt": dict(method="lora", adapter_bytes=4, checkpointing=True),
+    "qlora": dict(method="qlora", adapter_bytes=2),
+    "qlora_dropout": dict(method="qlora", adapter_bytes=2, lora_dropout=True),
+    "lora_bf16_r64": dict(method="lora", adapter_bytes=2, lora_rank=64),
+}
+# too slow to quantize or not informative at the big shapes (the small ones cover them)
+SMALL_ONLY = ("qlora", "qlora_dropout", "lora_bf16_r64")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+HEAD_VOCABS = (1000, 8192, 32000)
+HEAD_HIDDENS = (256, 1024, 4096)
+
+
+class SavedBytes:
+    """Context manager: total bytes of the distinct storages autograd saves, minus excluded ones."""
+
+    def __init__(self, exclude: list[Any]):
+        import torch
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.storages: dict[int, int] = {}
+
+    def _pack(self, t: Any) -> Any:
+        s = t.untyped_storage()
+        if s.data_ptr() not in self._exclude and s.nbytes() > 0:
+            self.storages[s.data_ptr()] = s.nbytes()
+        return t  # keeps the tensor alive, so a data pointer is never reused during the count
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+    def __enter__(self) -> SavedBytes:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def _config(shape: tuple[int, int, int, int, int, bool]) -> Any:
+    hidden, inter, heads, kv, head_dim, bias = shape
+    common = dict(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        num_hidden_layers=1,
+        vocab_size=256,
+        max_position_embeddings=4096,
+    )
+    if bias:
+        from transformers import Qwen2Config
+
+        cfg = Qwen2Config(**common)
+    else:
+        from transformers import LlamaConfig
+
+        cfg = LlamaConfig(**common)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def _init_(module: Any) -> None:
+    """Cheap deterministic weights (the values do not matter, only that they are finite)."""
+    import torch
+
+    block = torch.empty(1 << 16).uniform_(-0.02, 0.02, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:  # tiling one random block is memcpy-fast; a 70B layer has 855M weights
+                flat = p.view(-1)
+                for i in range(0, flat.numel(), block.numel()):
+                    n = min(block.numel(), flat.numel() - i)
+                    flat[i : i + n] = block[:n]
+
+
+def _to_qlora(layer: Any) -> None:
+    """Swap every nn.Linear of the layer for a bitsandbytes NF4 Linear4bit, quantized on the CPU."""
+    import bitsandbytes as bnb
+    import torch
+
+    for parent in list(layer.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                q = bnb.nn.Linear4bit(
+                    child.in_features,
+                    child.out_features,
+                    bias=child.bias is not None,
+                    compute_dtype=torch.bfloat16,
+                    quant_type="nf4",
+                    device="meta",
+                )
+                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4")
+                if child.bias is not None:
+                    q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+                q = q.to("cpu")  # quantizes
+                if hasattr(q, "support_avx512bf16_for_cpu"):
+                    q.support_avx512bf16_for_cpu = False
+                setattr(parent, name, q)
+
+
+def base_layer(shape: tuple[int, int, int, int, int, bool]) -> Any:
+    """One decoder layer with bf16 weights: LlamaDecoderLayer, or Qwen2DecoderLayer for q/k/v biases."""
+    import torch
+
+    cfg = _config(shape)
+    if shape[5]:
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer as Layer
+    else:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer as Layer
+    with torch.device("meta"):
+        layer = Layer(cfg, layer_idx=0)
+    layer = layer.to_empty(device="cpu").to(torch.bfloat16)
+    _init_(layer)
+    return layer
+
+
+def build_layer(shape: tuple[int, int, int, int, int, bool], case: str, base: Any = None) -> Any:
+    """A decoder layer prepared for `case` (see CASES); `base` (from base_layer) is copied, not changed."""
+    import copy
+
+    layer = copy.deepcopy(base) if base is not None else base_layer(shape)
+    kw = CASES[case]
+    if kw["method"] == "full":
+        return layer.requires_grad_(True)
+    if kw["method"] == "qlora":
+        _to_qlora(layer)
+    from peft import LoraConfig, get_peft_model
+
+    lcfg = LoraConfig(
+        r=kw.get("lora_rank", 16),
+        lora_alpha=32,
+        target_modules=LORA_TARGETS,
+        lora_dropout=0.05 if kw.get("lora_dropout") else 0.0,
+    )
+    return get_peft_model(layer, lcfg, autocast_adapter_dtype=kw.get("adapter_bytes", 2) == 4)
+
+
+def measure_layer(
+    shape: tuple[int, int, int, int, int, bool], case: str, tokens: int, layer: Any = None
+) -> int:
+    """Bytes saved for backward by one decoder layer over `tokens` tokens (batch 1)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    hidden, head_dim = shape[0], shape[4]
+    layer = layer if layer is not None else build_layer(shape, case)
+    layer.train()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, tokens, hidden, generator=g).to(torch.bfloat16).requires_grad_(True)
+    position_ids = torch.arange(tokens)[None]
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    freqs = position_ids[..., None].float() * inv_freq  # as LlamaRotaryEmbedding.forward
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    kwargs = dict(attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin))
+    # the layer's parameters, and cos/sin, which the model computes once and shares across its layers
+    exclude = [p for p in layer.parameters()] + [cos, sin]
+    with SavedBytes(exclude) as saved:
+        if CASES[case].get("checkpointing"):
+            out = checkpoint(layer, x, use_reentrant=False, **kwargs)
+        else:
+            out = layer(x, **kwargs)
+    assert out.requires_grad
+    total = saved.total
+    del out
+    return total
+
+
+def measure_head(hidden: int, vocab: int, tokens: int, trainable_head: bool) -> int:
+    """Bytes saved for backward by final RMSNorm + lm_head + plain fp32 cross-entropy (transformers' loss)."""
+    import torch
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(hidden).to(torch.bfloat16)
+    head = torch.nn.Linear(hidden, vocab, bias=False, dtype=torch.bfloat16)
+    _init_(head)
+    norm.requires_grad_(trainable_head)
+    head.requires_grad_(trainable_head)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, tokens, hidden, generator=g).to(torch.bfloat16).requires_grad_(True)
+    labels = torch.randint(0, vocab, (1, tokens), generator=g)
+    exclude = list(norm.parameters()) + list(head.parameters())
+    with SavedBytes(exclude) as saved:
+        loss = ForCausalLMLoss(head(norm(x)), labels, vocab_size=vocab)
+    total = saved.total
+    del loss
+    return total
+
+
+def formula(shape: tuple[int, int, int, int, int, bool], case: str) -> int:
+    from finetune.planner._activations import layer_bytes_per_token
+
+    hidden, inter, heads, kv, head_dim, bias = shape
+    return layer_bytes_per_token(
+        hidden=hidden,
+        intermediate=inter,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=head_dim,
+        attention_bias=bias,
+        **CASES[case],
+    )
+
+
+def qlora_works() -> bool:
+    try:
+        m = measure_layer(SHAPES["small_mha"], "qlora", 16)
+    except Exception as e:  # bitsandbytes without a CPU backend
+        print(f"QLoRA skipped: {type(e).__name__}: {e}", file=sys.stderr)
+        return False
+    return m > 0
+
+
+def _token_counts(shape: tuple[int, int, int, int, int, bool], case: str, name: str) -> tuple[int, ...]:
+    """Two token counts where cheap; the per-token figure is exact at any count (checked at 64 vs 256)."""
+    if shape[0] <= 1024:
+        return (128, 256)
+    if case == "full" and name not in ("qwen2_5_32b", "llama3_1_70b"):
+        return (64, 256)
+    return (64,)  # a bf16 matmul runs at ~5 GFLOP/s on 2 CPU cores: a 70B layer is 12 s for 64 tokens
+
+
+def measure_all() -> list[dict[str, Any]]:
+    """Every shape x case (layer) and hidden x vocab (head); two token counts each, one for most big-shape cases."""
+    rows: list[dict[str, Any]] = []
+    cases = list(CASES)
+    if not qlora_works():
+        cases = [c for c in cases if not c.startswith("qlora")]
+    for name, shape in SHAPES.items():
+        big = name in BIG
+        base = base_layer(shape)
+        for case in cases:
+            if big and case in SMALL_ONLY and not (name == "llama3_1_8b" and case == "qlora"):
+                continue
+            t0 = time.time()
+            layer = build_layer(shape, case, base)
+            for tokens in _token_counts(shape, case, name):
+                b = measure_layer(shape, case, tokens, layer)
+                rows.append(
+                    dict(
+                        shape=name,
+                        dims=list(shape),
+                        case=case,
+                        tokens=tokens,
+                        bytes=b,
+                        bytes_per_token=b / tokens,
+                    )
+                )
+            del layer
+            print(
+                f"  {name:14s} {case:18s} {rows[-1]['bytes_per_token']:>12,.1f}  ({time.time() - t0:.1f}s)",
+                flush=True,
+            )
+        del base
+    for trainable in (True, False):
+        case = "head_trainable" if trainable else "head_frozen"
+        for hidden in HEAD_HIDDENS:
+            for vocab in HEAD_VOCABS:
+                for tokens in (64, 128):
+                    b = measure_head(hidden, vocab, tokens, trainable)
+                    name = f"head_h{hidden}_v{vocab}"
+                    rows.append(
+                        dict(
+                            shape=name,
+                            dims=[hidden, vocab],
+                            case=case,
+                            tokens=tokens,
+                            bytes=b,
+                            bytes_per_token=b / tokens,
+                        )
+                    )
+        print(f"  head ({case}) done", flush=True)
+    return rows
+
+
+def report(rows: list[dict[str, Any]]) -> float:
+    """Print measured vs formula; return the worst relative error."""
+    from finetune.planner._activations import model_bytes_per_token
+
+    worst = 0.0
+    print(f"{'shape':16s} {'case':18s} {'tokens':>6s} {'measured':>12s} {'formula':>12s} {'error':>8s}")
+    for r in rows:
+        if r["case"].startswith("head"):
+            hidden, vocab = r["dims"]
+            f = model_bytes_per_token(
+                hidden=hidden, vocab=vocab, trainable_head=r["case"] == "head_trainable"
+            )
+        else:
+            f = formula(tuple(r["dims"]), r["case"])  # type: ignore[arg-type]
+        m = r["bytes_per_token"]
+        err = (f - m) / m
+        worst = max(worst, abs(err))
+        print(f"{r['shape']:16s} {r['case']:18s} {r['tokens']:>6d} {m:>12,.1f} {f:>12,d} {err:>+8.3%}")
+    print(f"worst relative error: {worst:.4%}")
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only compare the stored json with the formula")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    if args.check:
+        rows = json.loads(JSON_PATH.read_text())["measurements"]
+    else:
+        import torch
+        import transformers
+
+        torch.manual_seed(0)
+        t0 = time.time()
+        rows = measure_all()
+        meta = dict(
+            description="bytes saved for backward per token: per decoder layer (layer cases) or once per model "
+            "(head_*), distinct storages, parameters and rotary cos/sin excluded; bf16 weights, batch 1, SDPA, CPU",
+            script="scripts/measure_activations.py",
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            seconds=round(time.time() - t0),
+        )
+        JSON_PATH.write_text(json.dumps(dict(meta=meta, measurements=rows), indent=1) + "\n")
+        print(f"wrote {JSON_PATH} in {time.time() - t0:.0f}s")
+    report(rows)
+
+
+if __name__ == "__main__":
+    main()
