@@ -1,0 +1,219 @@
+"""Watching the run: throughput and peak memory against the plan, early stops, rich progress.
+
+- `RunMonitor`: step time, tokens/s and peak memory (CUDA `max_memory_allocated`,
+  or the process's peak RSS on the CPU) logged next to the plan's predicted
+  total; a warning when the measurement exceeds the plan.
+- `EarlyStop`: stops on a loss spike (a logged loss above `loss_spike_factor`
+  times the moving average of the previous ones) and when the eval loss rises
+  `eval_rise_patience` evaluations in a row; it saves a checkpoint first.
+- `RichProgress`: one progress bar with loss and throughput on the terminal
+  (replaces transformers' tqdm bars and printed dicts).
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+import time
+from collections import deque
+from typing import Any, Optional
+
+import torch
+from transformers import TrainerCallback
+
+log = logging.getLogger(__name__)
+
+GB = 1e9
+
+
+def peak_memory_gb(device: str) -> float:
+    """CUDA: the allocator's peak on this rank's GPU. CPU: the process's peak resident set size."""
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / GB
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux, bytes on macOS
+    return kb * (1 if sys.platform == "darwin" else 1024) / GB
+
+
+class RunMonitor(TrainerCallback):
+    """Step time, tokens/s and peak memory next to the plan; a warning when memory exceeds it.
+
+    `tokens_seen` is advanced by the trainer (real tokens of each micro-batch). On
+    the CPU the peak RSS includes the interpreter and libraries, so the comparison
+    with the plan uses the growth over `baseline_gb` (the RSS before the model
+    was loaded); on CUDA the allocator's peak is compared as is.
+    """
+
+    def __init__(self, device: str, planned_memory_gb: Optional[float], baseline_gb: float = 0.0):
+        self.device = device
+        self.planned_memory_gb = planned_memory_gb
+        self.baseline_gb = baseline_gb if device != "cuda" else 0.0
+        self.tokens_seen = 0
+        self.warned = False
+        self._t_train = 0.0
+        self._t_step = 0.0
+        self._tokens_at_start = 0
+        self.step_seconds: list[float] = []
+        self.train_seconds = 0.0
+
+    # The trainer calls this for every micro-batch.
+    def add_tokens(self, n: int) -> None:
+        self.tokens_seen += n
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_seen / self.train_seconds if self.train_seconds > 0 else 0.0
+
+    def measured_gb(self) -> float:
+        return peak_memory_gb(self.device)
+
+    def compared_gb(self) -> float:
+        """What is held against the plan: the peak, less the CPU process's baseline."""
+        return max(0.0, self.measured_gb() - self.baseline_gb)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.device == "cuda" and torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        self._t_train = time.perf_counter()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._t_step = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.perf_counter()
+        self.step_seconds.append(now - self._t_step)
+        self.train_seconds = now - self._t_train
+        if self.planned_memory_gb and not self.warned and self.compared_gb() > self.planned_memory_gb:
+            self.warned = True
+            log.warning(
+                "peak memory %.3f GB exceeds the plan's %.3f GB at step %d (%s)",
+                self.compared_gb(),
+                self.planned_memory_gb,
+                state.global_step,
+                "CUDA max_memory_allocated"
+                if self.device == "cuda"
+                else "RSS growth over the pre-load baseline",
+            )
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs or not self.step_seconds:
+            return
+        recent = self.step_seconds[-max(1, args.logging_steps) :]
+        logs["step_seconds"] = round(sum(recent) / len(recent), 4)
+        logs["tokens_per_second"] = round(self.tokens_per_second, 1)
+        logs["peak_memory_gb"] = round(self.measured_gb(), 4)
+        if self.planned_memory_gb is not None:
+            logs["planned_memory_gb"] = round(self.planned_memory_gb, 4)
+
+
+class EarlyStop(TrainerCallback):
+    """Stop (after saving) on a loss spike or on eval loss rising `eval_rise_patience` evaluations in a row."""
+
+    def __init__(
+        self, loss_spike_factor: float, eval_rise_patience: int, window: int = 10, warmup_logs: int = 3
+    ):
+        self.loss_spike_factor = loss_spike_factor
+        self.eval_rise_patience = eval_rise_patience
+        self.window = window
+        self.warmup_logs = warmup_logs
+        self.losses: deque[float] = deque(maxlen=window)
+        self.last_eval: Optional[float] = None
+        self.rises = 0
+        self.reason: Optional[str] = None
+
+    def _stop(self, control, state, reason: str) -> None:
+        self.reason = reason
+        log.warning("stopping early at step %d: %s (saving a checkpoint first)", state.global_step, reason)
+        control.should_save = True
+        control.should_training_stop = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        loss = (logs or {}).get("loss")
+        if loss is None or self.loss_spike_factor <= 0:
+            return
+        if len(self.losses) >= self.warmup_logs:
+            average = sum(self.losses) / len(self.losses)
+            if loss > self.loss_spike_factor * average or loss != loss:  # NaN counts as a spike
+                self._stop(
+                    control,
+                    state,
+                    f"loss spike: {loss:.4f} > {self.loss_spike_factor:g} x moving average {average:.4f}",
+                )
+                return
+        self.losses.append(loss)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        loss = (metrics or {}).get("eval_loss")
+        if loss is None or self.eval_rise_patience <= 0:
+            return
+        if self.last_eval is not None and loss > self.last_eval:
+            self.rises += 1
+        else:
+            self.rises = 0
+        self.last_eval = loss
+        if self.rises >= self.eval_rise_patience:
+            self._stop(control, state, f"eval loss rose {self.rises} evaluations in a row (now {loss:.4f})")
+
+
+class RichProgress(TrainerCallback):
+    """A rich progress bar with the latest loss, eval loss and tokens/s (main process only)."""
+
+    def __init__(self, monitor: Optional[RunMonitor] = None):
+        self.monitor = monitor
+        self.progress: Any = None
+        self.task: Any = None
+        self.loss = "-"
+        self.eval_loss = "-"
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.progress = Progress(
+            TextColumn("train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}  eval {task.fields[eval_loss]}  {task.fields[tps]} tok/s"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=False,
+        )
+        self.progress.start()
+        self.task = self.progress.add_task(
+            "train", total=state.max_steps, completed=state.global_step, loss="-", eval_loss="-", tps="-"
+        )
+
+    def _refresh(self, state) -> None:
+        if self.progress is None:
+            return
+        tps = f"{self.monitor.tokens_per_second:,.0f}" if self.monitor else "-"
+        self.progress.update(
+            self.task, completed=state.global_step, loss=self.loss, eval_loss=self.eval_loss, tps=tps
+        )
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._refresh(state)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if "loss" in logs:
+            self.loss = f"{logs['loss']:.4f}"
+        if "eval_loss" in logs:
+            self.eval_loss = f"{logs['eval_loss']:.4f}"
+        self._refresh(state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.progress is not None:
+            self._refresh(state)
+            self.progress.stop()
+            self.progress = None

@@ -1,0 +1,50 @@
+"""Batches of pre-tokenized rows: packed training rows and one-conversation eval rows alike.
+
+Rows carry `input_ids` and `labels` (-100 where no loss), packed rows also
+`position_ids` restarting at every sample. The batch is right-padded and
+carries `position_ids` but no attention mask: transformers then builds a
+block-diagonal causal mask from the position ids (SDPA, eager) or runs the
+variable-length kernel (FlashAttention), so packed samples never attend to one
+another. Padding forms a segment of its own and has no labels; a label at a
+sample's first position is dropped too (it would be predicted from the
+previous sample).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+IGNORE_INDEX = -100
+# Popped by the trainer before the forward: real (non-padding) tokens in the batch, for tokens/s.
+NUM_TOKENS_KEY = "num_tokens"
+
+
+@dataclass
+class PackedCollator:
+    pad_token_id: int
+    pad_to_multiple_of: int = 1
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        lengths = [len(r["input_ids"]) for r in rows]
+        width = max(lengths)
+        if self.pad_to_multiple_of > 1:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (row, n) in enumerate(zip(rows, lengths)):
+            input_ids[i, :n] = torch.as_tensor(row["input_ids"])
+            labels[i, :n] = torch.as_tensor(row["labels"])
+            pos = row.get("position_ids")
+            position_ids[i, :n] = torch.as_tensor(pos) if pos is not None else torch.arange(n)
+            position_ids[i, n:] = torch.arange(width - n)
+        labels[position_ids == 0] = IGNORE_INDEX
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "position_ids": position_ids,
+            NUM_TOKENS_KEY: torch.tensor(sum(lengths)),
+        }

@@ -1,0 +1,132 @@
+"""Held-out evaluation: token-level loss and greedy-generation exact match on the eval split.
+
+The same function scores the base model (before training) and the trained one,
+so `metrics.json` compares like with like: the loss is the mean over every
+labelled token of the split (computed with the chunked loss, so no full logits),
+and the task metric comes from `finetune.tasks.score` on greedy answers to the
+held-out prompts rendered with the same chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Optional
+
+import torch
+
+from finetune import tasks
+from finetune.train.chunked_loss import chunked_causal_lm_loss
+from finetune.train.collator import NUM_TOKENS_KEY, PackedCollator
+
+# Generated answers stop at the end-of-turn token or after this many tokens beyond the longest reference.
+EXTRA_NEW_TOKENS = 4
+
+
+@torch.no_grad()
+def heldout_loss(model: Any, dataset: Any, pad_token_id: int, batch_size: int = 16) -> float:
+    """Mean next-token loss over all labelled tokens of `dataset` (rows with input_ids and labels)."""
+    collate = PackedCollator(pad_token_id=pad_token_id)
+    device = next(model.parameters()).device
+    head = model.get_output_embeddings()
+    total, count = 0.0, 0
+    for start in range(0, len(dataset), batch_size):
+        rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
+        batch = collate(rows)
+        batch.pop(NUM_TOKENS_KEY)
+        labels = batch.pop("labels").to(device)
+        n = int((labels[:, 1:] != -100).sum())
+        if n == 0:
+            continue
+        out = model(
+            **{k: v.to(device) for k, v in batch.items()},
+            use_cache=False,
+            output_hidden_states=True,
+            logits_to_keep=torch.empty(0, dtype=torch.long, device=device),
+        )
+        summed = chunked_causal_lm_loss(
+            out.hidden_states[-1], head.weight, labels, num_items_in_batch=1, lm_head_bias=head.bias
+        )
+        total += float(summed)
+        count += n
+    return total / count if count else math.nan
+
+
+def split_prompt(messages: list[dict]) -> tuple[list[dict], str]:
+    """The conversation up to its last assistant turn, and that turn's content (the reference answer)."""
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i]["role"] == "assistant":
+            return messages[:i], messages[i]["content"]
+    raise ValueError("conversation has no assistant turn")
+
+
+@torch.no_grad()
+def generate_answers(
+    model: Any, tokenizer: Any, prompts: list[list[dict]], max_new_tokens: int, batch_size: int = 32
+) -> list[str]:
+    """Greedy completions of each prompt (rendered with the chat template, generation prompt added)."""
+    device = next(model.parameters()).device
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    answers: list[str] = []
+    try:
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            enc = tokenizer.apply_chat_template(
+                chunk, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
+            )
+            enc = {k: v.to(device) for k, v in enc.items()}
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            answers += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = side
+    return answers
+
+
+def evaluate(
+    model: Any,
+    tokenizer: Any,
+    eval_dataset: Any,
+    *,
+    max_generate: Optional[int] = 256,
+    batch_size: int = 16,
+    examples: int = 0,
+) -> dict[str, Any]:
+    """{"loss", "exact_match", per-task exact match...} on the held-out split (model left in train mode after)."""
+    was_training = model.training
+    model.eval()
+    try:
+        result: dict[str, Any] = {
+            "loss": heldout_loss(model, eval_dataset, tokenizer.pad_token_id, batch_size)
+        }
+        if "messages" in eval_dataset.column_names and len(eval_dataset):
+            n = len(eval_dataset) if max_generate is None else min(max_generate, len(eval_dataset))
+            pairs = [split_prompt(json.loads(eval_dataset[i]["messages"])) for i in range(n)]
+            prompts = [p for p, _ in pairs]
+            references = [r for _, r in pairs]
+            longest = max(len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in references)
+            predictions = generate_answers(
+                model, tokenizer, prompts, longest + EXTRA_NEW_TOKENS, batch_size * 2
+            )
+            last_user = [
+                next((m["content"] for m in reversed(p) if m["role"] == "user"), "") for p in prompts
+            ]
+            result.update(tasks.score(last_user, predictions, references))
+            result["generated"] = n
+            if examples:
+                result["examples"] = [
+                    {"prompt": u, "reference": r, "prediction": p}
+                    for u, r, p in list(zip(last_user, references, predictions))[:examples]
+                ]
+    finally:
+        model.train(was_training)
+    return result

@@ -1,0 +1,196 @@
+"""Model loading per method: full, LoRA (PEFT) or QLoRA (bitsandbytes NF4 + PEFT).
+
+One path for every model: `from_pretrained(source)`, where the source is the
+hub id, the folder of a local `config.json`, or the folder the tiny model was
+built into (`finetune.tiny.model_dir`). Weights load from safetensors only,
+unless `model.allow_pickle_weights` is set.
+
+Precision: `method.precision` (`auto`: bf16 on GPUs, fp32 on the CPU); bf16
+is used where the device runs it natively (CUDA with bf16, CPUs with
+AVX512-BF16 or AMX), elsewhere training falls back to fp32 and says so. Full fine-tuning keeps fp32 master weights under bf16
+autocast; LoRA freezes the base in the compute dtype and keeps the adapters in
+`method.adapter_dtype`; QLoRA stores the frozen linear weights in 4 bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.config import Config, MethodConfig, ModelConfig
+from finetune.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls run natively (elsewhere they are emulated and slow)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def bf16_supported(device: str) -> bool:
+    if device == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return cpu_has_native_bf16()
+
+
+def resolve_dtype(name: str, device: str, key: str = "method.precision") -> torch.dtype:
+    """The torch dtype for `bf16`/`fp32`, falling back to fp32 (with a log line) where bf16 is not native."""
+    dtype = _DTYPES[name]
+    if dtype == torch.bfloat16 and not bf16_supported(device):
+        log.warning("%s=bf16 is not native on this %s: training in fp32", key, device)
+        return torch.float32
+    return dtype
+
+
+def is_tiny(model: ModelConfig) -> bool:
+    return model.name == "tiny" and not model.hub_id and not model.config_path
+
+
+def model_source(model: ModelConfig) -> str:
+    """What `from_pretrained` loads: the tiny model's folder (built on first use), a local folder, or a hub id."""
+    if is_tiny(model):
+        from finetune import tiny
+
+        return str(tiny.model_dir(model))
+    if model.hub_id:
+        return model.hub_id
+    if model.config_path:
+        return str(Path(model.config_path).parent)
+    raise ConfigError(f"model.hub_id is not set for model={model.name}: nothing to load the weights from")
+
+
+def load_tokenizer(model: ModelConfig) -> Any:
+    """The same tokenizer the data stage rendered with."""
+    from finetune.data.stage import load_tokenizer as data_tokenizer
+
+    return data_tokenizer(model)
+
+
+def quantization_config(method: MethodConfig, compute_dtype: torch.dtype) -> Any:
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=method.quant_type,
+        bnb_4bit_use_double_quant=method.double_quant,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
+
+
+def disable_cpu_bf16_packing(model: torch.nn.Module) -> int:
+    """Keep bitsandbytes' Linear4bit in its trainable layout on CPUs with AVX512-BF16.
+
+    There, any forward in eval mode without grad (evaluation, generation) silently
+    repacks the 4-bit weight into an inference-only layout, and LoRA gradients
+    computed afterwards are wrong. Returns the number of layers switched off.
+    """
+    import bitsandbytes as bnb
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+            count += 1
+    return count
+
+
+def lora_config(method: MethodConfig) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=method.lora_rank,
+        lora_alpha=method.lora_alpha,
+        lora_dropout=method.lora_dropout,
+        target_modules=list(method.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def _device_map(cfg: Config) -> Any:
+    """QLoRA places the quantized weights at load time: this rank's GPU, or the CPU."""
+    if cfg.hardware.device == "cuda" and torch.cuda.is_available():
+        return {"": int(os.environ.get("LOCAL_RANK", "0"))}
+    return {"": "cpu"}
+
+
+def load_for_training(cfg: Config, activation_checkpointing: bool = False) -> tuple[Any, torch.dtype]:
+    """The model ready to train with `cfg.method`, and the compute dtype (bf16 or fp32) to train it in."""
+    from transformers import AutoModelForCausalLM
+
+    method = cfg.method
+    device = cfg.hardware.device
+    compute_dtype = resolve_dtype(method.dtype_on(device), device)
+    kwargs: dict[str, Any] = dict(
+        trust_remote_code=cfg.model.trust_remote_code,
+        use_safetensors=None if cfg.model.allow_pickle_weights else True,
+    )
+    if method.name == "full":
+        # fp32 master weights; bf16 autocast in the trainer where bf16 is native.
+        kwargs["dtype"] = torch.float32
+    elif method.name == "lora":
+        kwargs["dtype"] = compute_dtype
+    else:  # qlora
+        quant_dtype = resolve_dtype(method.compute_dtype, device, key="method.compute_dtype")
+        kwargs["dtype"] = quant_dtype
+        kwargs["quantization_config"] = quantization_config(method, quant_dtype)
+        kwargs["device_map"] = _device_map(cfg)
+    source = model_source(cfg.model)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except OSError as exc:
+        raise ConfigError(f"model: cannot load weights from {source} ({exc})") from None
+
+    if method.name == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        disable_cpu_bf16_packing(model)
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=activation_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    if method.uses_adapters:
+        from peft import get_peft_model
+
+        with warnings.catch_warnings():
+            # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` alias.
+            warnings.filterwarnings(
+                "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning
+            )
+            model = get_peft_model(
+                model, lora_config(method), autocast_adapter_dtype=method.adapter_dtype == "fp32"
+            )
+        if method.adapter_dtype == "bf16":
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.data = param.data.to(torch.bfloat16)
+    return model, compute_dtype
+
+
+def trainable_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts (4-bit weights counted as their unpacked size)."""
+    trainable = total = 0
+    for param in model.parameters():
+        n = param.numel()
+        quant_state = getattr(param, "quant_state", None)
+        if quant_state is not None:  # packed 4-bit storage: count the weight's own shape
+            n = quant_state.shape.numel()
+        total += n
+        if param.requires_grad:
+            trainable += n
+    return trainable, total

@@ -1,0 +1,180 @@
+"""The trainer: TRL's `SFTTrainer` with an `SFTConfig` built from the typed config and the plan.
+
+The plan decides micro-batch size, gradient accumulation, activation
+checkpointing (non-reentrant), the optimizer and the chunked loss; the config
+gives learning rate, schedule, warm-up, length, intervals, logging and seed.
+The data arrive pre-tokenized and packed from the data stage, so TRL's own
+preparation is skipped and `PackedCollator` batches them.
+
+With `strategy.chunked_loss`, `compute_loss` runs the model for its last
+hidden states only (no logits) and applies `chunked_causal_lm_loss` to the LM
+head, honouring `num_items_in_batch` so gradient accumulation weighs every
+token the same as one large batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from trl import SFTConfig, SFTTrainer
+
+from finetune.config import Config
+from finetune.planner import Plan
+from finetune.train.callbacks import RunMonitor
+from finetune.train.chunked_loss import chunked_causal_lm_loss
+from finetune.train.collator import NUM_TOKENS_KEY, PackedCollator
+
+CHECKPOINT_DIR = "checkpoints"
+TENSORBOARD_DIR = "tensorboard"
+
+# The plan's optimizer names -> transformers' `optim` names.
+_OPTIMIZERS = {"adamw": "adamw_torch", "adamw_8bit": "adamw_bnb_8bit", "paged_adamw_8bit": "paged_adamw_8bit"}
+
+
+def optimizer_name(optimizer: str, device: str) -> str:
+    if optimizer == "adamw" and device == "cuda":
+        return "adamw_torch_fused"
+    return _OPTIMIZERS[optimizer]
+
+
+def build_sft_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dtype) -> SFTConfig:
+    """Every knob of the run in one place: the plan's strategy and the typed config."""
+    s, t = plan.strategy, cfg.train
+    by_steps = t.max_steps > 0
+    report_to = [
+        r for r in t.report_to if r != "tensorboard"
+    ]  # TensorBoard is added as a callback (its folder)
+    return SFTConfig(
+        output_dir=str(Path(run_dir) / CHECKPOINT_DIR),
+        # Batch shape (the plan's).
+        per_device_train_batch_size=s.micro_batch_size,
+        per_device_eval_batch_size=s.micro_batch_size,
+        gradient_accumulation_steps=s.grad_accum_steps,
+        activation_checkpointing=s.activation_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if s.activation_checkpointing else None,
+        optim=optimizer_name(s.optimizer, cfg.hardware.device),
+        # Precision: bf16 autocast where native; fp32 otherwise.
+        bf16=compute_dtype == torch.bfloat16,
+        fp16=False,
+        use_cpu=cfg.hardware.device == "cpu",
+        # Optimisation.
+        learning_rate=cfg.method.learning_rate,
+        weight_decay=cfg.method.weight_decay,
+        lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup_ratio,  # a value below 1 is a fraction of the total steps
+        max_grad_norm=t.max_grad_norm,
+        max_steps=t.max_steps if by_steps else -1,
+        num_train_epochs=t.epochs,
+        seed=t.seed,
+        data_seed=t.seed,
+        # Intervals and logging.
+        logging_steps=t.logging_steps,
+        logging_first_step=True,
+        eval_strategy="steps",
+        eval_steps=t.eval_steps,
+        save_strategy="steps",
+        save_steps=t.save_steps,
+        save_total_limit=t.save_total_limit,
+        report_to=report_to or "none",
+        disable_tqdm=True,
+        # Data: pre-tokenized, packed, in the data stage's order (longest sample first).
+        dataset_kwargs={"skip_prepare_dataset": True},
+        remove_unused_columns=False,
+        packing=False,
+        padding_free=False,
+        max_length=None,
+        train_sampling_strategy="sequential",
+        dataloader_num_workers=0,
+        # The loss is the tokens' mean over the whole accumulated batch.
+        average_tokens_across_devices=True,
+    )
+
+
+class FinetuneTrainer(SFTTrainer):
+    """SFTTrainer plus token counting for throughput and, when planned, the exact chunked loss."""
+
+    def __init__(
+        self,
+        *args: Any,
+        chunked_loss: bool = False,
+        loss_chunk_size: int = 1024,
+        monitor: Optional[RunMonitor] = None,
+        **kwargs: Any,
+    ):
+        super().__init__(*args, **kwargs)
+        self.chunked_loss = chunked_loss
+        self.loss_chunk_size = loss_chunk_size
+        self.monitor = monitor
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs["use_cache"] = False  # a cache would also turn off the packed (block-diagonal) attention mask
+        num_tokens = inputs.pop(NUM_TOKENS_KEY, None)
+        if self.model.training and self.monitor is not None and num_tokens is not None:
+            self.monitor.add_tokens(int(num_tokens))
+        if not self.chunked_loss:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        labels = inputs.pop("labels")
+        outputs = model(
+            **inputs,
+            output_hidden_states=True,
+            logits_to_keep=torch.empty(0, dtype=torch.long, device=labels.device),  # no logits at all
+        )
+        hidden = outputs.hidden_states[-1]  # after the final norm: the LM head's input
+        head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        loss = chunked_causal_lm_loss(
+            hidden,
+            head.weight,
+            labels,
+            chunk_size=self.loss_chunk_size,
+            num_items_in_batch=num_items_in_batch,
+            lm_head_bias=head.bias,
+        )
+        # As `Trainer.compute_loss`: `num_items_in_batch` counts every rank's tokens and DDP averages gradients.
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * self.accelerator.num_processes
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs.pop(NUM_TOKENS_KEY, None)
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+
+def build_trainer(
+    cfg: Config,
+    plan: Plan,
+    run_dir: Path,
+    model: Any,
+    tokenizer: Any,
+    train_dataset: Any,
+    eval_dataset: Any,
+    compute_dtype: torch.dtype,
+    callbacks: list[Any],
+    monitor: Optional[RunMonitor] = None,
+) -> FinetuneTrainer:
+    from transformers.integrations import TensorBoardCallback
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    args = build_sft_config(cfg, plan, run_dir, compute_dtype)
+    callbacks = list(callbacks)
+    if "tensorboard" in cfg.train.report_to:
+        from torch.utils.tensorboard import SummaryWriter
+
+        callbacks.append(TensorBoardCallback(SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))))
+    trainer = FinetuneTrainer(
+        model=model,
+        args=args,
+        data_collator=PackedCollator(pad_token_id=tokenizer.pad_token_id),
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        chunked_loss=plan.strategy.chunked_loss,
+        loss_chunk_size=cfg.train.loss_chunk_size,
+        monitor=monitor,
+    )
+    # Our rich progress bar replaces transformers' printed dicts and tqdm bars.
+    for cb in (PrinterCallback, ProgressCallback):
+        trainer.remove_callback(cb)
+    return trainer

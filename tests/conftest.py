@@ -1,0 +1,61 @@
+"""Shared fixtures: the tiny model and tokenizer built once per session into a temporary cache."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """FINETUNE_CACHE pointed at a session folder, so the tiny model and tokenizer are built there once."""
+    path = tmp_path_factory.mktemp("finetune-cache")
+    old = os.environ.get("FINETUNE_CACHE")
+    os.environ["FINETUNE_CACHE"] = str(path)
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop("FINETUNE_CACHE", None)
+        else:
+            os.environ["FINETUNE_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_model_cfg():
+    """The `model=tiny` config group, as composed."""
+    import yaml
+
+    from finetune.config import ModelConfig, package_dir
+
+    raw = yaml.safe_load((package_dir("configs") / "model" / "tiny.yaml").read_text())
+    return ModelConfig(**raw)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_cache, tiny_model_cfg):
+    from finetune import tiny
+
+    return tiny.load_tokenizer(tiny_model_cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_cache, tiny_model_cfg) -> Path:
+    from finetune import tiny
+
+    return tiny.model_dir(tiny_model_cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tiny_cache, tiny_tokenizer, tmp_path_factory):
+    """(train, eval) prepared by the real data stage from the bundled data at seq_len 128."""
+    from finetune.cli import compose
+    from finetune.data import stage as data_stage
+
+    root = tmp_path_factory.mktemp("tiny-data")
+    cfg = compose(["train.seq_len=128", f"data.cache_dir={root / 'cache'}"])
+    data_stage.run(cfg, root / "run", tokenizer=tiny_tokenizer)
+    return data_stage.load_prepared(root / "run")
