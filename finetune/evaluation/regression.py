@@ -1,0 +1,95 @@
+"""The regression set: general prompts a fine-tune must not get worse at.
+
+Each answer gets flags (`refusal`, `empty`, `check_failed`); a flag the
+fine-tuned (or merged) model raises where the base did not is a regression.
+The bundled set covers instruction following, answering in another language
+and benign prompts with alarming words that must not be refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+from finetune.errors import DataError
+
+FLAGS = ("refusal", "empty", "check_failed")
+
+
+def bundled_path() -> Path:
+    return Path(__file__).resolve().parent.parent / "data" / "regression" / "prompts.jsonl"
+
+
+def load(path: Optional[str] = None) -> list[dict]:
+    """Rows {id, category, messages, check?} from `path` (None: the bundled set), validated."""
+    file = Path(path) if path else bundled_path()
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise DataError(f"eval.regression_prompts={file}: cannot read ({exc.strerror})") from None
+    rows, seen = [], set()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            messages = row["messages"]
+            rid = str(row.get("id") or f"regression-{n}")
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise DataError(f"{file}:{n}: not a regression prompt with 'messages' ({exc})") from None
+        if not messages or messages[-1].get("role") == "assistant":
+            raise DataError(f"{file}:{n}: 'messages' must end with the turn to answer, not an assistant turn")
+        if rid in seen:
+            raise DataError(f"{file}:{n}: duplicate id {rid!r}")
+        check = (row.get("check") or {}).get("regex")
+        if check is not None:
+            try:
+                re.compile(check)
+            except re.error as exc:
+                raise DataError(f"{file}:{n}: check.regex is invalid ({exc})") from None
+        seen.add(rid)
+        rows.append(
+            {"id": rid, "category": row.get("category", "general"), "messages": messages, "check": check}
+        )
+    return rows
+
+
+def flags(answer: str, check: Optional[str], refusal_pattern: str) -> list[str]:
+    """What is wrong with one answer: refusal, empty, check_failed."""
+    out = []
+    if re.search(refusal_pattern, answer):
+        out.append("refusal")
+    if not answer.strip():
+        out.append("empty")
+    if check is not None and not re.search(check, answer.strip()):
+        out.append("check_failed")
+    return out
+
+
+def summary(rows: Sequence[dict[str, Any]], variant: str) -> dict[str, Any]:
+    """Counts for one model over the regression rows of samples.jsonl (each with `flags` per model)."""
+    checked = [r for r in rows if r.get("check")]
+    own = [r["flags"].get(variant, []) for r in rows]
+    passed = sum("check_failed" not in r["flags"].get(variant, []) for r in checked)
+    return {
+        "regression_refusals": sum("refusal" in f for f in own),
+        "regression_empty": sum("empty" in f for f in own),
+        "regression_checks_passed": round(passed / len(checked), 4) if checked else None,
+    }
+
+
+def regressions(rows: Sequence[dict[str, Any]], variant: str) -> dict[str, list[str]]:
+    """Prompt ids where `variant` raises a flag the base did not: {new_refusals, new_empty, lost_checks}."""
+    out: dict[str, list[str]] = {"new_refusals": [], "new_empty": [], "lost_checks": []}
+    names = {"refusal": "new_refusals", "empty": "new_empty", "check_failed": "lost_checks"}
+    for row in rows:
+        base, mine = row["flags"].get("base"), row["flags"].get(variant)
+        if base is None or mine is None:
+            continue
+        for flag in FLAGS:
+            if flag in mine and flag not in base:
+                out[names[flag]].append(row["id"])
+    return out

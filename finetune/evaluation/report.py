@@ -1,0 +1,106 @@
+"""eval/report.md: the metrics side by side, what regressed, a few examples, the loss curves."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from finetune import rundir
+from finetune.config import Config
+from finetune.evaluation.loading import VARIANTS
+
+# Metrics where lower is better; every other one is better higher.
+LOWER_IS_BETTER = ("loss", "regression_refusals", "regression_empty")
+
+
+def metric_names(result: dict[str, Any]) -> list[str]:
+    """Numeric metric names over the evaluated models, loss first, in first-seen order."""
+    names: list[str] = []
+    for v in VARIANTS:
+        for k, value in result.get(v, {}).items():
+            if k not in names and (isinstance(value, (int, float)) or value is None):
+                names.append(k)
+    return sorted(names, key=lambda k: (k != "loss", k == "generated"))
+
+
+def _cell(value: Any, width: int = 80) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    text = " ".join(str(value).split()).replace("|", "\\|")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _delta(name: str, base: Any, other: Any) -> str:
+    if not isinstance(base, (int, float)) or not isinstance(other, (int, float)):
+        return "-"
+    d = other - base
+    better = d < 0 if name in LOWER_IS_BETTER else d > 0
+    return f"{d:+.4f}" + (" ✓" if better else "")
+
+
+def write_report(
+    cfg: Config, path: Path, result: dict[str, Any], rows: Sequence[dict], curves_drawn: bool
+) -> None:
+    e = cfg.eval
+    variants = [v for v in VARIANTS if v in result]
+    decoding = (
+        "greedy" if e.greedy else f"sampling (temperature {e.temperature}, top_p {e.top_p}, seed {e.seed})"
+    )
+    lines = [
+        f"# Evaluation: {cfg.name}",
+        "",
+        f"{cfg.method.name} on {cfg.model.name}. Every model answers the same prompts with the same chat "
+        f"template and decoding: {decoding}, at most {e.max_new_tokens} new tokens. "
+        "Loss: mean next-token loss over the labelled tokens of the held-out split.",
+        "",
+    ]
+    header = ["metric", *variants] + [f"{v} − base" for v in variants if v != "base" and "base" in result]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name in metric_names(result):
+        cells = [name] + [_cell(result[v].get(name)) for v in variants]
+        if "base" in result:
+            cells += [
+                _delta(name, result["base"].get(name), result[v].get(name)) for v in variants if v != "base"
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+
+    regressions = result.get("regression") or {}
+    if regressions:
+        lines += ["", "## Regression set", ""]
+        n = sum(r["set"] == "regression" for r in rows)
+        lines.append(f"{n} general prompts (instruction following, other languages, prompts not to refuse).")
+        lines.append("")
+        for v, found in regressions.items():
+            problems = {k: ids for k, ids in found.items() if ids}
+            if not problems:
+                lines.append(
+                    f"- **{v}**: nothing the base did better (no new refusals, empty answers or failed checks)."
+                )
+            else:
+                text = "; ".join(f"{k.replace('_', ' ')}: {', '.join(ids)}" for k, ids in problems.items())
+                lines.append(f"- **{v}**: {text}")
+
+    lines += ["", "## Loss curves", ""]
+    lines.append(
+        "![training and eval loss](loss_curves.png)"
+        if curves_drawn
+        else "No log history found (checkpoints/*/trainer_state.json or train_log.jsonl)."
+    )
+
+    task_rows = [r for r in rows if r["set"] == "task"][: e.report_examples]
+    reg_rows = [r for r in rows if r["set"] == "regression"][: e.report_examples]
+    for title, chosen, ref in (
+        ("Held-out examples", task_rows, True),
+        ("Regression examples", reg_rows, False),
+    ):
+        if not chosen:
+            continue
+        cols = ["prompt"] + (["reference"] if ref else []) + [v for v in variants]
+        lines += ["", f"## {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in chosen:
+            lines.append("| " + " | ".join(_cell(r.get(c), 60) for c in cols) + " |")
+    lines += ["", "All answers: `samples.jsonl`; numbers: `metrics.json`.", ""]
+    rundir.atomic_write_text(path, "\n".join(lines))

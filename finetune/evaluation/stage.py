@@ -1,0 +1,259 @@
+"""mode=eval: score base, fine-tuned and (after export) merged models on the same prompts.
+
+    python -m finetune +recipe=tiny mode=eval       # after mode=train; again after mode=export adds `merged`
+
+For each model: the held-out loss over the data stage's eval split, task
+metrics on generated answers to its prompts (`eval.metrics`), and the
+regression set's answers with their flags. Writes into RUN_DIR/eval/:
+
+- metrics.json  {base: {loss, <metrics>...}, trained: {...}, merged: {...},
+                 regression: {trained: {new_refusals, new_empty, lost_checks}, ...}, settings: {...}}
+- samples.jsonl one row per prompt: id, set, prompt, reference, base, trained[, merged]
+- report.md     the table, regressions, examples, the loss curves
+- loss_curves.png  training and eval loss from the trainer's log history
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+from finetune import rundir
+from finetune.config import Config
+from finetune.evaluation import curves, metrics, regression
+from finetune.evaluation.config import EvalConfig
+from finetune.evaluation.loading import (
+    VARIANTS,
+    attach_adapter,
+    available_variants,
+    load_variant,
+    trained_dir,
+)
+
+log = logging.getLogger(__name__)
+
+EVAL_DIR = "eval"
+METRICS_FILE = "metrics.json"
+SAMPLES_FILE = "samples.jsonl"
+REPORT_FILE = "report.md"
+CURVES_FILE = "loss_curves.png"
+
+
+def task_items(eval_ds: Any, num_samples: Optional[int]) -> list[dict]:
+    """The held-out conversations to answer: id, the conversation up to the answer, prompt text, reference."""
+    from finetune.train.evaluate import split_prompt
+
+    if "messages" not in eval_ds.column_names:
+        return []
+    n = len(eval_ds) if num_samples is None else min(num_samples, len(eval_ds))
+    items = []
+    for i in range(n):
+        conversation, reference = split_prompt(json.loads(eval_ds[i]["messages"]))
+        prompt = next((m["content"] for m in reversed(conversation) if m["role"] == "user"), "")
+        items.append({"id": f"task-{i}", "messages": conversation, "prompt": prompt, "reference": reference})
+    return items
+
+
+def evaluate_model(
+    model: Any,
+    tokenizer: Any,
+    eval_ds: Any,
+    items: Sequence[dict],
+    reg_rows: Sequence[dict],
+    cfg: EvalConfig,
+    metric_fns: Sequence[metrics.Metric],
+    label: str,
+) -> tuple[dict[str, Any], list[str], list[str]]:
+    """(metrics, task answers, regression answers) for one model."""
+    from finetune.evaluation.generate import generate
+    from finetune.train.evaluate import heldout_loss
+
+    model.eval()
+    result: dict[str, Any] = {"loss": heldout_loss(model, eval_ds, tokenizer.pad_token_id, cfg.batch_size)}
+    answers = generate(model, tokenizer, [it["messages"] for it in items], cfg, f"{label}: held-out prompts")
+    if items:
+        result.update(
+            metrics.score(
+                metric_fns, [it["prompt"] for it in items], answers, [it["reference"] for it in items]
+            )
+        )
+    result["generated"] = len(items)
+    reg_answers = generate(
+        model, tokenizer, [r["messages"] for r in reg_rows], cfg, f"{label}: regression set"
+    )
+    return result, answers, reg_answers
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _read_samples(path: Path) -> dict[str, dict]:
+    if not path.is_file():
+        return {}
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return {r["id"]: r for r in rows}
+
+
+def _sample_rows(items: Sequence[dict], reg_rows: Sequence[dict], old: dict[str, dict]) -> list[dict]:
+    """Fresh rows for this evaluation, keeping earlier models' answers where the prompt is unchanged."""
+    rows = []
+    for it in items:
+        rows.append({"id": it["id"], "set": "task", "prompt": it["prompt"], "reference": it["reference"]})
+    for r in reg_rows:
+        prompt = next((m["content"] for m in reversed(r["messages"]) if m["role"] == "user"), "")
+        rows.append(
+            {
+                "id": r["id"],
+                "set": "regression",
+                "category": r["category"],
+                "prompt": prompt,
+                "reference": None,
+                "check": r["check"],
+                "flags": {},
+            }
+        )
+    for row in rows:
+        prev = old.get(row["id"])
+        if prev and prev.get("prompt") == row["prompt"] and prev.get("reference") == row["reference"]:
+            for v in VARIANTS:
+                if v in prev:
+                    row[v] = prev[v]
+            if "flags" in row:
+                row["flags"] = dict(prev.get("flags") or {})
+    return rows
+
+
+def settings(cfg: Config) -> dict[str, Any]:
+    from finetune.evaluation.generate import sampling_kwargs
+
+    e = cfg.eval
+    return {
+        "metrics": list(e.metrics),
+        "num_samples": e.num_samples,
+        "max_new_tokens": e.max_new_tokens,
+        "batch_size": e.batch_size,
+        "decoding": {k: v for k, v in sampling_kwargs(e).items() if v is not None},
+        "seed": e.seed,
+        "regression_prompts": (e.regression_prompts or "bundled") if e.regression else None,
+        "chat_template": "the tokenizer's (same for every model)",
+    }
+
+
+def run(
+    cfg: Config,
+    run_dir: Path,
+    variants: Optional[Sequence[str]] = None,
+    *,
+    eval_dataset: Any = None,
+) -> dict[str, Any]:
+    """Evaluate `variants` (None: every model the run directory holds) and write RUN_DIR/eval/.
+
+    An explicit list (export passes ["merged"]) adds to the existing metrics and samples; None
+    re-evaluates all and replaces them. `eval_dataset` replaces the data stage's eval split (tests).
+    """
+    from finetune.train.models import load_tokenizer
+
+    run_dir = Path(run_dir)
+    e = cfg.eval
+    metric_fns = metrics.resolve(e.metrics)  # a bad dotted path fails before any model loads
+    reg_rows = regression.load(e.regression_prompts) if e.regression else []
+    if eval_dataset is None:
+        from finetune.data.stage import load_prepared
+
+        eval_dataset = load_prepared(run_dir)[1]
+    replace_all = variants is None
+    todo = list(variants) if variants is not None else available_variants(cfg, run_dir)
+    for v in todo:
+        if v not in VARIANTS:
+            raise ValueError(f"unknown model variant {v!r}; one of {', '.join(VARIANTS)}")
+
+    out_dir = run_dir / EVAL_DIR
+    old_metrics = {} if replace_all else _read_json(out_dir / METRICS_FILE)
+    items = task_items(eval_dataset, e.num_samples)
+    rows = _sample_rows(items, reg_rows, _read_samples(out_dir / SAMPLES_FILE))
+    if replace_all:
+        for row in rows:
+            for v in VARIANTS:
+                row.pop(v, None)
+            if "flags" in row:
+                row["flags"] = {}
+    tokenizer = load_tokenizer(cfg.model)
+    result: dict[str, Any] = {v: old_metrics[v] for v in VARIANTS if v in old_metrics and v not in todo}
+
+    model = None
+    for v in todo:
+        reuse = v == "trained" and cfg.method.uses_adapters and model is not None
+        model = attach_adapter(model, trained_dir(cfg, run_dir)) if reuse else None
+        if model is None:
+            gc.collect()
+            model = load_variant(cfg, run_dir, v)
+        log.info("evaluating %s", v)
+        scores, answers, reg_answers = evaluate_model(
+            model, tokenizer, eval_dataset, items, reg_rows, e, metric_fns, v
+        )
+        task_rows = [r for r in rows if r["set"] == "task"]
+        for row, answer in zip(task_rows, answers):
+            row[v] = answer
+        reg_sample_rows = [r for r in rows if r["set"] == "regression"]
+        for row, spec, answer in zip(reg_sample_rows, reg_rows, reg_answers):
+            row[v] = answer
+            row["flags"][v] = regression.flags(answer, spec["check"], e.refusal_pattern)
+        if reg_rows:
+            scores.update(regression.summary(reg_sample_rows, v))
+        result[v] = scores
+        if not (v == "base" and "trained" in todo and cfg.method.uses_adapters):
+            model = None  # keep the base only to put the adapter on it next
+
+    model = None
+    gc.collect()
+    ordered = {v: result[v] for v in VARIANTS if v in result}
+    reg_rows_out = [r for r in rows if r["set"] == "regression"]
+    ordered["regression"] = (
+        {v: regression.regressions(reg_rows_out, v) for v in VARIANTS if v != "base" and v in result}
+        if reg_rows
+        else {}
+    )
+    ordered["settings"] = settings(cfg)
+
+    rundir.write_json(out_dir / METRICS_FILE, ordered)
+    rundir.atomic_write_text(
+        out_dir / SAMPLES_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    )
+    reference = {
+        f"{v} held-out loss": ordered[v].get("loss") for v in VARIANTS if v in ordered and v != "merged"
+    }
+    drawn = curves.plot(run_dir, out_dir / CURVES_FILE, reference)
+    from finetune.evaluation.report import write_report
+
+    write_report(cfg, out_dir / REPORT_FILE, ordered, rows, curves_drawn=drawn is not None)
+    _print_table(ordered)
+    return ordered
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from finetune.evaluation.report import metric_names
+
+    variants = [v for v in VARIANTS if v in result]
+    table = Table(title="evaluation", header_style="bold")
+    table.add_column("metric")
+    for v in variants:
+        table.add_column(v, justify="right")
+    for name in metric_names(result):
+        table.add_row(name, *(_fmt(result[v].get(name)) for v in variants))
+    Console(stderr=True).print(table)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)

@@ -1,0 +1,77 @@
+"""Schema of the `export` config group: merging the adapter, checking the merge, serving with vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from finetune.errors import ConfigError
+
+QLORA_MERGE_BASES = ("original", "dequantized")
+
+# The merge check's default tolerance on logits, by the dtype the merge ran in: fp32 merges are
+# exact to rounding; a bf16 merge rounds W + BA to 8 mantissa bits once, the adapter model does not.
+DEFAULT_TOLERANCE = {"fp32": 1e-3, "bf16": 0.25}
+
+
+@dataclass
+class ExportConfig:
+    """`python -m finetune mode=export`: merged weights and/or the adapter, a logits check, serve.sh."""
+
+    # Merge the adapter into the base (merge_and_unload) and save export/merged; false: adapter only.
+    merge: bool = True
+    # QLoRA: merge into a 16-bit base, never the 4-bit one unless this is set (W + BA re-quantized
+    # to NF4 loses most of the update). `qlora_merge_base`: original = the base's own bf16 weights
+    # (as the hub ships them); dequantized = the NF4 weights the adapter was trained on, dequantized
+    # (the merged model then computes exactly what the trained model computed).
+    allow_lossy_4bit_merge: bool = False
+    qlora_merge_base: str = "original"
+    # Refuse to merge when the plan's merge_host_memory_gb exceeds this machine's available RAM.
+    check_host_memory: bool = True
+    max_shard_size: str = "5GB"
+    # Merge check: max |logits(merged) - logits(adapter model)| over held-out tokens must stay within
+    # the tolerance (None: by merge dtype, DEFAULT_TOLERANCE).
+    tolerance: Optional[float] = None
+    check_samples: int = 4
+    check_max_tokens: int = 256
+    # Evaluate the merged model after export and add `merged` to eval/metrics.json.
+    evaluate_merged: bool = True
+    # serve.sh (vLLM). None: derived (name: the run's name; max_model_len: the trained sequence length;
+    # tensor_parallel_size: the fewest GPUs of the hardware profile that hold the weights).
+    served_model_name: Optional[str] = None
+    max_model_len: Optional[int] = None
+    tensor_parallel_size: Optional[int] = None
+    gpu_memory_utilization: float = 0.90
+    fp8: bool = True  # also write the FP8 variant (--quantization fp8: a merged 70B on one H200)
+    serve_dtype: str = "bfloat16"
+    port: int = 8000
+
+    def __post_init__(self) -> None:
+        if self.qlora_merge_base not in QLORA_MERGE_BASES:
+            raise ConfigError(
+                f"export.qlora_merge_base={self.qlora_merge_base!r} is not one of {', '.join(QLORA_MERGE_BASES)}"
+            )
+        if self.tolerance is not None and self.tolerance <= 0:
+            raise ConfigError(
+                f"export.tolerance={self.tolerance} must be > 0 (or null for the dtype default)"
+            )
+        for key in ("check_samples", "check_max_tokens", "port"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"export.{key}={getattr(self, key)} must be > 0")
+        for key in ("max_model_len", "tensor_parallel_size"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ConfigError(f"export.{key}={value} must be > 0 (or null to derive it)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"export.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
+        if self.serve_dtype not in ("auto", "bfloat16", "float16"):
+            raise ConfigError(
+                f"export.serve_dtype={self.serve_dtype!r} is not one of auto, bfloat16, float16"
+            )
+        if not self.max_shard_size.strip():
+            raise ConfigError("export.max_shard_size is empty (e.g. 5GB)")
+
+    def tolerance_for(self, dtype: str) -> float:
+        return self.tolerance if self.tolerance is not None else DEFAULT_TOLERANCE[dtype]

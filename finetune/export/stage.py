@@ -1,0 +1,144 @@
+"""mode=export: merge and save what ships, prove the merge, write serve.sh, evaluate the merged model.
+
+    python -m finetune +recipe=tiny mode=export      # after mode=train (and mode=eval)
+
+Writes RUN_DIR/export/:
+- merged/           safetensors shards, tokenizer, generation config (adapters merged, or the full model)
+- adapter/          the adapter alone (LoRA, QLoRA), with its size in export.json
+- merge_check.json  {ok, max_abs_diff, tolerance, mean_abs_diff, top1_agreement, tokens, base, dtype, ...}
+- serve.sh          `vllm serve` for the merged model, the base + adapter, and FP8
+- export.json       what was written, sizes, the serve commands as argument lists
+and then adds `merged` to RUN_DIR/eval/metrics.json (export.evaluate_merged).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from finetune import rundir
+from finetune.config import Config
+from finetune.errors import LaunchError
+from finetune.evaluation.loading import EXPORT_DIR, MERGED_DIR, trained_dir
+from finetune.export import merge, serve
+from finetune.planner import Plan
+
+log = logging.getLogger(__name__)
+
+ADAPTER_DIR = "adapter"
+MERGE_CHECK_FILE = "merge_check.json"
+SERVE_FILE = "serve.sh"
+SUMMARY_FILE = "export.json"
+
+
+def copy_adapter(cfg: Config, run_dir: Path, out: Path) -> dict[str, Any]:
+    src = trained_dir(cfg, run_dir)
+    if not (src / "adapter_config.json").is_file():
+        raise LaunchError(f"{src}: no adapter; run the training stage (mode=train) first")
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(src, out)
+    weights = sum(p.stat().st_size for p in out.glob("adapter_model*.safetensors"))
+    return {
+        "path": str(out),
+        "size_bytes": merge.dir_size(out),
+        "weights_bytes": weights,
+        "rank": cfg.method.lora_rank,
+        "alpha": cfg.method.lora_alpha,
+        "target_modules": list(cfg.method.target_modules),
+    }
+
+
+def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> dict[str, Any]:
+    """Export per `cfg.export`; returns export.json's content. `eval_dataset` replaces the data stage's (tests)."""
+    from finetune.evaluation import regression
+    from finetune.train.models import load_tokenizer, model_source
+
+    run_dir = Path(run_dir)
+    x = cfg.export
+    out = run_dir / EXPORT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    if eval_dataset is None:
+        from finetune.data.stage import load_prepared
+
+        try:
+            eval_dataset = load_prepared(run_dir)[1]
+        except Exception as exc:  # no data stage: the check falls back to the regression prompts
+            log.warning("no held-out split for the merge check (%s); using the regression prompts", exc)
+    tokenizer = load_tokenizer(cfg.model)
+    summary: dict[str, Any] = {"method": cfg.method.name, "model": cfg.model.name}
+
+    if cfg.method.uses_adapters:
+        summary["adapter"] = copy_adapter(cfg, run_dir, out / ADAPTER_DIR)
+    do_merge = x.merge or not cfg.method.uses_adapters
+    if do_merge:
+        if cfg.method.uses_adapters and x.check_host_memory:
+            summary["host_memory_gb"] = {
+                "needed": plan.merge_host_memory_gb,
+                "available": round(merge.check_host_memory(plan.merge_host_memory_gb), 2),
+            }
+        fallback = [r["messages"] for r in regression.load(None)]
+        inputs = merge.check_inputs(eval_dataset, tokenizer, x.check_samples, x.check_max_tokens, fallback)
+        model, check = merge.merged_model(cfg, run_dir, inputs)
+        lossy = check["dtype"] == "nf4"
+        tolerance = x.tolerance_for("bf16" if lossy else check["dtype"])
+        check = {"ok": check["max_abs_diff"] <= tolerance, "max_abs_diff": check["max_abs_diff"],
+                 "tolerance": tolerance, "lossy": lossy, **{k: v for k, v in check.items() if k != "max_abs_diff"}}  # fmt: skip
+        rundir.write_json(out / MERGE_CHECK_FILE, check)
+        summary["merge_check"] = check
+        if not check["ok"] and lossy:
+            log.warning(
+                "lossy 4-bit merge: max |logit diff| %.3g exceeds %g; shipped anyway (export.allow_lossy_4bit_merge)",
+                check["max_abs_diff"],
+                tolerance,
+            )
+        elif not check["ok"]:
+            raise merge.ExportError(
+                f"merge check failed: max |logits(merged) - logits(adapter)| = {check['max_abs_diff']:.3g} "
+                f"> export.tolerance={tolerance:g} (details in {out / MERGE_CHECK_FILE}); nothing was saved to merged/"
+            )
+        summary["merged"] = merge.save_model(model, tokenizer, out / MERGED_DIR, x.max_shard_size)
+        del model
+        gc.collect()
+
+    commands = serve.serve_commands(
+        cfg,
+        plan,
+        merged=do_merge,
+        adapter=cfg.method.uses_adapters,
+        base_source=model_source(cfg.model) if cfg.method.uses_adapters else None,
+        merged_4bit=bool(summary.get("merge_check", {}).get("lossy")),
+    )
+    serve.write(cfg, out / SERVE_FILE, commands)
+    summary["serve"] = {c.variant: {"argv": list(c.argv), "note": c.note} for c in commands}
+    rundir.write_json(out / SUMMARY_FILE, summary)
+    _print_summary(summary, out)
+
+    if do_merge and x.evaluate_merged:
+        from finetune.evaluation import stage as eval_stage
+
+        summary["eval"] = eval_stage.run(cfg, run_dir, ["merged"], eval_dataset=eval_dataset)
+    return summary
+
+
+def _print_summary(summary: dict[str, Any], out: Path) -> None:
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    check = summary.get("merge_check")
+    if check:
+        console.print(
+            f"merge check: max |Δlogit| {check['max_abs_diff']:.3g} (tolerance {check['tolerance']:g}), "
+            f"top-1 agreement {check['top1_agreement']:.4f} over {check['tokens']} tokens: "
+            + ("[green]ok[/green]" if check["ok"] else "[red]FAILED[/red]")
+        )
+    if "merged" in summary:
+        console.print(
+            f"merged: {summary['merged']['size_bytes'] / 1e6:,.1f} MB in {len(summary['merged']['shards'])} shard(s)"
+        )
+    if "adapter" in summary:
+        console.print(f"adapter: {summary['adapter']['size_bytes'] / 1e6:,.2f} MB")
+    console.print(f"serve: bash {out / SERVE_FILE} [{'|'.join(summary['serve'])}]")

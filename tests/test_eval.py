@@ -1,0 +1,242 @@
+"""Evaluation: metrics, regression flags, loss curves, generation, and the eval/ contract (base, trained, merged)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from finetune import tasks
+from finetune.errors import ConfigError, DataError
+from finetune.evaluation import curves, metrics, regression
+from finetune.evaluation.config import EvalConfig
+from tests.test_eval_support import (
+    compose_tiny,
+    fast_eval,
+    make_adapter_run,
+    plan_for,
+    with_stages,
+    write_log_history,
+)
+
+
+def answer_length(prompts, predictions, references):
+    """A user metric named by dotted path (tests.test_eval.answer_length)."""
+    return sum(len(p) for p in predictions) / len(predictions)
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_builtin_regex_and_user_metrics():
+    prompts = ["Even or odd: 12", "Last digit of 47", "Opposite of hot:"]
+    predictions = ["Even.", "the answer is 7", "cold"]
+    references = ["even", "7", "cold"]
+    fns = metrics.resolve(
+        ["exact_match", "contains", r"regex:answer is (\d+)", "tests.test_eval.answer_length"]
+    )
+    scores = metrics.score(fns, prompts, predictions, references)
+    assert scores["exact_match"] == pytest.approx(2 / 3)
+    # exact_match is the bundled task's metric, with its per-task breakdown.
+    assert {k: v for k, v in scores.items() if k.startswith("exact_match")} == tasks.score(
+        prompts, predictions, references
+    )
+    assert scores["contains"] == 1.0
+    assert scores["regex_match"] == pytest.approx(1 / 3)
+    assert scores["answer_length"] == pytest.approx((5 + 15 + 4) / 3)
+    two = metrics.score(metrics.resolve([r"regex:(\d)", r"regex:\w+"]), prompts, predictions, references)
+    assert set(two) == {"regex_match_0", "regex_match_1"}
+
+
+def test_metric_names_fail_early_and_clearly():
+    with pytest.raises(ConfigError, match="not exact_match, contains"):
+        EvalConfig(metrics=["bleu"])
+    with pytest.raises(ConfigError, match="not a valid regular expression"):
+        EvalConfig(metrics=["regex:("])
+    with pytest.raises(ConfigError, match="cannot import 'nowhere.fn'"):
+        metrics.resolve(["nowhere.fn"])
+    with pytest.raises(ConfigError, match="eval.metrics is empty"):
+        EvalConfig(metrics=[])
+    with pytest.raises(ConfigError, match="eval.top_p"):
+        EvalConfig(top_p=0)
+
+
+def test_eval_yaml_matches_the_schema():
+    import yaml
+
+    from finetune.config import package_dir
+
+    raw = yaml.safe_load((package_dir("configs") / "eval" / "default.yaml").read_text())
+    defaults = dict(EvalConfig().__dict__)
+    assert raw == {k: v for k, v in defaults.items() if k != "refusal_pattern"}
+
+
+# ---------------------------------------------------------------- regression set
+
+
+def test_bundled_regression_set_covers_the_three_kinds():
+    rows = regression.load()
+    kinds = {r["category"] for r in rows}
+    assert kinds == {"instruction", "language", "no_refusal"} and len(rows) >= 15
+    assert len({r["id"] for r in rows}) == len(rows)
+    assert all(r["messages"][-1]["role"] == "user" for r in rows)
+
+
+def test_regression_flags_and_new_regressions(tmp_path):
+    pattern = EvalConfig().refusal_pattern
+    assert regression.flags("I'm sorry, but I can't help with that.", None, pattern) == ["refusal"]
+    assert regression.flags("I cannot do that", None, pattern) == ["refusal"]
+    assert regression.flags("Use `kill -9 PID`; I can't stress enough...", None, pattern) == []
+    assert regression.flags("  ", r"^\w+$", pattern) == ["empty", "check_failed"]
+    assert regression.flags("YES", r"(?i)^yes$", pattern) == []
+
+    rows = [
+        {"id": "a", "check": None, "flags": {"base": [], "trained": ["refusal"]}},
+        {"id": "b", "check": "x", "flags": {"base": [], "trained": ["empty", "check_failed"]}},
+        {"id": "c", "check": "x", "flags": {"base": ["check_failed"], "trained": ["check_failed"]}},
+    ]
+    assert regression.regressions(rows, "trained") == {
+        "new_refusals": ["a"],
+        "new_empty": ["b"],
+        "lost_checks": ["b"],
+    }
+    assert regression.summary(rows, "trained") == {
+        "regression_refusals": 1, "regression_empty": 1, "regression_checks_passed": 0.0,
+    }  # fmt: skip
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"id": "x", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n'
+    )
+    with pytest.raises(DataError, match="bad.jsonl:1: 'messages' must end with the turn to answer"):
+        regression.load(str(bad))
+
+
+# ---------------------------------------------------------------- loss curves
+
+
+def test_loss_history_merges_checkpoint_state_and_train_log(tmp_path):
+    write_log_history(tmp_path, steps=20)
+    (tmp_path / "checkpoints" / "checkpoint-5").mkdir()
+    (tmp_path / "checkpoints" / "checkpoint-5" / "trainer_state.json").write_text('{"log_history": []}')
+    log = [{"step": 21, "loss": 0.5}, {"step": 22, "eval_loss": 0.6}, {"step": 20, "loss": 0.9}]
+    (tmp_path / "train_log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log) + '{"step": 23, "lo')
+    series = curves.loss_series(curves.log_history(tmp_path))
+    assert [s for s, _ in series["train"]] == list(range(1, 22))  # checkpoint-20 (not -5), then the log
+    assert dict(series["train"])[20] == 0.9  # the log's entry wins for a step both have
+    assert [s for s, _ in series["eval"]] == [5, 10, 15, 20, 22]
+
+    out = tmp_path / "eval" / "loss_curves.png"
+    assert curves.plot(tmp_path, out, {"base held-out loss": 3.0}) == {"train": 21, "eval": 5}
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert curves.plot(tmp_path / "empty", tmp_path / "none.png") is None
+
+
+# ---------------------------------------------------------------- generation
+
+
+def test_batched_left_padded_generation_equals_one_by_one(tiny_cache, tiny_model_cfg, tiny_tokenizer):
+    from finetune import tiny
+    from finetune.evaluation.generate import generate
+
+    model = tiny.load_model(tiny_model_cfg)
+    prompts = [
+        [{"role": "user", "content": c}]
+        for c in ("Even or odd: 5", "Opposite of hot:", "Last digit of 123456")
+    ]
+    prompts.append([{"role": "system", "content": "Reply with the answer only."}, *prompts[0]])
+    batched = generate(model, tiny_tokenizer, prompts, fast_eval(batch_size=4))
+    alone = [generate(model, tiny_tokenizer, [p], fast_eval(batch_size=1))[0] for p in prompts]
+    assert batched == alone and tiny_tokenizer.padding_side == "right"
+
+    sampled = fast_eval(greedy=False, temperature=1.5, seed=3)
+    first = generate(model, tiny_tokenizer, prompts, sampled)
+    assert generate(model, tiny_tokenizer, prompts, sampled) == first  # the seed is reset per model
+
+
+# ---------------------------------------------------------------- the stage and its contract
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory, tiny_cache, tiny_data):
+    """A LoRA run (random adapter) evaluated, then exported (which evaluates the merged model)."""
+    from finetune.evaluation import stage as eval_stage
+    from finetune.export import stage as export_stage
+
+    run = tmp_path_factory.mktemp("eval") / "run"
+    cfg = with_stages(
+        compose_tiny(f"run_dir={run}", "train.seq_len=128"),
+        eval=fast_eval(metrics=["exact_match", "contains"], report_examples=3),
+    )
+    make_adapter_run(run, cfg.model, cfg.method)
+    held_out = tiny_data[1].select(range(24))
+    before = eval_stage.run(cfg, run, eval_dataset=held_out)
+    after = export_stage.run(cfg, run, plan_for(cfg), eval_dataset=held_out)["eval"]
+    return run, before, after
+
+
+def test_metrics_json_contract(evaluated):
+    run, before, after = evaluated
+    assert set(before) == {"base", "trained", "regression", "settings"}
+    doc = json.loads((run / "eval" / "metrics.json").read_text())
+    assert doc == after and {"base", "trained", "merged"} <= set(doc)
+    for v in ("base", "trained", "merged"):
+        for key in ("loss", "exact_match", "contains", "regression_refusals", "regression_empty"):
+            assert isinstance(doc[v][key], (int, float)), (v, key)
+        assert doc[v]["generated"] == 6
+    assert doc["base"] == before["base"] and doc["trained"] == before["trained"]  # kept, not redone
+    assert doc["trained"]["loss"] != pytest.approx(
+        doc["base"]["loss"], abs=1e-3
+    )  # the adapter changes the model
+    assert doc["merged"]["loss"] == pytest.approx(
+        doc["trained"]["loss"], abs=1e-4
+    )  # what ships = what trained
+    assert doc["merged"]["exact_match"] == doc["trained"]["exact_match"]
+    assert set(doc["regression"]) == {"trained", "merged"}
+    assert set(doc["regression"]["merged"]) == {"new_refusals", "new_empty", "lost_checks"}
+    assert doc["settings"]["decoding"] == {"do_sample": False} and doc["settings"]["max_new_tokens"] == 6
+
+
+def test_samples_report_and_curves(evaluated):
+    run, _, _ = evaluated
+    rows = [json.loads(line) for line in (run / "eval" / "samples.jsonl").read_text().splitlines()]
+    task = [r for r in rows if r["set"] == "task"]
+    reg = [r for r in rows if r["set"] == "regression"]
+    assert len(task) == 6 and len(reg) == len(regression.load())
+    for r in task:
+        assert r["prompt"] and r["reference"] and {"base", "trained", "merged"} <= set(r)
+        assert r["trained"] == r["merged"]  # greedy decoding of equal logits
+    assert all(set(r["flags"]) == {"base", "trained", "merged"} for r in reg)
+
+    report = (run / "eval" / "report.md").read_text()
+    assert "| metric | base | trained | merged | trained − base | merged − base |" in report
+    assert "## Regression set" in report and "![training and eval loss](loss_curves.png)" in report
+    assert (run / "eval" / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_mode_eval_again_reevaluates_everything_present(evaluated, tiny_data):
+    from finetune.evaluation import stage as eval_stage
+
+    run, _, after = evaluated
+    cfg = with_stages(compose_tiny(f"run_dir={run}", "train.seq_len=128"), eval=fast_eval(regression=False))
+    again = eval_stage.run(cfg, run, eval_dataset=tiny_data[1].select(range(24)))
+    assert set(again) == {"base", "trained", "merged", "regression", "settings"} and again["regression"] == {}
+    assert again["merged"]["loss"] == pytest.approx(after["merged"]["loss"], abs=1e-6)
+    rows = [json.loads(line) for line in (Path(run) / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert {r["set"] for r in rows} == {"task"}
+
+
+def test_qlora_run_is_evaluated_on_its_4bit_base(tmp_path, tiny_cache, tiny_data):
+    """QLoRA: base and trained load as trained (NF4 base), the adapter changes the loss."""
+    from finetune.evaluation import stage as eval_stage
+
+    run = tmp_path / "run"
+    cfg = with_stages(
+        compose_tiny(f"run_dir={run}", "train.seq_len=128", "method=qlora"),
+        eval=fast_eval(num_samples=2, regression=False),
+    )
+    make_adapter_run(run, cfg.model, cfg.method)
+    result = eval_stage.run(cfg, run, eval_dataset=tiny_data[1].select(range(8)))
+    assert set(result) == {"base", "trained", "regression", "settings"}
+    assert 0 < result["base"]["loss"] != pytest.approx(result["trained"]["loss"], abs=1e-3)

@@ -1,0 +1,40 @@
+"""The embedded default end to end (slow): data -> plan -> train -> eval -> export -> serve.sh,
+with the fine-tuned and merged models beating the base on the bundled task."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_eval_support import compose_tiny, with_stages
+
+
+@pytest.mark.slow
+def test_tiny_pipeline_trained_and_merged_beat_the_base(tmp_path, tiny_cache):
+    from finetune import stages
+    from finetune.data import stage as data_stage
+    from finetune.evaluation import stage as eval_stage
+    from finetune.evaluation.config import EvalConfig
+    from finetune.export import stage as export_stage
+    from finetune.train import stage as train_stage
+
+    run = tmp_path / "run"
+    cfg = with_stages(
+        compose_tiny(f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}", "train.report_to=[]"),
+        eval=EvalConfig(num_samples=64, max_new_tokens=8, progress=False),
+    )
+    cfg = stages.resolve(cfg)
+    data_stage.run(cfg, run)
+    plan = stages.plan_stage(cfg, run, quiet=True)
+    train_stage.run(cfg, run, plan, max_generate=16)
+    eval_stage.run(cfg, run)
+    export_stage.run(cfg, run, plan)
+
+    doc = json.loads((run / "eval" / "metrics.json").read_text())
+    base, trained, merged = doc["base"], doc["trained"], doc["merged"]
+    assert trained["loss"] < base["loss"] and merged["loss"] == pytest.approx(trained["loss"], abs=1e-4)
+    assert trained["exact_match"] > base["exact_match"] + 0.2
+    assert merged["exact_match"] == trained["exact_match"]
+    assert json.loads((run / "export" / "merge_check.json").read_text())["ok"]
+    assert (run / "export" / "serve.sh").is_file() and (run / "eval" / "loss_curves.png").is_file()

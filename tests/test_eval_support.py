@@ -1,0 +1,88 @@
+"""Shared helpers for the evaluation, export and compare tests (no tests here).
+
+`with_stages` gives a composed config the `eval` and `export` sections as typed
+objects (a Config subclass, so it works whether or not the root Config has them).
+`make_adapter_run` writes what the training stage leaves behind: the adapter
+(small LoRA with random, non-zero B so a merge changes the weights), and a
+checkpoint's trainer_state.json with a log history.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from finetune.config import Config
+from finetune.evaluation.config import EvalConfig
+from finetune.export.config import ExportConfig
+
+
+@dataclass
+class StagedConfig(Config):
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+
+def compose_tiny(*overrides: str) -> Config:
+    """The real composed config (recipe tiny) with command-line style overrides."""
+    from finetune.cli import compose
+
+    return compose(list(overrides))
+
+
+def plan_for(cfg: Config) -> Any:
+    """The planner's plan for `cfg` on this machine (hardware=cpu resolved as the pipeline does)."""
+    from finetune.cli import load_profiles
+    from finetune.planner import make_plan
+    from finetune.stages import resolve
+
+    cfg = resolve(cfg)
+    return make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
+
+
+def with_stages(cfg: Config, eval: Optional[EvalConfig] = None, export: Optional[ExportConfig] = None) -> Any:
+    values = {f.name: getattr(cfg, f.name) for f in fields(Config) if f.name not in ("eval", "export")}
+    return StagedConfig(
+        **values,
+        eval=eval or getattr(cfg, "eval", None) or EvalConfig(),
+        export=export or getattr(cfg, "export", None) or ExportConfig(),
+    )
+
+
+def fast_eval(**overrides: Any) -> EvalConfig:
+    """Few prompts, few tokens, no progress bars: seconds on two CPU cores."""
+    settings: dict[str, Any] = dict(num_samples=6, max_new_tokens=6, batch_size=8, progress=False)
+    settings.update(overrides)
+    return EvalConfig(**settings)
+
+
+def write_log_history(run_dir: Path, steps: int = 20) -> None:
+    history = [{"step": s, "loss": 3.0 / s**0.3} for s in range(1, steps + 1)]
+    history += [{"step": s, "eval_loss": 3.2 / s**0.25} for s in (5, 10, 15, 20)]
+    ckpt = run_dir / "checkpoints" / f"checkpoint-{steps}"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": steps, "log_history": history}))
+
+
+def make_adapter_run(run_dir: Path, model_cfg: Any, method: Any, seed: int = 0, b_std: float = 0.05) -> Path:
+    """RUN_DIR/adapter from the tiny model + PEFT directly: random A and B (non-zero), like a trained one."""
+    import torch
+    from peft import get_peft_model
+
+    from finetune import tiny
+    from finetune.train.models import lora_config
+
+    torch.manual_seed(seed)
+    model = tiny.load_model(model_cfg)
+    peft_model = get_peft_model(model, lora_config(method))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, b_std)
+    out = run_dir / "adapter"
+    peft_model.save_pretrained(str(out))
+    tiny.load_tokenizer(model_cfg).save_pretrained(str(out))
+    write_log_history(run_dir)
+    return out
