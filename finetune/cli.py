@@ -20,7 +20,7 @@ from typing import Any, Optional
 from finetune.config import Config, HardwareConfig, group_choices, package_dir, recipe_names, register_configs
 from finetune.errors import ConfigError, FinetuneError
 
-_GROUPS = ("model", "method", "hardware", "data", "train", "plan", "launch")
+_GROUPS = ("model", "method", "hardware", "data", "train", "plan", "launch", "eval", "export")
 DEFAULT_RECIPE = "tiny"
 
 
@@ -78,7 +78,7 @@ def _check_overrides(overrides: Sequence[str]) -> None:
         key, value = m.groups()
         if key == "recipe":
             valid = recipe_names()
-        elif key in _GROUPS and key not in ("train", "plan", "launch"):
+        elif key in _GROUPS and key not in ("train", "plan", "launch", "eval", "export"):
             valid = group_choices(key)
         else:
             continue

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from finetune.data.config import DataConfig
+from finetune.evaluation.config import EvalConfig
+from finetune.export.config import ExportConfig
 from finetune.launch.config import LaunchConfig
 from finetune.errors import ConfigError
 
@@ -281,15 +283,21 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     # The recipe's name; names the default run directory.
     name: str = "tiny"
     mode: str = "all"
     run_dir: Optional[str] = None  # default: runs/<name>
     # resume: true (last complete checkpoint), false (start fresh) or a checkpoint path.
     resume: Union[bool, str] = True
+    # mode=compare: run directories (or names under runs/) to put side by side.
+    runs: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, MODES)
+        if self.mode == "compare" and len(self.runs) < 1:
+            raise ConfigError("mode=compare needs runs=[RUN_DIR,...]: the runs to put side by side")
         if self.method.optimizer == "paged_adamw_8bit" and self.hardware.device == "cpu":
             raise ConfigError(
                 "method.optimizer=paged_adamw_8bit needs CUDA (paged memory); use adamw on hardware=cpu"
@@ -322,6 +330,8 @@ def register_configs() -> None:
         ("train", TrainConfig),
         ("plan", PlanConfig),
         ("launch", LaunchConfig),
+        ("eval", EvalConfig),
+        ("export", ExportConfig),
     ):
         cs.store(group=group, name=f"{group}_schema", node=schema)
     for path in sorted(package_dir("recipes").glob("*.yaml")):

@@ -13,10 +13,8 @@ from typing import Optional
 
 from finetune import rundir
 from finetune.config import Config, ModelConfig
-from finetune.errors import ConfigError, PlanError
+from finetune.errors import ConfigError, LaunchError, PlanError
 from finetune.planner import Plan, make_plan
-
-NOT_BUILT = ("train", "eval", "export", "compare")
 
 
 def model_from_config_json(model: ModelConfig) -> ModelConfig:
@@ -100,26 +98,76 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
     return plan
 
 
+def train_stage(cfg: Config, run_dir: Path, plan: Plan) -> None:
+    """Train through the launcher, so one CPU process and 8 GPUs take the same path (`python -m finetune.train`)."""
+    from finetune.launch import stage as launch_stage
+
+    code = launch_stage.run(cfg, run_dir, plan)
+    if code != 0:
+        raise LaunchError(f"training exited with code {code}; its log is above (resume: run the same command again)")
+
+
+def _print_summary(run_dir: Path) -> None:
+    from finetune.evaluation.stage import EVAL_DIR, METRICS_FILE
+
+    metrics_path = run_dir / EVAL_DIR / METRICS_FILE
+    print(f"\nrun directory: {run_dir}")
+    for name in (
+        "config.yaml",
+        "plan.json",
+        "data_stats.json",
+        "metrics.json",
+        f"{EVAL_DIR}/{METRICS_FILE}",
+        f"{EVAL_DIR}/report.md",
+        "export/merged",
+        "export/adapter",
+        "export/serve.sh",
+    ):
+        if (run_dir / name).exists():
+            print(f"  {name}")
+    if metrics_path.is_file():
+        metrics = json.loads(metrics_path.read_text())
+        for variant in ("base", "trained", "merged"):
+            if variant in metrics:
+                values = ", ".join(
+                    f"{k} {v:.4f}" for k, v in metrics[variant].items() if isinstance(v, (int, float)) and "/" not in k
+                )
+                print(f"  {variant:8s} {values}")
+
+
 def run(cfg: Config) -> int:
     cfg = resolve(cfg)
-    if cfg.mode in NOT_BUILT:
-        print(f"finetune: mode={cfg.mode} is not built yet (built: plan, data, all = plan + data)")
-        return 2
+    if cfg.mode == "compare":
+        from finetune import compare
+
+        compare.run(cfg.runs, Path(cfg.run_dir) if cfg.run_dir else Path("runs") / "compare")
+        return 0
     run_dir = rundir.prepare(cfg)
     rundir.save_config(cfg, run_dir)
-    if cfg.mode == "plan":
+    mode = cfg.mode
+    if mode == "plan":
         plan_stage(cfg, run_dir)
         return 0
-    if cfg.mode == "launch":
-        from finetune.launch import stage as launch_stage
-
-        return launch_stage.run(cfg, run_dir, plan_stage(cfg, run_dir, quiet=True))
-    if cfg.mode in ("data", "all"):
+    if mode in ("data", "all"):
         from finetune.data import stage as data_stage
 
         data_stage.run(cfg, run_dir)
-        if cfg.mode == "data":
+        if mode == "data":
             return 0
-    plan_stage(cfg, run_dir)
-    print("finetune: training, evaluation and export are not built yet; stopped after the plan and the data.")
+    if mode == "launch":
+        from finetune.launch import stage as launch_stage
+
+        return launch_stage.run(cfg, run_dir, plan_stage(cfg, run_dir, quiet=True))
+    plan = plan_stage(cfg, run_dir, quiet=mode in ("eval", "export"))
+    if mode in ("train", "all"):
+        train_stage(cfg, run_dir, plan)
+    if mode in ("eval", "all"):
+        from finetune.evaluation import stage as eval_stage
+
+        eval_stage.run(cfg, run_dir)
+    if mode in ("export", "all"):
+        from finetune.export import stage as export_stage
+
+        export_stage.run(cfg, run_dir, plan)
+    _print_summary(run_dir)
     return 0

@@ -21,7 +21,7 @@ def test_config_folders_are_walked_recursively():
     # The ConfigStore registers recipes/*.yaml; a nested file would be silently skipped.
     assert all(p.parent == ROOT / "recipes" for p in _yaml_files(ROOT / "recipes"))
     groups = {p.parent.name for p in _yaml_files(ROOT / "configs") if p.parent != ROOT / "configs"}
-    assert groups == {"model", "method", "hardware", "data", "train", "plan", "launch"}
+    assert groups == {"model", "method", "hardware", "data", "train", "plan", "launch", "eval", "export"}
 
 
 @pytest.mark.parametrize("recipe", recipe_names())
@@ -38,7 +38,11 @@ def test_every_recipe_composes(recipe: str):
 
 @pytest.mark.parametrize(
     "group,option",
-    [(g, o) for g in ("model", "method", "hardware", "data", "train", "plan", "launch") for o in group_choices(g)],
+    [
+        (g, o)
+        for g in ("model", "method", "hardware", "data", "train", "plan", "launch", "eval", "export")
+        for o in group_choices(g)
+    ],
 )
 def test_every_group_option_composes(group: str, option: str):
     cfg = compose([f"{group}={option}", "mode=plan"])
