@@ -71,7 +71,9 @@ def _check_overrides(overrides: Sequence[str]) -> None:
         added = re.fullmatch(r"\+{1,2}([\w.]+)=.*", item)
         if added and added.group(1) != "recipe" and not added.group(1).startswith("launch.env."):
             key = added.group(1)
-            raise ConfigError(f"{key}: unknown key ('+' adds keys; only +recipe=NAME and +launch.env.NAME=VALUE are accepted)")
+            raise ConfigError(
+                f"{key}: unknown key ('+' adds keys; only +recipe=NAME and +launch.env.NAME=VALUE are accepted)"
+            )
         m = re.fullmatch(r"\+?\+?(\w+)=([\w.\-/]+)", item)
         if not m:
             continue
@@ -178,6 +180,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     try:
         cfg = compose(args)
+        if cfg.smoke.enabled and cfg.mode in ("all", "train"):
+            from finetune import smoke
+
+            smoke.run(cfg, args)
         return run(cfg)
     except FinetuneError as exc:
         print(f"finetune: error: {exc}", file=sys.stderr)

@@ -57,7 +57,8 @@ def load_tokenizer(model: ModelConfig) -> Any:
     try:
         return AutoTokenizer.from_pretrained(source, trust_remote_code=model.trust_remote_code)
     except OSError as exc:
-        raise DataError(f"model.hub_id={source}: cannot load the tokenizer ({exc})") from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"model.hub_id={source}: cannot load the tokenizer ({first})") from None
 
 
 def _default_data_path() -> Path:
