@@ -282,3 +282,23 @@ def test_liger_is_used_only_on_cuda(monkeypatch):
     actual = chunked_loss._liger_linear_cross_entropy(hidden, weight, targets, None, "mean", 37, -100)
     assert calls == ["sum"]
     assert rel_err(actual, expected) <= 1e-6
+
+
+def test_under_autocast_matches_the_plain_loss_in_the_autocast_dtype():
+    """HF Trainer calls compute_loss inside autocast when bf16=True: the chunked loss must run there."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 16, 32, requires_grad=True)
+    weight = torch.randn(100, 32, requires_grad=True)
+    labels = torch.randint(0, 100, (2, 16))
+    labels[:, :3] = -100
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = chunked_causal_lm_loss(hidden, weight, labels, chunk_size=8)
+    loss.backward()
+    assert hidden.grad is not None and hidden.grad.dtype == torch.float32
+    assert weight.grad is not None and weight.grad.dtype == torch.float32
+    ref_h = hidden.detach().to(torch.bfloat16).float().requires_grad_()
+    ref_w = weight.detach().to(torch.bfloat16).float().requires_grad_()
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    logits = (ref_h.reshape(-1, 32).bfloat16() @ ref_w.bfloat16().T).float()
+    ref = torch.nn.functional.cross_entropy(logits, shift.reshape(-1), ignore_index=-100)
+    assert loss.item() == pytest.approx(ref.item(), rel=2e-2)

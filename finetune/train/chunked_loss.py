@@ -225,7 +225,26 @@ def linear_cross_entropy(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
-    """Fused LM head + cross-entropy: Liger's kernel on CUDA when installed, else ours."""
+    """Fused LM head + cross-entropy: Liger's kernel on CUDA when installed, else ours.
+
+    Under autocast (HF Trainer runs `compute_loss` inside it with bf16=True) the
+    inputs are cast once to the autocast dtype, as autocast would for the head's
+    matmul, and the chunks run with autocast off so every buffer has one dtype.
+    """
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        with torch.autocast(device_type=device, enabled=False):
+            return linear_cross_entropy(
+                hidden.to(dtype),
+                weight.to(dtype),
+                targets,
+                bias=None if bias is None else bias.to(dtype),
+                reduction=reduction,
+                num_items_in_batch=num_items_in_batch,
+                chunk_size=chunk_size,
+                ignore_index=ignore_index,
+            )
     if hidden.is_cuda and liger_available():
         return _liger_linear_cross_entropy(
             hidden, weight, targets, bias, reduction, num_items_in_batch, ignore_index
