@@ -21,7 +21,7 @@ from typing import Any, Optional
 from finetune.config import HardwareConfig, MethodConfig, ModelConfig, PlanConfig, TrainConfig
 from finetune.errors import PlanError
 from finetune.planner._activations import layer_bytes_per_token, model_bytes_per_token
-from finetune.planner.params import ParamCounts, count_params, lora_params
+from finetune.planner.params import ParamCounts, count_params, lora_params, projection_shapes
 
 GB = 1e9
 HOURS_PER_MONTH = 730.0
@@ -42,6 +42,7 @@ class Calibration:
     cpu_adam_params_per_s: float
     host_gb_per_rank: float
     default_tokens_per_micro_batch: int
+    backward_working_set_layers: float
 
     @staticmethod
     @lru_cache(maxsize=1)
@@ -237,15 +238,23 @@ def _activation_bytes(job: _Job, s: Strategy) -> float:
 
 
 def _logit_bytes(job: _Job, s: Strategy) -> float:
-    """Peak of the loss: the fp32 logits and their gradient (one chunk at a time when chunked)."""
+    """Peak of the loss: the fp32 logits and their gradient (one chunk at a time when chunked).
+
+    Measured (scripts/bench_planner.py): a plain loss peaks at 3x the fp32 logits (log-softmax output,
+    its gradient and the input gradient at once); the chunked loss at 1.5x one chunk of fp32 logits
+    (the chunk in the compute dtype and its fp32 copy, then the fp32 gradient and its compute-dtype cast),
+    plus its hidden-state gradient buffer, the chunk's hidden rows and their gradient and, when the head
+    trains, one head-gradient accumulator, all in the compute dtype.
+    """
     tokens = s.micro_batch_size * job.seq_len
     vocab = job.model.vocab_size
     if s.chunked_loss:
         rows = min(tokens, job.train.loss_chunk_size)
         peak = job.cal.chunked_loss_peak_factor * 4.0 * rows * vocab
-        peak += 4.0 * tokens * job.model.hidden_size  # the hidden-state gradient buffer
+        # the hidden-state gradient buffer, and the chunk's rows of hidden states and of their gradient
+        peak += _dtype_bytes(job) * (tokens + 2 * rows) * job.model.hidden_size
         if job.method.name == "full":
-            peak += 4.0 * vocab * job.model.hidden_size  # one fp32 accumulator for the head gradient
+            peak += _dtype_bytes(job) * vocab * job.model.hidden_size  # one accumulator for the head gradient
         return peak
     return job.cal.plain_loss_peak_factor * 4.0 * tokens * vocab
 
@@ -269,7 +278,8 @@ def _memory(job: _Job, s: Strategy) -> tuple[Memory, float]:
     activations = _activation_bytes(job, s)
     logits = _logit_bytes(job, s)
     fixed = job.cal.cuda_context_gb * GB if job.hw.device == "cuda" else job.cal.cpu_process_gb * GB
-    overhead = fixed + job.cal.allocator_fraction * (weights + state_gpu + activations + logits)
+    working_set = _working_set_bytes(job, s, logits)
+    overhead = fixed + working_set + job.cal.allocator_fraction * (weights + state_gpu + activations + logits)
     mem = Memory(
         weights=weights / GB,
         trainable_state=state_gpu / GB,
@@ -278,6 +288,24 @@ def _memory(job: _Job, s: Strategy) -> tuple[Memory, float]:
         overhead=overhead / GB,
     )
     return mem, host
+
+
+def _working_set_bytes(job: _Job, s: Strategy, logit_bytes: float) -> float:
+    """Transient bytes of a layer's backward, beyond the loss peak (measured by scripts/bench_planner.py).
+
+    The gradients of one layer's activations while its backward runs: 0.2-0.5 of that layer's saved
+    activations on top of what the activation term keeps. QLoRA adds one projection dequantized to the
+    compute dtype (bitsandbytes dequantizes each 4-bit weight for its matmul, forward and backward).
+    Neither coincides with the loss peak (freed before the layers' backward), so only the part above
+    the `logits` term is added.
+    """
+    one_layer = replace(job, model=replace(job.model, num_layers=1))
+    layer = _activation_bytes(one_layer, replace(s, activation_checkpointing=False))
+    working = job.cal.backward_working_set_layers * layer
+    if job.method.name == "qlora":
+        compute_bytes = 4.0 if job.method.compute_dtype == "fp32" else 2.0
+        working += compute_bytes * max(d_in * d_out for d_in, d_out in projection_shapes(job.model).values())
+    return max(0.0, working - logit_bytes)
 
 
 def _one_layer(c: ParamCounts) -> ParamCounts:

@@ -1,0 +1,107 @@
+"""The benchmark scripts end to end on tiny shapes: the GPU check's CPU path and the calibration loop."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
+
+
+def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def cpu_check(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`gpu_check.py --cpu` on one tiny case and one tiny QLoRA case, written to a folder."""
+    out = tmp_path_factory.mktemp("gpu-check")
+    _run(str(SCRIPTS / "gpu_check.py"), str(out), "--cpu", "--steps", "2", "--only", "tiny-")
+    return out
+
+
+def test_gpu_check_cpu_writes_the_table_and_json(cpu_check: Path):
+    results = json.loads((cpu_check / "results.json").read_text())
+    assert results["meta"]["device"] == "cpu" and results["meta"]["versions"]["torch"]
+    names = [r["case"]["name"] for r in results["rows"]]
+    assert names == ["tiny-lora", "tiny-qlora-ckpt", "tiny-full-8bit"]
+    for row in results["rows"]:
+        res, plan = row["result"], row["plan_gb"]
+        assert res["status"] == "ok", res
+        assert res["steps"] == 2 and len(res["losses"]) == 2
+        assert all(loss == loss and 0 < loss < 20 for loss in res["losses"])  # finite, about ln(512)
+        assert res["tokens_per_s"] > 0 and res["mfu"] is None  # no peak FLOP/s for a CPU
+        # the RSS peak holds at least the planned terms, and the process itself (torch) on top
+        terms = plan["total"] - plan["overhead"]
+        assert terms > 0 and res["rss_peak_gb"] > terms
+        assert set(plan) == {"weights", "trainable_state", "activations", "logits", "overhead", "total"}
+        assert row["error_device_vs_total"] == pytest.approx(
+            (plan["total"] - res["device_peak_gb"]) / res["device_peak_gb"], abs=1e-3
+        )
+    md = (cpu_check / "results.md").read_text()
+    assert md.startswith("# GPU check: CPU")
+    assert "| tiny-lora | ok | 2 |" in md and "| tiny-full-8bit | ok | 2 |" in md
+
+
+def test_calibrate_updates_a_copy_and_shows_before_after(cpu_check: Path, tmp_path: Path):
+    original = ROOT / "finetune" / "planner" / "calibration.json"
+    before_text = original.read_text()
+    copy = tmp_path / "calibration.json"
+    copy.write_text(before_text)
+    proc = _run(str(SCRIPTS / "calibrate.py"), str(cpu_check / "results.json"), "--calibration", str(copy))
+    assert (
+        "| case | measured peak GB | plan before GB | error before | plan after GB | error after |"
+        in proc.stdout
+    )
+    assert "tiny-qlora-ckpt" in proc.stdout and "cpu_process_gb" in proc.stdout
+    old, new = json.loads(before_text), json.loads(copy.read_text())
+    assert set(new) == set(old) | {"_calibrated"}
+    refit = ("cpu_process_gb", "_calibrated")  # a --cpu run informs only the CPU process's fixed share
+    assert {k: v for k, v in new.items() if k not in refit} == {
+        k: v for k, v in old.items() if k not in refit
+    }
+    # refitted so that every measured RSS peak is covered by the plan's total
+    results = json.loads((cpu_check / "results.json").read_text())
+    rows = results["rows"]
+    sys.path.insert(0, str(SCRIPTS))
+    from gpu_check import plan_terms
+
+    from finetune.planner.core import Calibration
+
+    cal = Calibration(**{k: v for k, v in new.items() if not k.startswith("_")})
+    for row in rows:
+        assert plan_terms(row["case"], cal)["total"] >= row["result"]["rss_peak_gb"] - 1e-3
+    assert original.read_text() == before_text  # the shipped file is untouched
+
+    dry = _run(
+        str(SCRIPTS / "calibrate.py"),
+        str(cpu_check / "results.json"),
+        "--calibration",
+        str(copy),
+        "--dry-run",
+    )
+    assert "nothing written" in dry.stdout and json.loads(copy.read_text()) == new
+
+
+def test_bench_planner_quick_prints_measured_vs_planned(tmp_path: Path):
+    out = tmp_path / "bench.json"
+    proc = _run(str(SCRIPTS / "bench_planner.py"), "--quick", "--only", "tiny lora", "--json", str(out))
+    assert (
+        "| shape | case | tokens | weights | trainable_state | activations | logits | total |" in proc.stdout
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["case"] for r in rows] == ["lora plain", "lora chunked", "lora ckpt plain", "lora ckpt chunked"]
+    for r in rows:
+        m, p = r["measured"], r["planned"]
+        # parameter and training-state bytes are exact; activations within the 10% target
+        assert m["weights"] == pytest.approx(p["weights"], rel=1e-6)
+        assert m["trainable_state"] == pytest.approx(p["trainable_state"], rel=1e-3)
+        assert m["activations"] == pytest.approx(p["activations"], rel=0.10)
+        assert m["total"] > m["weights"] + m["trainable_state"]
