@@ -68,6 +68,8 @@ def compose(overrides: Sequence[str]) -> Config:
 def _check_overrides(overrides: Sequence[str]) -> None:
     """Name the valid choices for an unknown group option or recipe before Hydra's long message."""
     for item in overrides:
+        if not item.strip():
+            raise ConfigError("an empty argument: write KEY=VALUE")
         added = re.fullmatch(r"\+{1,2}([\w.]+)=.*", item)
         if added and added.group(1) != "recipe" and not added.group(1).startswith("launch.env."):
             key = added.group(1)
@@ -171,6 +173,9 @@ def run(cfg: Config) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from finetune.secrets import install_log_filter
+
+    install_log_filter()
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
         print(__doc__)

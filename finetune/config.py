@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from finetune.data.config import DataConfig
+from finetune.errors import ConfigError
 from finetune.evaluation.config import EvalConfig
 from finetune.export.config import ExportConfig
 from finetune.launch.config import LaunchConfig
-from finetune.errors import ConfigError
 
 METHODS = ("full", "lora", "qlora")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")

@@ -7,6 +7,7 @@ stage can be re-run or resumed without redoing the others.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -98,13 +99,25 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
     return plan
 
 
-def train_stage(cfg: Config, run_dir: Path, plan: Plan) -> None:
+def train_stage(cfg: Config, run_dir: Path, plan: Plan) -> int:
     """Train through the launcher, so one CPU process and 8 GPUs take the same path (`python -m finetune.train`)."""
+    from finetune import preflight
     from finetune.launch import stage as launch_stage
+    from finetune.train.stage import PREEMPTED_EXIT_CODE
 
+    preflight.check(cfg, run_dir, plan)
     code = launch_stage.run(cfg, run_dir, plan)
+    if code == PREEMPTED_EXIT_CODE:
+        print(
+            "finetune: training stopped on a signal after saving a checkpoint; run the same command again to resume",
+            file=sys.stderr,
+        )
+        return code
     if code != 0:
-        raise LaunchError(f"training exited with code {code}; its log is above (resume: run the same command again)")
+        raise LaunchError(
+            f"training exited with code {code}; its log is above (resume: run the same command again)"
+        )
+    return 0
 
 
 def _print_summary(run_dir: Path) -> None:
@@ -130,7 +143,9 @@ def _print_summary(run_dir: Path) -> None:
         for variant in ("base", "trained", "merged"):
             if variant in metrics:
                 values = ", ".join(
-                    f"{k} {v:.4f}" for k, v in metrics[variant].items() if isinstance(v, (int, float)) and "/" not in k
+                    f"{k} {v:.4f}"
+                    for k, v in metrics[variant].items()
+                    if isinstance(v, (int, float)) and "/" not in k
                 )
                 print(f"  {variant:8s} {values}")
 
@@ -160,7 +175,9 @@ def run(cfg: Config) -> int:
         return launch_stage.run(cfg, run_dir, plan_stage(cfg, run_dir, quiet=True))
     plan = plan_stage(cfg, run_dir, quiet=mode in ("eval", "export"))
     if mode in ("train", "all"):
-        train_stage(cfg, run_dir, plan)
+        code = train_stage(cfg, run_dir, plan)
+        if code:
+            return code
     if mode in ("eval", "all"):
         from finetune.evaluation import stage as eval_stage
 

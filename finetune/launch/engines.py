@@ -361,8 +361,13 @@ def nccl_env(launch: LaunchConfig, lay: Layout) -> dict[str, str]:
         # The trainer passes ddp_timeout; DeepSpeed's own process group reads this (whole minutes).
         if lay.engine == "deepspeed":
             env["DEEPSPEED_TIMEOUT"] = str(max(1, math.ceil(launch.nccl_timeout_s / 60)))
-        if lay.device == "cpu":
+        if lay.device == "cpu" and lay.engine != "deepspeed":
             # Without it accelerate looks for CUDA, finds none, and each torchrun rank trains alone.
+            # Not for DeepSpeed: accelerate refuses DeepSpeed when this is set and silently runs DDP
+            # instead; there SFTConfig(use_cpu=True) alone gives the gloo group DeepSpeed runs on.
             env["ACCELERATE_USE_CPU"] = "true"
+        if lay.device == "cpu":
+            # DeepSpeed (imported by transformers) skips probing for a GPU and warning on each rank.
+            env["DS_ACCELERATOR"] = "cpu"
     env.update({k: str(v) for k, v in launch.env.items()})
     return env

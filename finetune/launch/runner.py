@@ -23,13 +23,29 @@ Which = Callable[[str], Optional[str]]
 
 
 def subprocess_runner(argv: Sequence[str], env: Mapping[str, str], cwd: str) -> int:
-    """Run and wait; the child inherits the terminal."""
+    """Run and wait; SIGTERM/SIGINT go to the child (it saves a checkpoint, exits 75) and we keep waiting."""
+    import signal
+    import threading
+
     try:
-        return subprocess.run(list(argv), env={**os.environ, **env}, cwd=cwd, check=False).returncode
+        proc = subprocess.Popen(list(argv), env={**os.environ, **env}, cwd=cwd, start_new_session=True)
     except FileNotFoundError:
         raise LaunchError(
             f"{argv[0]}: not found; install the project's environment there (or set launch.python=PATH)"
         ) from None
+
+    def forward(signum: int, frame: object) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def tcp_reachable(host: str, port: int, timeout: float) -> bool:

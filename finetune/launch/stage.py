@@ -42,6 +42,7 @@ from finetune.launch.runner import (
 )
 from finetune.launch.slurm import SBATCH_FILE, sbatch_script
 from finetune.planner import Plan
+from finetune.secrets import is_secret_name
 
 LAUNCH_SCRIPT = "launch.sh"
 LAUNCH_LOG = "launch.log"
@@ -129,7 +130,7 @@ def run(
 
     print("command:")
     for key, value in cmd.env.items():
-        print(f"  export {key}={value}")
+        print(f"  export {key}={'${' + key + '}' if is_secret_name(key) else value}")
     print(f"  {cmd.shell()}")
     print(f"script: {script}")
     if lay.nnodes > 1:

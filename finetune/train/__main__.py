@@ -26,6 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     except FinetuneError as exc:
         print(f"finetune.train: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:
+        print(
+            "finetune.train: stopped at once (second signal); the last complete checkpoint is the resume point",
+            file=sys.stderr,
+        )
+        return 130
     return 0
 
 

@@ -6,6 +6,8 @@
 - `EarlyStop`: stops on a loss spike (a logged loss above `loss_spike_factor`
   times the moving average of the previous ones) and when the eval loss rises
   `eval_rise_patience` evaluations in a row; it saves a checkpoint first.
+- `Preemption`: SIGTERM or SIGINT saves a checkpoint at the next step boundary
+  and stops (all ranks at the same step); a second signal stops at once.
 - `RichProgress`: one progress bar with loss and throughput on the terminal
   (replaces transformers' tqdm bars and printed dicts).
 """
@@ -13,14 +15,18 @@
 from __future__ import annotations
 
 import logging
+import os
 import resource
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from typing import Any, Optional
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +112,13 @@ class RunMonitor(TrainerCallback):
             logs["planned_memory_gb"] = round(self.planned_memory_gb, 4)
 
 
-class EarlyStop(TrainerCallback):
-    """Stop (after saving) on a loss spike or on eval loss rising `eval_rise_patience` evaluations in a row."""
+class EarlyStop(TrainerCallback, ExportableState):
+    """Stop (after saving) on a loss spike or on eval loss rising `eval_rise_patience` evaluations in a row.
+
+    Its window of recent losses is saved in every checkpoint (`state`, under
+    trainer_state.json's `stateful_callbacks`) and put back on resume (`restore`),
+    so a resumed run stops exactly where the uninterrupted one would.
+    """
 
     def __init__(
         self, loss_spike_factor: float, eval_rise_patience: int, window: int = 10, warmup_logs: int = 3
@@ -120,6 +131,33 @@ class EarlyStop(TrainerCallback):
         self.last_eval: Optional[float] = None
         self.rises = 0
         self.reason: Optional[str] = None
+
+    def state(self) -> dict:
+        return {
+            "args": {
+                "loss_spike_factor": self.loss_spike_factor,
+                "eval_rise_patience": self.eval_rise_patience,
+                "window": self.window,
+                "warmup_logs": self.warmup_logs,
+            },
+            "attributes": {"losses": list(self.losses), "last_eval": self.last_eval, "rises": self.rises},
+        }
+
+    def restore(self, checkpoint: str) -> None:
+        """Take back the window of losses saved in `checkpoint`'s trainer_state.json (if there is one)."""
+        import json
+        from pathlib import Path
+
+        path = Path(checkpoint) / "trainer_state.json"
+        saved = json.loads(path.read_text()).get("stateful_callbacks", {}).get(type(self).__name__)
+        if isinstance(saved, list):
+            saved = saved[-1] if saved else None
+        if not saved:
+            return
+        attributes = saved.get("attributes", {})
+        self.losses = deque(attributes.get("losses", ()), maxlen=self.window)
+        self.last_eval = attributes.get("last_eval")
+        self.rises = int(attributes.get("rises", 0))
 
     def _stop(self, control, state, reason: str) -> None:
         self.reason = reason
@@ -153,6 +191,74 @@ class EarlyStop(TrainerCallback):
         self.last_eval = loss
         if self.rises >= self.eval_rise_patience:
             self._stop(control, state, f"eval loss rose {self.rises} evaluations in a row (now {loss:.4f})")
+
+
+class Preemption(TrainerCallback):
+    """SIGTERM/SIGINT: finish the current optimizer step, save a checkpoint, stop; a later second one stops now.
+
+    Preempted cloud machines, `scancel`, Kubernetes and torchrun all send SIGTERM
+    and wait a grace period (torchrun: 30 s) before SIGKILL; a LoRA checkpoint
+    takes seconds, a full 70B one may not fit in that window, in which case the
+    previous checkpoint stays the resume point (the half-written one is never
+    renamed into place). Under several ranks the flag is reduced across them
+    every step so all stop at the same step and save together.
+    """
+
+    # A repeat within this many seconds is the same request arriving twice (Ctrl-C reaches every process of
+    # the terminal's group, and torchrun then sends its workers SIGTERM), not a demand to stop at once.
+    repeat_after_s = 5.0
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
+        self.signals = signals
+        self.received: Optional[str] = None
+        self.received_at = 0.0
+        self.stopped_at: Optional[int] = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> Preemption:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            if time.monotonic() - self.received_at < self.repeat_after_s:
+                return
+            # A second request: stop now; the complete checkpoints on disk are intact.
+            self.uninstall()
+            raise KeyboardInterrupt(name)
+        self.received, self.received_at = name, time.monotonic()
+        # os.write: a print here could re-enter a stream the main thread is writing.
+        os.write(
+            2,
+            f"\nfinetune.train: {name}: saving a checkpoint after this step, then stopping "
+            "(send it again to stop at once)\n".encode(),
+        )
+
+    def _any_rank(self, args) -> bool:
+        import torch.distributed as dist
+
+        flag = self.received is not None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([1 if flag else 0], device=args.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = bool(t.item())
+            if flag and self.received is None:
+                self.received = "SIGTERM (another rank)"
+        return flag
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._any_rank(args):
+            self.stopped_at = state.global_step
+            control.should_save = True
+            control.should_training_stop = True
 
 
 class RichProgress(TrainerCallback):

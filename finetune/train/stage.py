@@ -5,8 +5,16 @@
 Reads the packed data the data stage wrote (`finetune.data.stage.load_prepared`),
 trains with the plan's strategy, saves the adapter (`RUN_DIR/adapter`) or the
 model (`RUN_DIR/model`) with the tokenizer, and writes `RUN_DIR/metrics.json`:
-`train` {steps, final_loss, tokens_per_second, peak_memory_gb, planned_memory_gb, ...}
+`train` {steps, final_loss, tokens_per_second, peak_memory_gb, planned_memory_gb, ...,
+engine: {world_size, backend, wrapper, zero_stage, offload_optimizer, ranks[...]} (what really ran)}
 and `eval` {base: {loss, exact_match, ...}, trained: {...}} on the held-out split.
+Several ranks: rank 0 alone logs, evaluates and writes files; under ZeRO-3/FSDP (weights split
+across ranks) the in-worker evaluation is skipped and left to the eval stage (mode=eval).
+
+When a run dies: re-running resumes from the newest complete checkpoint (`resume`,
+`finetune.checkpoints`); SIGTERM/SIGINT saves one at the next step and exits 75
+(`Preempted`); disk and RAM are checked first (`finetune.preflight`); rank 0 holds the
+run directory's lock (`rundir.lock`).
 """
 
 from __future__ import annotations
@@ -19,14 +27,20 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from finetune import rundir
+from finetune import checkpoints, rundir
 from finetune.config import Config, HardwareConfig
+from finetune.errors import FinetuneError
 from finetune.planner import Alternative, Estimate, Memory, Plan, Strategy
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.json"
+# A run stopped by SIGTERM/SIGINT after saving its checkpoint exits with this (EX_TEMPFAIL,
+# "try again later"); running the same command again resumes.
+PREEMPTED_EXIT_CODE = 75
 ADAPTER_DIR = "adapter"
+# Strategies whose weights are split across ranks: no rank can evaluate the model alone.
+SHARDED = ("zero3", "fsdp")
 MODEL_DIR = "model"
 
 
@@ -62,20 +76,66 @@ def load_plan(run_dir: Path, hardware: HardwareConfig) -> Plan:
 
 
 def resume_checkpoint(cfg: Config, run_dir: Path) -> Optional[str]:
-    """`resume=true`: the last complete checkpoint under RUN_DIR/checkpoints, if any; a path: that one."""
-    from transformers.trainer_utils import get_last_checkpoint
+    """Where training continues from: None (start fresh) or a complete checkpoint folder.
 
+    - `resume=true`: the newest checkpoint under RUN_DIR/checkpoints that verifies
+      (manifest, sizes, SHA-256); damaged newer ones are logged and skipped.
+    - `resume=false`: None.
+    - `resume=PATH` (or `resume=checkpoint-N`, looked up under RUN_DIR/checkpoints): that
+      checkpoint; refused when it is damaged. One without a manifest (written by another
+      tool) is accepted with a warning when it has a trainer_state.json.
+    """
     from finetune.errors import ConfigError
     from finetune.train.trainer import CHECKPOINT_DIR
 
-    if isinstance(cfg.resume, str):
-        if not Path(cfg.resume).is_dir():
-            raise ConfigError(f"resume={cfg.resume}: no such checkpoint folder")
-        return cfg.resume
     folder = Path(run_dir) / CHECKPOINT_DIR
-    if not cfg.resume or not folder.is_dir():
+    if cfg.resume is False:
         return None
-    return get_last_checkpoint(str(folder))
+    if cfg.resume is True:
+        last = checkpoints.last_complete(folder)
+        return str(last) if last else None
+    path = Path(cfg.resume)
+    if not path.is_dir() and (folder / cfg.resume).is_dir():
+        path = folder / cfg.resume
+    if not path.is_dir():
+        complete = [p.name for p in checkpoints.listing(folder)]
+        raise ConfigError(
+            f"resume={cfg.resume}: no such checkpoint folder"
+            + (f" (this run has: {', '.join(complete)})" if complete else "")
+        )
+    problem = checkpoints.verify(path)
+    if problem is not None:
+        if (path / checkpoints.MANIFEST).exists() or not (path / "trainer_state.json").is_file():
+            raise ConfigError(
+                f"resume={cfg.resume}: damaged checkpoint ({problem}); pick another, or resume=true for the "
+                "newest complete one"
+            )
+        log.warning("resume=%s: no checksums to verify (not written by finetune); using it as is", path)
+    return str(path)
+
+
+def prepare_checkpoints(cfg: Config, run_dir: Path) -> Optional[str]:
+    """Rank 0, before training: clear a crashed save's leftovers, apply `resume`, return the checkpoint to resume.
+
+    resume=false discards the previous checkpoints (so a later resume=true cannot pick
+    one of them); resuming an earlier checkpoint of this run renames the later ones
+    `superseded-checkpoint-N` (kept for inspection, never resumed).
+    """
+    from finetune.train.trainer import CHECKPOINT_DIR
+
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    checkpoints.clean_staging(folder)
+    if cfg.resume is False:
+        n = checkpoints.discard_all(folder)
+        if n:
+            log.warning("resume=false: discarded %d checkpoint(s) of the previous run in %s", n, folder)
+        return None
+    path = resume_checkpoint(cfg, run_dir)
+    if path is not None:
+        step = checkpoints.step_of(Path(path))
+        if step is not None and Path(path).parent.resolve() == folder.resolve():
+            checkpoints.supersede_after(folder, step)
+    return path
 
 
 def _final_loss(log_history: list[dict]) -> Optional[float]:
@@ -126,12 +186,18 @@ def run(
     """
     import transformers
 
+    from finetune import preflight
     from finetune.train import callbacks as cb
     from finetune.train.evaluate import evaluate
     from finetune.train.models import load_for_training, load_tokenizer, trainable_parameters
-    from finetune.train.trainer import build_trainer
+    from finetune.train.trainer import build_trainer, engine_record
 
     run_dir = Path(run_dir)
+    rank0 = is_rank_zero()
+    if rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        rundir.lock(run_dir)
+        preflight.check(cfg, run_dir, plan)
     transformers.utils.logging.disable_progress_bar()
     t0 = time.perf_counter()
     baseline_gb = _rss_gb()
@@ -155,10 +221,15 @@ def run(
         f"{total:,}",
     )
 
-    base = evaluate(model, tokenizer, eval_ds, max_generate=max_generate)
+    # Rank 0 alone evaluates, and only where it holds the whole model (one process, DDP); under
+    # ZeRO-3/FSDP the weights are partitioned across ranks and the eval stage (mode=eval, run by
+    # the pipeline after the launcher returns) scores the saved adapter or model instead.
+    in_worker_eval = rank0 and plan.strategy.sharding not in SHARDED
+    base = evaluate(model, tokenizer, eval_ds, max_generate=max_generate) if in_worker_eval else None
 
     monitor = cb.RunMonitor(cfg.hardware.device, plan.gpu_memory.total, baseline_gb=baseline_gb)
     early = cb.EarlyStop(cfg.train.loss_spike_factor, cfg.train.eval_rise_patience)
+    preemption = cb.Preemption().install()
     trainer = build_trainer(
         cfg,
         plan,
@@ -168,19 +239,33 @@ def run(
         train_ds,
         eval_ds,
         compute_dtype,
-        callbacks=[monitor, early, cb.RichProgress(monitor)],
+        callbacks=[monitor, early, preemption, cb.RichProgress(monitor)],
         monitor=monitor,
     )
-    t_train = time.perf_counter()
-    resumed_from = resume_checkpoint(cfg, run_dir)
-    trainer.train(resume_from_checkpoint=resumed_from)
-    train_seconds = time.perf_counter() - t_train
+    try:
+        t_train = time.perf_counter()
+        resumed_from = _agreed_resume_point(trainer, cfg, run_dir, rank0)
+        if resumed_from:
+            log.info("resuming from %s", resumed_from)
+            early.restore(resumed_from)
+        if preemption.received is None:
+            trainer.train(resume_from_checkpoint=resumed_from)
+        if preemption.received is not None:
+            saved = trainer.last_checkpoint or (Path(resumed_from) if resumed_from else None)
+            raise Preempted(preemption.received, trainer.state.global_step, saved, run_dir)
+        train_seconds = time.perf_counter() - t_train
+    finally:
+        preemption.uninstall()
 
     out_dir = run_dir / (ADAPTER_DIR if cfg.method.uses_adapters else MODEL_DIR)
-    trainer.save_model(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
+    engine = engine_record(trainer)  # every rank takes part (it gathers)
+    trainer.save_model(str(out_dir))  # every rank: ZeRO-3 gathers the partitioned weights; rank 0 writes
+    if rank0:
+        tokenizer.save_pretrained(str(out_dir))
 
-    trained = evaluate(model, tokenizer, eval_ds, max_generate=max_generate, examples=5)
+    trained = (
+        evaluate(model, tokenizer, eval_ds, max_generate=max_generate, examples=5) if in_worker_eval else None
+    )
     state = trainer.state
     metrics = {
         "train": {
@@ -197,15 +282,23 @@ def run(
             "train_seconds": round(train_seconds, 2),
             "wall_seconds": round(time.perf_counter() - t0, 2),
             "stopped_early": early.reason,
-            "resumed_from": resumed_from,
+            "resumed_from": str(Path(resumed_from).resolve()) if resumed_from else None,
             "method": cfg.method.name,
             "precision": "bf16" if str(compute_dtype).endswith("bfloat16") else "fp32",
             "trainable_parameters": trainable,
             "total_parameters": total,
             "strategy": asdict(plan.strategy),
             "output_dir": str(out_dir),
+            "engine": engine,
         },
-        "eval": {"base": base, "trained": trained},
+        "eval": {"base": base, "trained": trained}
+        if in_worker_eval
+        else {
+            "skipped": "rank 0 evaluates"
+            if not rank0
+            else f"sharding={plan.strategy.sharding}: the weights are split across ranks; the eval stage "
+            "(mode=eval) scores the saved output"
+        },
     }
     if trainer.is_world_process_zero():
         path = run_dir / METRICS_FILE
@@ -214,10 +307,76 @@ def run(
     return metrics
 
 
+def is_rank_zero() -> bool:
+    """Global rank 0 (torchrun and accelerate set RANK; a single process is rank 0)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _agreed_resume_point(trainer: Any, cfg: Config, run_dir: Path, rank0: bool) -> Optional[str]:
+    """Rank 0 tidies the checkpoint folder and picks the resume point; every rank gets the same answer."""
+    from accelerate.utils import broadcast_object_list
+
+    answer: list[Any] = [None, None]
+    if rank0:
+        try:
+            answer[0] = prepare_checkpoints(cfg, run_dir)
+        except Exception as exc:  # every rank must learn of it, or the others wait forever
+            answer[1] = exc
+    if trainer.accelerator.num_processes > 1:
+        broadcast_object_list(answer, from_process=0)
+    if answer[1] is not None:
+        raise answer[1]
+    return answer[0]
+
+
+class Preempted(FinetuneError):
+    """Training stopped on SIGTERM/SIGINT after saving a checkpoint: exit code 75 (EX_TEMPFAIL), not 2.
+
+    A FinetuneError so both entry points print its one line and exit with `exit_code`.
+    """
+
+    exit_code = PREEMPTED_EXIT_CODE
+
+    def __init__(self, signal_name: str, step: int, checkpoint: Optional[Path], run_dir: Path):
+        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+        where = f"checkpoint saved: {checkpoint}" if checkpoint else "nothing trained yet, nothing saved"
+        super().__init__(
+            f"stopped by {signal_name} at step {step}; {where}. To resume, run the same command again "
+            f"(or: python -m finetune.train {run_dir}); resume=false starts over"
+        )
+
+
+def configure_rank_logging(rank0: bool) -> None:
+    """Rank 0 speaks (our INFO lines, library warnings); other ranks only report errors, which
+    would otherwise repeat every line once per rank. DeepSpeed's own calls to deprecated
+    torch.distributed functions warn on every collective: silenced, nothing of ours to fix."""
+    import warnings
+
+    logger = logging.getLogger("finetune")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank0 else logging.ERROR)
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+    )
+    if not rank0:
+        warnings.simplefilter("ignore")
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+
+
 def run_worker(run_dir: Union[str, Path]) -> dict:
     """One rank: config and plan from the run directory (no command-line parsing here)."""
+    from finetune.secrets import install_log_filter
     from finetune.stages import resolve
 
+    install_log_filter()
+    configure_rank_logging(is_rank_zero())
+    if is_rank_zero() and Path(run_dir).is_dir():
+        rundir.lock(Path(run_dir))  # before reading: a second writer must not start at all
     cfg = resolve(rundir.load_config(Path(run_dir)))
     cfg = replace(cfg, run_dir=str(run_dir))
     return run(cfg, Path(run_dir), load_plan(Path(run_dir), cfg.hardware))

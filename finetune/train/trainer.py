@@ -6,6 +6,9 @@ gives learning rate, schedule, warm-up, length, intervals, logging and seed.
 The data arrive pre-tokenized and packed from the data stage, so TRL's own
 preparation is skipped and `PackedCollator` batches them.
 
+Checkpoints are atomic (`_save_checkpoint`, see `finetune.checkpoints`): staged,
+checksummed, renamed into place; a crash mid-save leaves the previous one intact.
+
 With `strategy.chunked_loss`, `compute_loss` runs the model for its last
 hidden states only (no logits) and applies `chunked_causal_lm_loss` to the LM
 head, honouring `num_items_in_batch` so gradient accumulation weighs every
@@ -14,17 +17,23 @@ token the same as one large batch.
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from trl import SFTConfig, SFTTrainer
 
+from finetune import checkpoints
 from finetune.config import Config
 from finetune.planner import Plan
 from finetune.train.callbacks import RunMonitor
 from finetune.train.chunked_loss import chunked_causal_lm_loss
 from finetune.train.collator import NUM_TOKENS_KEY, PackedCollator
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 TENSORBOARD_DIR = "tensorboard"
@@ -46,7 +55,7 @@ def build_sft_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torc
     report_to = [
         r for r in t.report_to if r != "tensorboard"
     ]  # TensorBoard is added as a callback (its folder)
-    return SFTConfig(
+    kwargs: dict[str, Any] = dict(
         output_dir=str(Path(run_dir) / CHECKPOINT_DIR),
         # Batch shape (the plan's).
         per_device_train_batch_size=s.micro_batch_size,
@@ -89,7 +98,32 @@ def build_sft_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torc
         dataloader_num_workers=0,
         # The loss is the tokens' mean over the whole accumulated batch.
         average_tokens_across_devices=True,
+        # Every trainable parameter takes part in each forward; the search for unused ones is pure cost.
+        ddp_find_unused_parameters=False,
     )
+    # The engine (DeepSpeed JSON or FSDP2 settings, use_cpu, collective timeout), as the launcher wrote it,
+    # for the ranks really running: DeepSpeed asserts its batch = micro x accumulation x world size.
+    kwargs.update(engine_trainer_kwargs(cfg, plan, run_dir))
+    return SFTConfig(**kwargs)
+
+
+def engine_trainer_kwargs(cfg: Config, plan: Plan, run_dir: Path) -> dict[str, Any]:
+    """`engine_files(...)["trainer_kwargs"]` for this process group's world size (WORLD_SIZE; 1 when unset)."""
+    from dataclasses import replace
+
+    from finetune.launch.engines import launch_of, write_engine_files
+
+    launch = launch_of(cfg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    nnodes = launch.nnodes or plan.hardware.nodes
+    if world % nnodes:
+        nnodes = 1
+    launch = replace(launch, nproc_per_node=world // nnodes, nnodes=nnodes, node_rank=0)
+    kwargs = write_engine_files(cfg, plan, Path(run_dir), launch).trainer_kwargs
+    if kwargs.get("deepspeed") and os.environ.pop("ACCELERATE_USE_CPU", None) is not None:
+        # accelerate would quietly replace DeepSpeed by DDP; use_cpu=True already selects gloo on the CPU.
+        log.warning("ACCELERATE_USE_CPU unset for this DeepSpeed run (accelerate drops DeepSpeed under it)")
+    return kwargs
 
 
 class FinetuneTrainer(SFTTrainer):
@@ -107,6 +141,7 @@ class FinetuneTrainer(SFTTrainer):
         self.chunked_loss = chunked_loss
         self.loss_chunk_size = loss_chunk_size
         self.monitor = monitor
+        self.last_checkpoint: Optional[Path] = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs["use_cache"] = False  # a cache would also turn off the packed (block-diagonal) attention mask
@@ -140,6 +175,80 @@ class FinetuneTrainer(SFTTrainer):
         inputs.pop(NUM_TOKENS_KEY, None)
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
+    def _save_checkpoint(self, model, trial):
+        """Atomic: the trainer writes into checkpoints/.staging/checkpoint-N, rank 0 seals and renames it.
+
+        Every rank writes its share (optimizer shards under FSDP/ZeRO) into the staging
+        folder; after a barrier, rank 0 records sizes and checksums (`finetune.checkpoints`),
+        renames the folder into place and keeps the newest `save_total_limit` complete ones.
+        """
+        folder = Path(self._get_output_dir(trial))
+        name = f"checkpoint-{self.state.global_step}"
+        staging_root = folder / checkpoints.STAGING_DIR
+        if self.args.should_save:
+            shutil.rmtree(staging_root / name, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        output_dir, limit = self.args.output_dir, self.args.save_total_limit
+        self.args.output_dir, self.args.save_total_limit = str(staging_root), None  # rotation is ours
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.output_dir, self.args.save_total_limit = output_dir, limit
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            final = checkpoints.finalize(staging_root / name, folder / name)
+            # What else the trainer wrote there (a model card).
+            shutil.rmtree(staging_root, ignore_errors=True)
+            checkpoints.rotate(folder, limit or 1, protect=final)
+            self.last_checkpoint = final
+        self.accelerator.wait_for_everyone()
+
+
+def _offload_device(block: Any) -> Optional[str]:
+    device = getattr(block, "device", None)
+    return None if device is None else str(getattr(device, "value", device))
+
+
+def engine_record(trainer: Any) -> dict[str, Any]:
+    """What really ran, after `train()`: world size, backend, the wrapper around the model, ZeRO stage, offload.
+
+    Every rank must call it (it gathers each rank's pid and share of the parameters);
+    metrics.json keeps it as `train.engine`, the proof that the planned engine ran.
+    """
+    import torch.distributed as dist
+    from accelerate.utils import gather_object
+
+    wrapped = trainer.model_wrapped
+    record: dict[str, Any] = {
+        "world_size": trainer.accelerator.num_processes,
+        "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None,
+        "device": str(trainer.args.device),
+        "wrapper": type(wrapped).__name__,
+        "zero_stage": None,
+        "offload_optimizer": None,
+        "offload_params": None,
+        "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
+    }
+    params = list(trainer.model.parameters())
+    local = full = sum(p.numel() for p in params)
+    if trainer.is_deepspeed_enabled:
+        engine = trainer.deepspeed
+        record.update(
+            zero_stage=engine.zero_optimization_stage(),
+            offload_optimizer=_offload_device(engine.zero_offload_optimizer()),
+            offload_params=_offload_device(engine.zero_offload_param()),
+            optimizer=type(engine.optimizer).__name__,
+            base_optimizer=type(getattr(engine, "basic_optimizer", None) or engine.optimizer).__name__,
+        )
+        if engine.zero_optimization_stage() == 3:  # partitioned: ds_tensor is this rank's slice
+            local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+            full = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+    rank = int(os.environ.get("RANK", "0"))
+    record["ranks"] = gather_object(
+        [{"rank": rank, "pid": os.getpid(), "parameters_held": local, "parameters": full}]
+    )
+    return record
+
 
 def build_trainer(
     cfg: Config,
@@ -158,7 +267,7 @@ def build_trainer(
 
     args = build_sft_config(cfg, plan, run_dir, compute_dtype)
     callbacks = list(callbacks)
-    if "tensorboard" in cfg.train.report_to:
+    if "tensorboard" in cfg.train.report_to and args.process_index == 0:  # one writer: rank 0's events file
         from torch.utils.tensorboard import SummaryWriter
 
         callbacks.append(TensorBoardCallback(SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))))

@@ -1,0 +1,233 @@
+"""Checkpoints a crash cannot corrupt: staged, checksummed, renamed into place; the last K kept.
+
+A checkpoint is written into `checkpoints/.staging/checkpoint-N` (by the
+trainer, every rank), then rank 0 fsyncs every file, records each file's size
+and SHA-256 in `manifest.json` (written last), fsyncs the folder and renames
+it to `checkpoints/checkpoint-N`. A folder named `checkpoint-N` therefore is
+either complete or was damaged afterwards; `verify` tells which, and
+`last_complete` walks back from the newest to the first that verifies, so a
+checkpoint truncated by a full disk or a dying node is skipped in favour of the
+previous one. `rotate` keeps the newest K complete checkpoints
+(`train.save_total_limit`) and deletes damaged ones.
+
+Hashing reads each file once after it is written (from the page cache, about
+1 GB/s); verification on resume reads it again. For a resumable full
+fine-tuning checkpoint of a 70B model (about 1 TB) that is minutes; LoRA and
+QLoRA checkpoints are small.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+STAGING_DIR = ".staging"
+SUPERSEDED_PREFIX = "superseded-"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+_CHUNK = 8 << 20
+# Checkpoints whose checksums verified in this process: path -> every file's (name, size, mtime_ns, sha256).
+_verified: dict[str, tuple] = {}
+
+
+def step_of(path: Path) -> Optional[int]:
+    """N for a folder named checkpoint-N, else None."""
+    m = _NAME.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def listing(folder: Path) -> list[Path]:
+    """Every `checkpoint-N` folder under `folder`, oldest step first (complete or not)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=lambda p: step_of(p) or 0)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # some file systems do not open folders; nothing more to flush there
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(folder: Path, step: int) -> dict:
+    """fsync every file, then write manifest.json (sizes and SHA-256 of every file) and fsync it too."""
+    folder = Path(folder)
+    entries = {}
+    for path in _files(folder):
+        _fsync_file(path)
+        entries[path.relative_to(folder).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    for sub in sorted({p.parent for p in _files(folder)}, key=lambda p: -len(p.parts)):
+        _fsync_dir(sub)
+    manifest = {"step": step, "created": time.time(), "files": entries}
+    tmp = folder / f".{MANIFEST}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / MANIFEST)
+    _fsync_dir(folder)
+    return manifest
+
+
+def verify(folder: Path, checksums: bool = True) -> Optional[str]:
+    """None when the checkpoint is complete; else why not (missing manifest, a file missing, short, or changed).
+
+    `checksums=False` compares sizes only (what rotation uses: cheap, catches truncation).
+    Checksums that verified once in this process are not recomputed while no file's
+    size or modification time has changed (preflight, then the resume itself).
+    """
+    folder = Path(folder)
+    path = folder / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST} (written last, so the save did not finish)"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"unreadable {MANIFEST} ({type(exc).__name__})"
+    if not files:
+        return "empty checkpoint"
+    stamps = []
+    for name, entry in sorted(files.items()):
+        try:
+            st = (folder / name).stat()
+        except OSError:
+            return f"{name} is missing"
+        if st.st_size != entry["bytes"]:
+            return f"{name} has {st.st_size} bytes, {entry['bytes']} expected (truncated?)"
+        stamps.append((name, st.st_size, st.st_mtime_ns, entry["sha256"]))
+    if not checksums:
+        return None
+    key = str(folder.resolve())
+    if _verified.get(key) == tuple(stamps):
+        return None
+    for name, _, _, sha in stamps:
+        if _sha256(folder / name) != sha:
+            return f"{name} does not match its SHA-256"
+    _verified[key] = tuple(stamps)
+    return None
+
+
+def last_complete(folder: Path) -> Optional[Path]:
+    """The newest checkpoint under `folder` that verifies; each damaged newer one is logged and skipped."""
+    for path in reversed(listing(folder)):
+        problem = verify(path)
+        if problem is None:
+            return path
+        log.warning("skipping damaged checkpoint %s: %s", path, problem)
+    return None
+
+
+def finalize(staged: Path, final: Path) -> Path:
+    """Manifest, fsync, then rename `staged` to `final` (an existing `final` of the same step is replaced)."""
+    staged, final = Path(staged), Path(final)
+    step = step_of(final)
+    write_manifest(staged, step if step is not None else -1)
+    if final.exists():
+        old = final.with_name(f".replaced-{final.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(staged, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staged, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def rotate(folder: Path, keep: int, protect: Optional[Path] = None) -> list[Path]:
+    """Keep the newest `keep` complete checkpoints (and `protect`); delete the rest and every damaged one."""
+    deleted = []
+    complete = 0
+    for path in reversed(listing(folder)):
+        if protect is not None and path.resolve() == Path(protect).resolve():
+            complete += 1
+            continue
+        problem = verify(path, checksums=False)
+        if problem is None and complete < keep:
+            complete += 1
+            continue
+        log.info("removing %s checkpoint %s", "damaged" if problem else "old", path)
+        shutil.rmtree(path, ignore_errors=True)
+        deleted.append(path)
+    return deleted
+
+
+def clean_staging(folder: Path) -> None:
+    """Remove what a crash left mid-save (`.staging`, `.replaced-*`); never a named checkpoint."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for path in folder.iterdir():
+        if path.name == STAGING_DIR or path.name.startswith(".replaced-"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def supersede_after(folder: Path, step: int) -> list[Path]:
+    """Resuming an earlier checkpoint: rename later ones `superseded-checkpoint-N` so resume=true never picks them.
+
+    They belong to the abandoned continuation; they are kept (not deleted) for the user to inspect or remove.
+    """
+    moved = []
+    for path in listing(folder):
+        n = step_of(path)
+        if n is not None and n > step:
+            target = path.with_name(f"{SUPERSEDED_PREFIX}{path.name}")
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(path, target)
+            moved.append(target)
+    if moved:
+        log.warning(
+            "resuming from step %d: %d later checkpoint(s) renamed %s* (delete them when no longer needed)",
+            step,
+            len(moved),
+            SUPERSEDED_PREFIX,
+        )
+    return moved
+
+
+def discard_all(folder: Path) -> int:
+    """resume=false: remove the previous run's checkpoints so they can never be resumed by mistake."""
+    paths = listing(folder)
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+    clean_staging(folder)
+    return len(paths)

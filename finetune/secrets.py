@@ -1,0 +1,85 @@
+"""Secrets never reach the run directory or the logs.
+
+A secret is the value of an environment variable named HF_TOKEN,
+WANDB_API_KEY, or anything ending in _TOKEN, _KEY or _SECRET, or containing
+PASSWORD (case-insensitive), when it is at least 8 characters long (shorter
+values such as "1" would redact every digit). `scrub` replaces such values
+wherever they appear in text or nested data, and the value of any mapping key
+named like a secret (`+launch.env.HF_TOKEN=...`), with `<redacted:NAME>` (in shell
+scripts with `${NAME}`, so launch.sh and slurm.sbatch read the secret from the
+environment they run in and stay valid scripts).
+`rundir` scrubs every file it writes; `install_log_filter` scrubs log records.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, Optional
+
+SECRET_NAME = re.compile(r"(^HF_TOKEN$|^WANDB_API_KEY$|_TOKEN$|_KEY$|_SECRET$|PASSWORD)", re.IGNORECASE)
+MIN_LENGTH = 8
+
+
+def is_secret_name(name: str) -> bool:
+    return bool(SECRET_NAME.search(name))
+
+
+def secret_values(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """{value: NAME} for every secret-named variable in the environment (longest value first)."""
+    env = os.environ if environ is None else environ
+    found = {v: k for k, v in env.items() if is_secret_name(k) and len(v) >= MIN_LENGTH}
+    return dict(sorted(found.items(), key=lambda kv: -len(kv[0])))
+
+
+def scrub_text(text: str, environ: Optional[Mapping[str, str]] = None, shell: bool = False) -> str:
+    """Each secret value replaced by `<redacted:NAME>`, or in a shell script by `${NAME}` (read at run time)."""
+    for value, name in secret_values(environ).items():
+        if value in text:
+            text = text.replace(value, f"${{{name}}}" if shell else f"<redacted:{name}>")
+    return text
+
+
+def scrub(obj: Any, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """A copy of `obj` (dicts, lists, strings) with secret values and secret-named keys' values redacted."""
+    if isinstance(obj, str):
+        return scrub_text(obj, environ)
+    if isinstance(obj, Mapping):
+        return {
+            k: (
+                f"<redacted:{k}>"
+                if isinstance(k, str) and is_secret_name(k) and isinstance(v, str) and v
+                else scrub(v, environ)
+            )
+            for k, v in obj.items()
+        }
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(scrub(v, environ) for v in obj)
+    return obj
+
+
+_installed = False
+
+
+def install_log_filter() -> None:
+    """Scrub every log record this process creates, whatever logger or handler it goes to (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    make = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record is logging's to report, not ours
+            return record
+        clean = scrub_text(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        return record
+
+    logging.setLogRecordFactory(factory)

@@ -1,0 +1,199 @@
+"""Resume: a worker killed with SIGKILL mid-run resumes to exactly the uninterrupted result (CPU, one thread)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from finetune import checkpoints, rundir
+from finetune.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Mid-epoch (about 290 packed rows of 2 per step in an epoch), dropout on so the RNG state matters.
+RUN = (
+    "train.seq_len=128",
+    "train.batch_size=2",
+    "train.max_steps=40",
+    "train.save_steps=5",
+    "train.logging_steps=1",
+    "train.eval_steps=1000",
+    "train.report_to=[]",
+    "method.lora_dropout=0.1",
+    "data.eval_fraction=0.01",
+)
+
+
+def prepare_run_dir(run: Path, cache: Path, *overrides: str) -> Path:
+    """config.yaml, data and plan.json as the pipeline writes them (compose, data stage, plan stage)."""
+    from finetune.cli import compose
+    from finetune.data import stage as data_stage
+    from finetune.stages import plan_stage, resolve
+
+    cfg = resolve(compose([f"run_dir={run}", f"data.cache_dir={cache}", *RUN, *overrides]))
+    rundir.prepare(cfg)
+    rundir.save_config(cfg, run)
+    data_stage.run(cfg, run)
+    plan_stage(cfg, run, quiet=True)
+    return run
+
+
+def worker(run: Path, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "finetune.train", str(run)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def wait_for_checkpoint(run: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    path = run / "checkpoints" / f"checkpoint-{step}"
+    deadline = time.monotonic() + timeout
+    while not path.is_dir():
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"worker ended ({proc.returncode}) before {path.name}: {proc.stderr.read()[-2000:]}"
+            )
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"no {path.name} after {timeout} s")
+        time.sleep(0.01)
+
+
+def losses(ckpt: Path) -> list[float]:
+    history = json.loads((ckpt / "trainer_state.json").read_text())["log_history"]
+    return [e["loss"] for e in history if "loss" in e]
+
+
+def adapter(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "adapter" / "adapter_model.safetensors"))
+
+
+@pytest.mark.slow
+def test_sigkill_at_a_random_step_then_resume_matches_uninterrupted(tmp_path, tiny_cache):
+    import torch
+
+    cache = tmp_path / "cache"
+    reference = prepare_run_dir(tmp_path / "reference", cache)
+    code, err = finish(worker(reference))
+    assert code == 0, err[-3000:]
+
+    run = prepare_run_dir(tmp_path / "killed", cache)
+    proc = worker(run)
+    wait_for_checkpoint(run, 5, proc)
+    time.sleep(random.uniform(0.0, 0.8))  # a random step after the first checkpoint
+    proc.send_signal(signal.SIGKILL)
+    code, _ = finish(proc)
+    assert code == -signal.SIGKILL
+    assert not (run / "metrics.json").exists(), "the worker finished before the kill; nothing was tested"
+    last = checkpoints.last_complete(run / "checkpoints")
+    assert last is not None and checkpoints.step_of(last) < 40
+
+    code, err = finish(worker(run))  # the same command again: resume=true is the default
+    assert code == 0, err[-3000:]
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["train"]["resumed_from"] == str(last.resolve()) and metrics["train"]["steps"] == 40
+
+    expected = losses(reference / "checkpoints" / "checkpoint-40")
+    assert len(expected) == 40
+    assert losses(run / "checkpoints" / "checkpoint-40") == expected  # exact, every step
+    ref, got = adapter(reference), adapter(run)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    assert (
+        metrics["eval"]["trained"]["loss"]
+        == json.loads((reference / "metrics.json").read_text())["eval"]["trained"]["loss"]
+    )
+
+
+# ---------------------------------------------------------------- resume=false, resume=PATH, a changed config
+
+
+def _in_process(run: Path, tiny_data, *overrides: str) -> dict:
+    from finetune.cli import compose, load_profiles
+    from finetune.planner import make_plan
+    from finetune.stages import resolve
+    from finetune.train import stage
+
+    cfg = resolve(
+        compose(
+            [
+                f"run_dir={run}",
+                "train.seq_len=128",
+                "train.max_steps=8",
+                "train.save_steps=2",
+                "train.save_total_limit=4",
+                "train.logging_steps=1",
+                "train.eval_steps=1000",
+                "train.report_to=[]",
+                *overrides,
+            ]
+        )
+    )
+    plan = make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
+    plan = replace(plan, strategy=replace(plan.strategy, micro_batch_size=2, grad_accum_steps=1))
+    train, evals = tiny_data
+    return stage.run(cfg, run, plan, datasets=(train, evals.select(range(4))), max_generate=1)
+
+
+def test_resume_false_starts_fresh_and_resume_path_picks_one(tmp_path, tiny_cache, tiny_data):
+    run = tmp_path / "run"
+    first = _in_process(run, tiny_data)
+    folder = run / "checkpoints"
+    reference = losses(folder / "checkpoint-8")
+    assert [p.name for p in checkpoints.listing(folder)] == [f"checkpoint-{s}" for s in (2, 4, 6, 8)]
+
+    # resume=true with everything done: resumes at step 8, trains nothing more.
+    again = _in_process(run, tiny_data)
+    assert again["train"]["resumed_from"] == str((folder / "checkpoint-8").resolve())
+
+    # resume=PATH: that checkpoint; the later ones are set aside (never resumed by mistake), then rewritten.
+    picked = _in_process(run, tiny_data, "resume=checkpoint-4")
+    assert picked["train"]["resumed_from"] == str((folder / "checkpoint-4").resolve())
+    assert (folder / "superseded-checkpoint-8").is_dir() and (folder / "superseded-checkpoint-6").is_dir()
+    assert losses(folder / "checkpoint-8") == reference
+
+    # resume=false: the old checkpoints go, training starts at step 0 with the same result.
+    fresh = _in_process(run, tiny_data, "resume=false")
+    assert fresh["train"]["resumed_from"] is None and first["train"]["resumed_from"] is None
+    assert losses(folder / "checkpoint-8") == reference
+    assert [p.name for p in checkpoints.listing(folder)] == [f"checkpoint-{s}" for s in (2, 4, 6, 8)]
+
+
+def test_a_changed_config_does_not_overwrite_a_run_with_checkpoints(tmp_path):
+    from finetune.cli import compose
+
+    run = tmp_path / "run"
+    cfg = compose([f"run_dir={run}"])
+    rundir.prepare(cfg)
+    rundir.save_config(cfg, run)
+    (run / "checkpoints" / "checkpoint-2").mkdir(parents=True)
+    before = (run / "config.yaml").read_text()
+    rundir.save_config(compose([f"run_dir={run}", "train.max_steps=800"]), run)  # a longer run: fine
+    with pytest.raises(
+        ConfigError, match=r"has checkpoints trained with method.lora_rank=32, not 8.*resume=false"
+    ):
+        rundir.save_config(compose([f"run_dir={run}", "method.lora_rank=8"]), run)
+    assert "lora_rank: 32" in (run / "config.yaml").read_text() and before != ""
+    rundir.save_config(compose([f"run_dir={run}", "method.lora_rank=8", "resume=false"]), run)
+    assert "lora_rank: 8" in (run / "config.yaml").read_text()
