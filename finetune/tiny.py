@@ -148,7 +148,8 @@ def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerFast:
     return tok
 
 
-def _hf_config(model_cfg: ModelConfig, tok: PreTrainedTokenizerFast) -> Any:
+def hf_config(model_cfg: ModelConfig, **extra: Any) -> Any:
+    """The transformers config (Llama or Qwen2) of an architecture in our model config; `extra` adds or replaces keys."""
     from transformers import LlamaConfig, Qwen2Config
 
     common = dict(
@@ -161,19 +162,12 @@ def _hf_config(model_cfg: ModelConfig, tok: PreTrainedTokenizerFast) -> Any:
         max_position_embeddings=model_cfg.max_position_embeddings,
         rms_norm_eps=model_cfg.rms_norm_eps,
         tie_word_embeddings=model_cfg.tie_embeddings,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
         rope_parameters={"rope_type": "default", "rope_theta": model_cfg.rope_theta},
     )
     if model_cfg.architecture == "qwen2":
-        return Qwen2Config(**common)
-    return LlamaConfig(
-        **common,
-        head_dim=model_cfg.head_dim,
-        attention_bias=model_cfg.attention_bias,
-        mlp_bias=False,
-    )
+        return Qwen2Config(**{**common, **extra})
+    llama = dict(head_dim=model_cfg.head_dim, attention_bias=model_cfg.attention_bias, mlp_bias=False)
+    return LlamaConfig(**{**common, **llama, **extra})
 
 
 def _widen_readout(model: Any, hidden_size: int) -> None:
@@ -200,7 +194,12 @@ def model_dir(model_cfg: ModelConfig) -> Path:
         import torch
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        config = _hf_config(model_cfg, tok)
+        config = hf_config(
+            model_cfg,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(INIT_SEED)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

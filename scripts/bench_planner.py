@@ -253,23 +253,12 @@ def build_model(
     """
     import torch
     from measure_activations import _init_, _to_qlora
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    cfg = LlamaConfig(
-        hidden_size=m.hidden_size,
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_heads,
-        num_key_value_heads=m.num_kv_heads,
-        head_dim=m.head_dim,
-        intermediate_size=m.intermediate_size,
-        vocab_size=m.vocab_size,
-        tie_word_embeddings=m.tie_embeddings,
-        max_position_embeddings=m.max_position_embeddings,
-        rope_theta=m.rope_theta,
-        rms_norm_eps=m.rms_norm_eps,
-        attention_bias=m.attention_bias,
-    )
+    from finetune.tiny import hf_config
+
+    cfg = hf_config(m)
     cfg._attn_implementation = "sdpa"
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)

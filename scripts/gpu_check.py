@@ -132,23 +132,13 @@ def _rss_peak_bytes() -> int:
 def build(case: dict[str, Any], device: str) -> tuple[Any, Any]:
     """The model and optimizer for the case, random-init on `device`, prepared as the trainer prepares them."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+    from finetune.tiny import hf_config
+
     m = model_config(case)
-    cfg = LlamaConfig(
-        hidden_size=m.hidden_size,
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_heads,
-        num_key_value_heads=m.num_kv_heads,
-        head_dim=m.head_dim,
-        intermediate_size=m.intermediate_size,
-        vocab_size=m.vocab_size,
-        tie_word_embeddings=m.tie_embeddings,
-        max_position_embeddings=max(m.max_position_embeddings, case["seq_len"]),
-        rope_theta=m.rope_theta,
-        rms_norm_eps=m.rms_norm_eps,
-    )
+    cfg = hf_config(m, max_position_embeddings=max(m.max_position_embeddings, case["seq_len"]))
     cfg._attn_implementation = "sdpa"
     full = case["method"] == "full"
     dtype = torch.float32 if full else torch.bfloat16  # full: fp32 weights under bf16 autocast (models.py)
