@@ -57,8 +57,8 @@ def fit(rows: list[dict[str, Any]], cal: Any) -> tuple[Any, list[str]]:
         fractions = []
         for r in gpu:
             p = plan_terms(r["case"], cal)
-            terms = p["total"] - p["overhead"]
-            fractions.append((r["result"]["max_reserved_gb"] - terms) / terms)
+            four = p["total"] - p["overhead"]  # the allocator's share is a fraction of these
+            fractions.append((r["result"]["max_reserved_gb"] - p["tensors"]) / four)
         fraction = min(max(max(fractions), 0.0), 0.5)
         new = replace(new, cuda_context_gb=round(context, 3), allocator_fraction=round(fraction, 4))
         notes.append(
@@ -72,8 +72,8 @@ def fit(rows: list[dict[str, Any]], cal: Any) -> tuple[Any, list[str]]:
         extra = []
         for r in cpu:
             p = plan_terms(r["case"], cal)
-            terms = p["total"] - p["overhead"]
-            extra.append(r["result"]["rss_peak_gb"] - terms * (1.0 + new.allocator_fraction))
+            four = p["total"] - p["overhead"]
+            extra.append(r["result"]["rss_peak_gb"] - p["tensors"] - four * new.allocator_fraction)
         process = round(max(max(extra), 0.0), 3)
         notes.append(
             f"cpu_process_gb {cal.cpu_process_gb} -> {process} (RSS peak beyond the terms, largest of {len(cpu)})"

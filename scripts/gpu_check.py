@@ -85,7 +85,12 @@ def hardware(case: dict[str, Any]) -> Any:
 
 
 def plan_terms(case: dict[str, Any], calibration: Any = None) -> dict[str, float]:
-    """The planner's per-GPU terms (GB) for the case's exact shape and strategy, and their total."""
+    """The planner's per-GPU terms (GB) for the case's exact shape and strategy, and their total.
+
+    `tensors`: what max_memory_allocated should show, the four terms plus the overhead's working set
+    (one layer's backward, the layer being recomputed, QLoRA's dequantized projection) without the CUDA
+    context and the allocator's share.
+    """
     from finetune.config import MethodConfig, TrainConfig
     from finetune.planner import core
     from finetune.planner.params import count_params, lora_params
@@ -107,6 +112,8 @@ def plan_terms(case: dict[str, Any], calibration: Any = None) -> dict[str, float
     mem, _ = core._memory(job, s)
     out = {t: getattr(mem, t) for t in TERMS}
     out["total"] = mem.total
+    four = mem.total - mem.overhead
+    out["tensors"] = four + core._working_set_bytes(job, s, mem.logits * core.GB) / core.GB
     return out
 
 
@@ -333,9 +340,8 @@ def summarize(case: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
     plan = plan_terms(case)
     row = dict(case=case, result=res, plan_gb={k: round(v, 4) for k, v in plan.items()})
     if res.get("status") == "ok":
-        terms = plan["total"] - plan["overhead"]
         if "max_allocated_gb" in res:
-            row["error_allocated_vs_terms"] = _error(terms, res["max_allocated_gb"])
+            row["error_allocated_vs_terms"] = _error(plan["tensors"], res["max_allocated_gb"])
         row["error_device_vs_total"] = _error(plan["total"], res["device_peak_gb"])
     return row
 
@@ -351,8 +357,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"- command: `{meta['command']}`",
         f"- wall time: {meta['wall_s']:.0f} s",
         "",
-        "Plan columns: the planner's terms for the same shape and strategy (GB); `terms` is their sum without "
-        "the overhead term, compared with max_memory_allocated; `plan total` (with the CUDA context and allocator "
+        "Plan columns: the planner's terms for the same shape and strategy (GB); `terms` is the four terms and "
+        "the overhead's working set (without the CUDA context and allocator share), compared with max_memory_allocated; `plan total` (with the CUDA context and allocator "
         "share) is compared with the device peak (max_memory_reserved + CUDA context; RSS peak on the CPU).",
         "",
         "| case | status | steps | alloc GB | reserved GB | device peak GB | plan terms GB | plan total GB "
@@ -377,7 +383,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                     f(r.get("max_allocated_gb")),
                     f(r.get("max_reserved_gb")),
                     f(r.get("device_peak_gb")),
-                    f(p["total"] - p["overhead"]),
+                    f(p["tensors"]),
                     f(p["total"]),
                     f(row.get("error_allocated_vs_terms"), "{:+.1%}"),
                     f(row.get("error_device_vs_total"), "{:+.1%}"),

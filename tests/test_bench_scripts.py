@@ -40,8 +40,17 @@ def test_gpu_check_cpu_writes_the_table_and_json(cpu_check: Path):
         assert res["tokens_per_s"] > 0 and res["mfu"] is None  # no peak FLOP/s for a CPU
         # the RSS peak holds at least the planned terms, and the process itself (torch) on top
         terms = plan["total"] - plan["overhead"]
-        assert terms > 0 and res["rss_peak_gb"] > terms
-        assert set(plan) == {"weights", "trainable_state", "activations", "logits", "overhead", "total"}
+        assert terms > 0 and plan["tensors"] >= terms and res["rss_peak_gb"] > plan["tensors"]
+        assert plan["tensors"] <= plan["total"]
+        assert set(plan) == {
+            "weights",
+            "trainable_state",
+            "activations",
+            "logits",
+            "overhead",
+            "total",
+            "tensors",
+        }
         assert row["error_device_vs_total"] == pytest.approx(
             (plan["total"] - res["device_peak_gb"]) / res["device_peak_gb"], abs=1e-3
         )

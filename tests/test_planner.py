@@ -133,9 +133,48 @@ def test_activation_term_uses_measured_coefficients():
         method="full",
         checkpointing=False,
     )
-    once = model_bytes_per_token(hidden=4096, vocab=128_256, plain_loss=False, trainable_head=True)
+    # the model never runs its head under a chunked loss: the head's input is not saved there
+    once = model_bytes_per_token(
+        hidden=4096, vocab=128_256, plain_loss=False, trainable_head=True, chunked_loss=True
+    )
+    assert once == model_bytes_per_token(hidden=4096, vocab=128_256, plain_loss=False) - 2 * 4096
     expected = (per_layer * m.num_layers + once) * 2048
     assert plan.gpu_memory.activations * GB == pytest.approx(expected)
+
+
+def _lora_8b_layer(checkpointing: bool) -> int:
+    return layer_bytes_per_token(
+        hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, method="lora",
+        lora_dropout=True, adapter_bytes=4, lora_rank=16, checkpointing=checkpointing,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_recomputed_layer_is_transient_and_never_coincides_with_the_loss_peak(chunked: bool):
+    """With checkpointing the activation term holds each layer's input; the layer being recomputed is in the
+    overhead's working set, and only where it exceeds the loss peak (the loss is done before any recompute)."""
+    from finetune.planner.core import Calibration
+
+    tokens = 8192
+    cfg, plan = plan_for(
+        "model=llama3_1_8b", "method=lora", "hardware=h200", f"train.seq_len={tokens}",
+        "train.activation_checkpointing=true", "train.micro_batch_size=1", f"train.chunked_loss={str(chunked).lower()}",
+    )  # fmt: skip
+    mem, cal = plan.gpu_memory, Calibration.default()
+    once = model_bytes_per_token(hidden=4096, vocab=128_256, plain_loss=False, trainable_head=False)
+    assert mem.activations * GB == pytest.approx((_lora_8b_layer(True) * 32 + once) * tokens)
+    four = mem.weights + mem.trainable_state + mem.activations + mem.logits
+    working = mem.overhead - cal.cuda_context_gb - cal.allocator_fraction * four
+    full_layer = _lora_8b_layer(False) * tokens / GB
+    if chunked:  # a chunk's logits are small: the recomputed layer and one layer's backward show
+        assert mem.logits < full_layer
+        assert working == pytest.approx(
+            full_layer + cal.backward_working_set_layers * (full_layer + once * tokens / GB) - mem.logits,
+            rel=1e-6,
+        )
+    else:  # 12.6 GB of logits peak cover the 3.7 GB layer: nothing is added
+        assert mem.logits > 3 * full_layer
+        assert working == pytest.approx(0.0, abs=1e-9)
 
 
 def test_full_finetune_training_state_is_16_bytes_a_parameter():

@@ -87,19 +87,28 @@ def layer_bytes_per_token(
 
 
 def model_bytes_per_token(
-    *, hidden: int, vocab: int, plain_loss: bool = True, trainable_head: bool = True
+    *,
+    hidden: int,
+    vocab: int,
+    plain_loss: bool = True,
+    trainable_head: bool = True,
+    chunked_loss: bool = False,
 ) -> int:
     """Bytes kept once per model per token: final RMSNorm, lm_head input, plain cross-entropy.
 
     Measured with transformers' ForCausalLMLoss (fp32 upcast of the logits): the fp32
-    log-softmax (4 x vocab) and the int64 labels (8). `plain_loss=False` (a chunked
-    loss) leaves out both: the chunk's own logits are a separate, per-chunk term. A
-    frozen head and norm (LoRA, QLoRA: `trainable_head=False`) keep 4 x hidden less.
+    log-softmax (4 x vocab) and the int64 labels (8). `plain_loss=False` leaves out both
+    (the planner counts the loss's peak in its own term). A frozen head and norm (LoRA,
+    QLoRA: `trainable_head=False`) keep 4 x hidden less. With `chunked_loss` the model
+    never runs its head, so a trainable head's input is not saved there (the chunked
+    loss returns the hidden states' gradient instead, counted with the loss).
     """
     h = hidden
     kept = 4 * h + 4  # the norm's fp32 upcast and rsqrt
     if trainable_head:
-        kept += 2 * h + 2 * h  # normalized bf16 input of the norm weight, and lm_head's input
+        kept += 2 * h  # normalized bf16 input of the norm weight
+        if not chunked_loss:
+            kept += 2 * h  # lm_head's input
     if plain_loss:
         kept += 4 * vocab + 8
     return kept

@@ -148,6 +148,31 @@ class Plan:
             "merge_host_memory_gb": round(self.merge_host_memory_gb, 3),
         }
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], hardware: HardwareConfig) -> Plan:
+        """`to_dict`'s output back into a Plan (workers read plan.json; they never re-plan).
+
+        The contract names the profile but not all of it, so the caller passes the resolved profile.
+        """
+        return cls(
+            fits=d["fits"],
+            hardware=hardware,
+            params_total=d["params"]["total"],
+            params_trainable=d["params"]["trainable"],
+            strategy=Strategy(**d["strategy"]),
+            gpu_memory=Memory(**{k: v for k, v in d["gpu_memory_gb"].items() if k != "total"}),
+            host_memory_gb=d["host_memory_gb"],
+            disk_checkpoint_gb=d["disk_gb"]["checkpoint"],
+            disk_export_gb=d["disk_gb"]["export"],
+            estimate=Estimate(**d["estimate"]),
+            seq_len=d["seq_len"],
+            reasons=tuple(d.get("reasons", ())),
+            suggestions=tuple(d.get("suggestions", ())),
+            alternatives=tuple(Alternative(**a) for a in d.get("alternatives", ())),
+            usable_gpu_memory_gb=d.get("usable_gpu_memory_gb", 0.0),
+            merge_host_memory_gb=d.get("merge_host_memory_gb", 0.0),
+        )
+
 
 # ---------------------------------------------------------------- memory terms
 
@@ -210,9 +235,10 @@ def _trainable_state_bytes(job: _Job, s: Strategy) -> tuple[float, float]:
     return on_gpu, offloaded
 
 
-def _activation_bytes(job: _Job, s: Strategy) -> float:
+def _layer_bytes_per_token(job: _Job, checkpointing: bool) -> float:
+    """Saved activation bytes of one decoder layer per token (the fitted formulas of `_activations`)."""
     m = job.model
-    kw = dict(
+    return layer_bytes_per_token(
         hidden=m.hidden_size,
         intermediate=m.intermediate_size,
         heads=m.num_heads,
@@ -223,18 +249,26 @@ def _activation_bytes(job: _Job, s: Strategy) -> float:
         lora_dropout=job.method.uses_adapters and job.method.lora_dropout > 0,
         attention_bias=m.attention_bias,
         lora_rank=job.method.lora_rank,
+        checkpointing=checkpointing,
     )
-    tokens = s.micro_batch_size * job.seq_len
-    full_layer = layer_bytes_per_token(**kw, checkpointing=False)  # type: ignore[arg-type]
-    if s.activation_checkpointing:
-        kept = layer_bytes_per_token(**kw, checkpointing=True)  # type: ignore[arg-type]
-        per_token = kept * m.num_layers + full_layer  # plus one layer recomputed at a time
-    else:
-        per_token = full_layer * m.num_layers
+
+
+def _activation_bytes(job: _Job, s: Strategy) -> float:
+    """Activations saved for backward across the step.
+
+    With checkpointing, each layer's input only: the layer being recomputed is transient and never
+    coincides with the loss peak, so the overhead's working set counts it (`_working_set_bytes`).
+    """
+    m = job.model
+    per_token = _layer_bytes_per_token(job, s.activation_checkpointing) * m.num_layers
     per_token += model_bytes_per_token(
-        hidden=m.hidden_size, vocab=m.vocab_size, plain_loss=False, trainable_head=job.method.name == "full"
+        hidden=m.hidden_size,
+        vocab=m.vocab_size,
+        plain_loss=False,
+        trainable_head=job.method.name == "full",
+        chunked_loss=s.chunked_loss,
     )
-    return per_token * tokens
+    return per_token * s.micro_batch_size * job.seq_len
 
 
 def _logit_bytes(job: _Job, s: Strategy) -> float:
@@ -294,14 +328,19 @@ def _working_set_bytes(job: _Job, s: Strategy, logit_bytes: float) -> float:
     """Transient bytes of a layer's backward, beyond the loss peak (measured by scripts/bench_planner.py).
 
     The gradients of one layer's activations while its backward runs: 0.2-0.5 of that layer's saved
-    activations on top of what the activation term keeps. QLoRA adds one projection dequantized to the
-    compute dtype (bitsandbytes dequantizes each 4-bit weight for its matmul, forward and backward).
-    Neither coincides with the loss peak (freed before the layers' backward), so only the part above
-    the `logits` term is added.
+    activations on top of what the activation term keeps. With activation checkpointing, the layer being
+    recomputed holds its full saved activations meanwhile (DESIGN.md's "one layer's full activations
+    while it is recomputed"). QLoRA adds one projection dequantized to the compute dtype (bitsandbytes
+    dequantizes each 4-bit weight for its matmul, forward and backward). None of these coincides with
+    the loss peak (the loss is done before the first layer's backward), so only the part above the
+    `logits` term is added.
     """
     one_layer = replace(job, model=replace(job.model, num_layers=1))
-    layer = _activation_bytes(one_layer, replace(s, activation_checkpointing=False))
-    working = job.cal.backward_working_set_layers * layer
+    working = job.cal.backward_working_set_layers * _activation_bytes(
+        one_layer, replace(s, activation_checkpointing=False)
+    )
+    if s.activation_checkpointing:
+        working += _layer_bytes_per_token(job, checkpointing=False) * s.micro_batch_size * job.seq_len
     if job.method.name == "qlora":
         compute_bytes = 4.0 if job.method.compute_dtype == "fp32" else 2.0
         working += compute_bytes * max(d_in * d_out for d_in, d_out in projection_shapes(job.model).values())

@@ -30,7 +30,7 @@ from typing import Any, Optional, Union
 from finetune import checkpoints, rundir
 from finetune.config import Config, HardwareConfig
 from finetune.errors import FinetuneError
-from finetune.planner import Alternative, Estimate, Memory, Plan, Strategy
+from finetune.planner import Plan
 
 log = logging.getLogger(__name__)
 
@@ -53,26 +53,7 @@ def load_plan(run_dir: Path, hardware: HardwareConfig) -> Plan:
         raise LaunchError(
             f"{path}: missing; run the plan stage (python -m finetune mode=plan run_dir={run_dir}) first"
         )
-    d = json.loads(path.read_text())
-    est = d["estimate"]
-    return Plan(
-        fits=d["fits"],
-        hardware=hardware,
-        params_total=d["params"]["total"],
-        params_trainable=d["params"]["trainable"],
-        strategy=Strategy(**d["strategy"]),
-        gpu_memory=Memory(**{k: v for k, v in d["gpu_memory_gb"].items() if k != "total"}),
-        host_memory_gb=d["host_memory_gb"],
-        disk_checkpoint_gb=d["disk_gb"]["checkpoint"],
-        disk_export_gb=d["disk_gb"]["export"],
-        estimate=Estimate(**est),
-        seq_len=d["seq_len"],
-        reasons=tuple(d.get("reasons", ())),
-        suggestions=tuple(d.get("suggestions", ())),
-        alternatives=tuple(Alternative(**a) for a in d.get("alternatives", ())),
-        usable_gpu_memory_gb=d.get("usable_gpu_memory_gb", 0.0),
-        merge_host_memory_gb=d.get("merge_host_memory_gb", 0.0),
-    )
+    return Plan.from_dict(json.loads(path.read_text()), hardware)
 
 
 def resume_checkpoint(cfg: Config, run_dir: Path) -> Optional[str]:
@@ -280,6 +261,8 @@ def run(
             "memory_over_plan": monitor.warned,
             "tokens": monitor.tokens_seen,
             "train_seconds": round(train_seconds, 2),
+            # From the first step's start to the last step's end: no set-up, no end-of-run eval or save.
+            "loop_seconds": round(monitor.train_seconds, 2),
             "wall_seconds": round(time.perf_counter() - t0, 2),
             "stopped_early": early.reason,
             "resumed_from": str(Path(resumed_from).resolve()) if resumed_from else None,
