@@ -11,10 +11,11 @@ as DESIGN.md's memory model has it (full: bf16 weights and gradients, an fp32
 master copy and fp32 AdamW moments, 16 bytes a parameter; LoRA: frozen bf16
 base, PEFT adapters in fp32, dropout 0.05; QLoRA: the same on a bitsandbytes
 NF4 base, quantized on the CPU, embeddings/head/norms in bf16). Two rows show
-finetune/train/models.py's path where it departs from that model ("trainer
-path": full with fp32 weights under bf16 autocast; QLoRA through
-`prepare_model_for_kbit_training`, which upcasts the 16-bit parameters to fp32);
-they are outside the targets. Zero gradients and one optimizer step on them
+finetune/train/models.py's own preparation ("trainer path"): QLoRA through
+`prepare_kbit_model` (PEFT's `prepare_model_for_kbit_training` with its fp32
+upcast undone), inside the targets; full fine-tuning with fp32 weights under
+bf16 autocast, where the trainer departs from that model: information,
+outside the targets. Zero gradients and one optimizer step on them
 create the state a step in progress holds (gradients kept, as under gradient
 accumulation; Adam moments; master weights); then one real forward and
 backward is measured, and the optimizer steps:
@@ -24,8 +25,9 @@ backward is measured, and the optimizer steps:
   state (AdamW moments and the fp32 master copy), held across steps;
 - activations: storages autograd saves during the forward
   (`saved_tensors_hooks`, each storage once, parameters excluded); with
-  checkpointing, plus one layer's saved tensors when recomputed (measured by
-  running layer 0 without checkpointing on its real input);
+  checkpointing, each layer's input (the layer being recomputed, measured by
+  running layer 0 without checkpointing on its real input, is transient: the
+  planner counts it in the overhead's working set, and it shows in the total);
 - logits: the peak of live tensor bytes above the start of the loss step
   (LM head + loss, forward and backward, from the final hidden states), plain
   transformers loss or our chunked loss;
@@ -35,7 +37,8 @@ backward is measured, and the optimizer steps:
   accumulation).
 
 The planned total is the four terms plus the overhead term's backward working
-set (one layer's activation gradients beyond the loss peak); it leaves out the
+set (one layer's activation gradients, and with checkpointing the layer being
+recomputed, beyond the loss peak); it leaves out the
 overhead's fixed CUDA context and allocator share, which a CPU cannot measure
 (scripts/gpu_check.py measures them on a GPU). Targets: each term within 10%,
 the total within 5%.
@@ -73,9 +76,8 @@ class Case:
     chunk_size: int
     num_layers: Optional[int] = None  # None: the model config's own
     vocab_size: Optional[int] = None
-    # True: as finetune/train/models.py prepares it today, where that departs from DESIGN.md's memory model
-    # (full: fp32 weights under bf16 autocast; QLoRA: prepare_model_for_kbit_training's fp32 upcast).
-    # Shown for information, outside the targets.
+    # True: as finetune/train/models.py prepares it (QLoRA: `prepare_kbit_model`; full: fp32 weights under
+    # bf16 autocast, which departs from DESIGN.md's memory model: shown for information, outside the targets).
     trainer_path: bool = False
 
     @property
@@ -281,11 +283,10 @@ def build_model(
             for layer in model.model.layers:
                 _to_qlora(layer)
             if trainer_path:
-                from peft import prepare_model_for_kbit_training
+                from finetune.train.models import prepare_kbit_model
 
-                # finetune/train/models.py calls this; it upcasts every 16-bit parameter left (embeddings, head,
-                # norms) to fp32, where DESIGN.md keeps them in 16 bits.
-                model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+                # the trainer's own preparation (PEFT's, with its fp32 upcast of the 16-bit weights undone)
+                model = prepare_kbit_model(model, False, torch.bfloat16)
         from peft import LoraConfig, get_peft_model
 
         model.requires_grad_(False)
@@ -393,14 +394,15 @@ def measure(case: Case) -> dict[str, Any]:
     step_peak = live.peak
     del loss
 
+    recomputed = 0
     if case.checkpointing:
-        # the layer being recomputed in backward holds its full saved tensors
+        # the layer being recomputed in backward holds its full saved tensors meanwhile (part of the total)
         layer = layers[0]
         layer.gradient_checkpointing = False
         with SavedBytes(exclude) as one:
             out = layer(*layer0_input["args"], **layer0_input["kwargs"])
         layer.gradient_checkpointing = True
-        activations += one.total
+        recomputed = one.total
         del out, layer0_input
 
     # the loss step alone: LM head + loss, forward and backward, from the final hidden states
@@ -447,6 +449,7 @@ def measure(case: Case) -> dict[str, Any]:
             optimizer_state=storage_bytes(state),
             held_before_step=held,
             step_peak_above_held=step_peak,
+            recomputed_layer=recomputed,
         ),
         planned=planned(case),
         seconds=round(time.time() - t0, 1),
@@ -510,9 +513,14 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def informational(row: dict[str, Any]) -> bool:
+    """Full fine-tuning the trainer's way (fp32 weights under autocast) departs from DESIGN.md's model."""
+    return row["method"] == "full" and "(trainer path)" in row["case"]
+
+
 def worst(rows: list[dict[str, Any]]) -> dict[str, tuple[float, str]]:
-    """The largest error per term over the rows that model DESIGN.md (trainer-path rows are information)."""
-    rows = [r for r in rows if "(trainer path)" not in r["case"]]
+    """The largest error per term over the rows that model DESIGN.md (`informational` rows left out)."""
+    rows = [r for r in rows if not informational(r)]
     out: dict[str, tuple[float, str]] = {}
     for t in (*TERMS, "total"):
         errs = [
@@ -558,12 +566,14 @@ def report(env: str, rows: list[dict[str, Any]]) -> None:
     print("allocator share (not measurable on a CPU)\n")
     print(table(rows))
     w = worst(rows)
-    print("\nworst error per term (rows marked 'trainer path' left out: information, outside the targets):")
+    print(
+        "\nworst error per term (full fine-tuning's trainer path left out: information, outside the targets):"
+    )
     print(", ".join(f"{t} {e:.1%} ({where})" for t, (e, where) in w.items()))
     missed = [
         f"{r['shape']} {r['case']} {e:+.1%}"
         for r in rows
-        if "(trainer path)" not in r["case"]
+        if not informational(r)
         and (e := error(r["measured"]["total"], r["planned"]["total"])) is not None
         and abs(e) > TOTAL_TARGET
     ]

@@ -186,21 +186,7 @@ def load_for_training(cfg: Config, activation_checkpointing: bool = False) -> tu
         raise ConfigError(f"model: cannot load weights from {source} ({first})") from None
 
     if method.name == "qlora":
-        from peft import prepare_model_for_kbit_training
-
-        disable_cpu_bf16_packing(model)
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=activation_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-        )
-        # prepare_model_for_kbit_training upcasts every weight it does not quantize (embeddings,
-        # LM head, norms) to fp32: +4 GB on a 70B, and fp32 hidden states between layers (the
-        # checkpointed inputs double). The plan, like the QLoRA paper, keeps them in 16 bits.
-        if quant_dtype != torch.float32:
-            for param in model.parameters():
-                if param.dtype == torch.float32:
-                    param.data = param.data.to(quant_dtype)
+        model = prepare_kbit_model(model, activation_checkpointing, quant_dtype)
     if method.uses_adapters:
         from peft import get_peft_model
 
@@ -217,6 +203,29 @@ def load_for_training(cfg: Config, activation_checkpointing: bool = False) -> tu
                 if param.requires_grad:
                     param.data = param.data.to(torch.bfloat16)
     return model, compute_dtype
+
+
+def prepare_kbit_model(model: Any, activation_checkpointing: bool, compute_dtype: torch.dtype) -> Any:
+    """A 4-bit model made ready for adapters: PEFT's `prepare_model_for_kbit_training`, minus its fp32 upcast.
+
+    PEFT upcasts every weight it does not quantize (embeddings, LM head, norms) to fp32: +4 GB on a
+    70B, and fp32 hidden states between layers (the checkpointed inputs double). The plan, like the
+    QLoRA paper, keeps them in the compute dtype, so they are cast back (scripts/bench_planner.py
+    measures this path against the plan).
+    """
+    from peft import prepare_model_for_kbit_training
+
+    disable_cpu_bf16_packing(model)
+    model = prepare_model_for_kbit_training(
+        model,
+        use_gradient_checkpointing=activation_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
+    if compute_dtype != torch.float32:
+        for param in model.parameters():
+            if param.dtype == torch.float32:
+                param.data = param.data.to(compute_dtype)
+    return model
 
 
 def trainable_parameters(model: torch.nn.Module) -> tuple[int, int]:
