@@ -165,9 +165,9 @@ def build(case: dict[str, Any], device: str) -> tuple[Any, Any]:
     model.train()
     if case["method"] == "qlora":
         _quantize_linears(model, device)
-        from peft import prepare_model_for_kbit_training
+        from finetune.train.models import prepare_kbit_model
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        model = prepare_kbit_model(model, False, torch.bfloat16)  # the trainer's preparation
     if case["method"] in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 

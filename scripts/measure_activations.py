@@ -205,26 +205,41 @@ def build_layer(shape: tuple[int, int, int, int, int, bool], case: str, base: An
 
 
 def measure_layer(
-    shape: tuple[int, int, int, int, int, bool], case: str, tokens: int, layer: Any = None
+    shape: tuple[int, int, int, int, int, bool],
+    case: str,
+    tokens: int,
+    layer: Any = None,
+    autocast: bool = False,
 ) -> int:
-    """Bytes saved for backward by one decoder layer over `tokens` tokens (batch 1)."""
+    """Bytes saved for backward by one decoder layer over `tokens` tokens (batch 1).
+
+    `autocast` (full fine-tuning cases): fp32 weights and an fp32 residual stream under bf16 autocast,
+    as the trainer runs full fine-tuning without DeepSpeed; autocast's bf16 weight copies are saved
+    too, a constant per layer (the formula's per-token figure is the slope over two token counts).
+    """
+    import contextlib
+
     import torch
     from torch.utils.checkpoint import checkpoint
 
     hidden, head_dim = shape[0], shape[4]
     layer = layer if layer is not None else build_layer(shape, case)
+    dtype = torch.float32 if autocast else torch.bfloat16
+    if autocast:
+        layer = layer.float()
     layer.train()
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(1, tokens, hidden, generator=g).to(torch.bfloat16).requires_grad_(True)
+    x = torch.randn(1, tokens, hidden, generator=g).to(dtype).requires_grad_(True)
     position_ids = torch.arange(tokens)[None]
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     freqs = position_ids[..., None].float() * inv_freq  # as LlamaRotaryEmbedding.forward
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     kwargs = dict(attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin))
     # the layer's parameters, and cos/sin, which the model computes once and shares across its layers
     exclude = [p for p in layer.parameters()] + [cos, sin]
-    with SavedBytes(exclude) as saved:
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with amp, SavedBytes(exclude) as saved:
         if CASES[case].get("checkpointing"):
             out = checkpoint(layer, x, use_reentrant=False, **kwargs)
         else:
@@ -235,22 +250,30 @@ def measure_layer(
     return total
 
 
-def measure_head(hidden: int, vocab: int, tokens: int, trainable_head: bool) -> int:
-    """Bytes saved for backward by final RMSNorm + lm_head + plain fp32 cross-entropy (transformers' loss)."""
+def measure_head(hidden: int, vocab: int, tokens: int, trainable_head: bool, autocast: bool = False) -> int:
+    """Bytes saved for backward by final RMSNorm + lm_head + plain fp32 cross-entropy (transformers' loss).
+
+    `autocast`: fp32 norm, head and hidden states under bf16 autocast (full fine-tuning without
+    DeepSpeed); the head's bf16 weight copy is then saved too, a constant.
+    """
+    import contextlib
+
     import torch
     from transformers.loss.loss_utils import ForCausalLMLoss
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    norm = LlamaRMSNorm(hidden).to(torch.bfloat16)
-    head = torch.nn.Linear(hidden, vocab, bias=False, dtype=torch.bfloat16)
+    dtype = torch.float32 if autocast else torch.bfloat16
+    norm = LlamaRMSNorm(hidden).to(dtype)
+    head = torch.nn.Linear(hidden, vocab, bias=False, dtype=dtype)
     _init_(head)
     norm.requires_grad_(trainable_head)
     head.requires_grad_(trainable_head)
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(1, tokens, hidden, generator=g).to(torch.bfloat16).requires_grad_(True)
+    x = torch.randn(1, tokens, hidden, generator=g).to(dtype).requires_grad_(True)
     labels = torch.randint(0, vocab, (1, tokens), generator=g)
     exclude = list(norm.parameters()) + list(head.parameters())
-    with SavedBytes(exclude) as saved:
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with amp, SavedBytes(exclude) as saved:
         loss = ForCausalLMLoss(head(norm(x)), labels, vocab_size=vocab)
     total = saved.total
     del loss

@@ -11,7 +11,11 @@ from types import ModuleType
 
 import pytest
 
-from finetune.planner._activations import layer_bytes_per_token, model_bytes_per_token
+from finetune.planner._activations import (
+    autocast_weight_copy_bytes,
+    layer_bytes_per_token,
+    model_bytes_per_token,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASUREMENTS = json.loads((ROOT / "finetune" / "planner" / "activations.json").read_text())["measurements"]
@@ -89,6 +93,45 @@ def test_live_measurement_of_the_head():
         measured = script.measure_head(128, 512, 64, trainable) / 64
         assert model_bytes_per_token(hidden=128, vocab=512, trainable_head=trainable) == pytest.approx(
             measured, rel=0.01
+        )
+
+
+@pytest.mark.parametrize("shape", [(256, 688, 4, 4, 64, False), (384, 1000, 6, 3, 32, False)])
+@pytest.mark.parametrize("case", ["full", "full_ckpt"])
+def test_live_measurement_under_fp32_autocast(shape: tuple, case: str):
+    """Full fine-tuning the trainer's way: fp32 weights under bf16 autocast. Per token (the slope over two
+    token counts) the formula's bytes; per layer, autocast's bf16 copy of each weight (none when the
+    layer is checkpointed: its forward runs without saving)."""
+    script = _script()
+    b64, b128 = (script.measure_layer(shape, case, t, autocast=True) for t in (64, 128))
+    per_token, constant = (b128 - b64) / 64, 2 * b64 - b128
+    hidden, inter, heads, kv, head_dim, _ = shape
+    assert per_token == layer_bytes_per_token(
+        hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv, head_dim=head_dim, method="full",
+        checkpointing=case == "full_ckpt", autocast=True,
+    )  # fmt: skip
+    linear = hidden * (heads * head_dim + 2 * kv * head_dim) + heads * head_dim * hidden + 3 * hidden * inter
+    assert constant == (0 if case == "full_ckpt" else autocast_weight_copy_bytes(linear))
+
+
+def test_live_measurement_of_the_head_under_fp32_autocast():
+    script = _script()
+    hidden, vocab = 128, 512
+    b64, b128 = (script.measure_head(hidden, vocab, t, True, autocast=True) for t in (64, 128))
+    per_token, constant = (b128 - b64) / 64, 2 * b64 - b128
+    assert per_token == model_bytes_per_token(hidden=hidden, vocab=vocab, trainable_head=True, autocast=True)
+    # the head's bf16 weight copy, and a few scalars of the loss
+    assert (
+        autocast_weight_copy_bytes(hidden * vocab)
+        <= constant
+        <= autocast_weight_copy_bytes(hidden * vocab) + 16
+    )
+
+
+def test_autocast_is_for_full_fine_tuning_only():
+    with pytest.raises(ValueError, match="autocast"):
+        layer_bytes_per_token(
+            hidden=8, intermediate=8, heads=1, kv_heads=1, head_dim=8, method="lora", autocast=True
         )
 
 

@@ -118,28 +118,58 @@ def test_plain_logits_cost_three_times_the_fp32_logits():
     assert plan.gpu_memory.logits * GB == pytest.approx(3 * fp32_logits)
 
 
-def test_activation_term_uses_measured_coefficients():
+def _full_8b_layer(checkpointing: bool, autocast: bool) -> int:
+    return layer_bytes_per_token(
+        hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, method="full",
+        checkpointing=checkpointing, autocast=autocast,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("sharding", ["zero3", "none"])
+def test_activation_term_uses_measured_coefficients(sharding: str):
+    """ZeRO-3 holds DESIGN.md's bf16 working weights; without it the trainer keeps fp32 weights under bf16
+    autocast (fp32 residual stream, and autocast's bf16 copy of every weight saved for backward)."""
+    hardware = "b300x8" if sharding == "zero3" else "b300"
     cfg, plan = plan_for(
-        "model=llama3_1_8b", "method=full", "hardware=b300", "train.seq_len=2048",
+        "model=llama3_1_8b", "method=full", f"hardware={hardware}", "train.seq_len=2048",
+        f"train.sharding={sharding}" if sharding != "none" else "train.micro_batch_size=1",
         "train.activation_checkpointing=false", "train.micro_batch_size=1", "train.chunked_loss=true",
     )  # fmt: skip
-    m = cfg.model
-    per_layer = layer_bytes_per_token(
-        hidden=4096,
-        intermediate=14336,
-        heads=32,
-        kv_heads=8,
-        head_dim=128,
-        method="full",
-        checkpointing=False,
-    )
+    assert plan.strategy.sharding == sharding
+    m, autocast = cfg.model, sharding == "none"
     # the model never runs its head under a chunked loss: the head's input is not saved there
     once = model_bytes_per_token(
-        hidden=4096, vocab=128_256, plain_loss=False, trainable_head=True, chunked_loss=True
+        hidden=4096,
+        vocab=128_256,
+        plain_loss=False,
+        trainable_head=True,
+        chunked_loss=True,
+        autocast=autocast,
     )
-    assert once == model_bytes_per_token(hidden=4096, vocab=128_256, plain_loss=False) - 2 * 4096
-    expected = (per_layer * m.num_layers + once) * 2048
+    assert once == model_bytes_per_token(hidden=4096, vocab=128_256, plain_loss=False) - 2 * 4096 + (
+        2 * 4096 if autocast else 0
+    )
+    expected = (_full_8b_layer(False, autocast) * m.num_layers + once) * 2048
+    if autocast:
+        assert _full_8b_layer(False, True) == _full_8b_layer(False, False) + 10 * 4096
+        linear_per_layer = 4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336
+        expected += 2 * linear_per_layer * m.num_layers  # bf16 weight copies, 14 GB
+        expected += 2 * 128_256 * 4096  # and the head's: the model runs it on zero rows, which still casts it
     assert plan.gpu_memory.activations * GB == pytest.approx(expected)
+
+
+def test_full_finetune_without_deepspeed_is_fp32_weights_under_autocast():
+    """16 bytes a parameter either way: 4 + 4 + 8 (fp32 weights, fp32 grads, moments) without sharding,
+    2 + (2 + 4 + 8) under ZeRO-3 (bf16 working weights; grads, master, moments in the state)."""
+    n = 8_030_261_248
+    _, plan = plan_for("model=llama3_1_8b", "method=full", "hardware=b300", "train.seq_len=1024")
+    assert plan.strategy.sharding == "none"
+    assert plan.gpu_memory.weights * GB == pytest.approx(4 * n)
+    assert plan.gpu_memory.trainable_state * GB == pytest.approx(12 * n)
+    _, plan = plan_for(
+        "model=llama3_1_8b", "method=full", "hardware=b300x8", "train.seq_len=1024", "train.sharding=zero3"
+    )
+    assert plan.gpu_memory.trainable_state * 8 * GB == pytest.approx(14 * n)  # grads 2 + master 4 + Adam 8
 
 
 def _lora_8b_layer(checkpointing: bool) -> int:
@@ -175,15 +205,6 @@ def test_recomputed_layer_is_transient_and_never_coincides_with_the_loss_peak(ch
     else:  # 12.6 GB of logits peak cover the 3.7 GB layer: nothing is added
         assert mem.logits > 3 * full_layer
         assert working == pytest.approx(0.0, abs=1e-9)
-
-
-def test_full_finetune_training_state_is_16_bytes_a_parameter():
-    cfg, plan = plan_for(
-        "model=llama3_1_8b", "method=full", "hardware=b300", "method.optimizer=adamw", "train.seq_len=1024"
-    )
-    n = 8_030_261_248
-    assert plan.gpu_memory.weights * GB == pytest.approx(2 * n)
-    assert plan.gpu_memory.trainable_state * GB == pytest.approx(14 * n)  # grads 2 + master 4 + Adam 8
 
 
 def test_8bit_optimizer_saves_six_bytes_a_parameter():

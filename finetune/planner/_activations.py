@@ -44,8 +44,14 @@ def layer_bytes_per_token(
     checkpointing: bool = False,
     attention_bias: bool = False,
     lora_rank: int = 16,
+    autocast: bool = False,
 ) -> int:
     """Bytes one decoder layer keeps for backward per token (bf16 weights, SDPA).
+
+    `autocast` (full fine-tuning only): fp32 weights under bf16 autocast, as the trainer runs full
+    fine-tuning without DeepSpeed. The residual stream is then fp32: 10 x hidden more a layer, and
+    with checkpointing the kept input is fp32 (4 x hidden). Autocast's bf16 copy of every weight is
+    saved too, a constant per layer, not per token (`autocast_weight_copy_bytes`).
 
     `method` is "full", "lora" or "qlora" (LoRA on all seven projections; QLoRA
     measures the same as LoRA: the NF4 base keeps nothing per token). With
@@ -59,8 +65,10 @@ def layer_bytes_per_token(
     if adapter_bytes not in (2, 4):
         raise ValueError(f"adapter_bytes must be 2 (bf16) or 4 (fp32), got {adapter_bytes!r}")
     h, inter, q_dim, kv_dim = hidden, intermediate, heads * head_dim, kv_heads * head_dim
+    if autocast and method != "full":
+        raise ValueError("autocast applies to full fine-tuning (adapters train on a 16-bit base)")
     if checkpointing:
-        return 2 * h  # the bf16 layer input, saved by torch.utils.checkpoint
+        return (4 if autocast else 2) * h  # the layer input, saved by torch.utils.checkpoint
     # attention: q and k after rotary, v (all bf16), SDPA's output (bf16) and fp32 logsumexp per head;
     # o_proj's input is a view of SDPA's output.
     attention = 2 * q_dim + 2 * kv_dim + 2 * kv_dim + 2 * q_dim + 4 * heads
@@ -71,7 +79,9 @@ def layer_bytes_per_token(
     if method == "full":
         # each RMSNorm also keeps its bf16 normalized input to the weight product (for the norm weight's
         # grad) and its output (for the projections' weight grads); down_proj keeps act*up.
-        return norms + 2 * (2 * h + 2 * h) + attention + mlp + 2 * inter
+        # under autocast, the fp32 residual stream: the norms' inputs and normalized outputs are fp32 and
+        # each projection saves its own bf16 cast of its input (measured: exactly 10 x hidden more)
+        return norms + 2 * (2 * h + 2 * h) + attention + mlp + 2 * inter + (10 * h if autocast else 0)
     a = adapter_bytes
     lora_a_outputs = 7 * lora_rank * a  # kept by each lora_B
     if lora_dropout:
@@ -93,6 +103,7 @@ def model_bytes_per_token(
     plain_loss: bool = True,
     trainable_head: bool = True,
     chunked_loss: bool = False,
+    autocast: bool = False,
 ) -> int:
     """Bytes kept once per model per token: final RMSNorm, lm_head input, plain cross-entropy.
 
@@ -101,14 +112,26 @@ def model_bytes_per_token(
     (the planner counts the loss's peak in its own term). A frozen head and norm (LoRA,
     QLoRA: `trainable_head=False`) keep 4 x hidden less. With `chunked_loss` the model
     never runs its head, so a trainable head's input is not saved there (the chunked
-    loss returns the hidden states' gradient instead, counted with the loss).
+    loss returns the hidden states' gradient instead, counted with the loss). Under `autocast` (full
+    fine-tuning with fp32 weights) the final norm's normalized input is fp32: 2 x hidden more.
     """
     h = hidden
     kept = 4 * h + 4  # the norm's fp32 upcast and rsqrt
     if trainable_head:
         kept += 2 * h  # normalized bf16 input of the norm weight
+        if autocast:
+            kept += 2 * h  # ... in fp32
         if not chunked_loss:
             kept += 2 * h  # lm_head's input
     if plain_loss:
         kept += 4 * vocab + 8
     return kept
+
+
+def autocast_weight_copy_bytes(linear_params: int) -> int:
+    """Autocast's bf16 copies of fp32 weights, saved for backward: 2 bytes a weight of every linear that ran.
+
+    Measured per layer (and for the LM head under a plain loss), whatever the token count; with
+    checkpointing only the layer being recomputed holds its copies.
+    """
+    return 2 * linear_params

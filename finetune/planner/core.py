@@ -20,7 +20,11 @@ from typing import Any, Optional
 
 from finetune.config import HardwareConfig, MethodConfig, ModelConfig, PlanConfig, TrainConfig
 from finetune.errors import PlanError
-from finetune.planner._activations import layer_bytes_per_token, model_bytes_per_token
+from finetune.planner._activations import (
+    autocast_weight_copy_bytes,
+    layer_bytes_per_token,
+    model_bytes_per_token,
+)
 from finetune.planner.params import ParamCounts, count_params, lora_params, projection_shapes
 
 GB = 1e9
@@ -204,6 +208,22 @@ def _dtype_bytes(job: _Job) -> float:
     return 4.0 if job.method.dtype_on(job.hw.device) == "fp32" else 2.0
 
 
+def _fp32_autocast(job: _Job, s: Strategy) -> bool:
+    """Full fine-tuning as the trainer runs it without DeepSpeed or FSDP: fp32 weights under bf16 autocast.
+
+    (finetune/train/models.py; HF Trainer with bf16=True.) The same 16 bytes a parameter as DESIGN.md's
+    mixed precision, split 4 + 4 + 8 (weights, which are their own master copy; gradients; moments)
+    instead of 2 + 2 + 4 + 8, and different activations: an fp32 residual stream, and autocast's bf16
+    copy of each weight saved for backward. DeepSpeed and FSDP keep 16-bit working weights instead.
+    """
+    return (
+        job.method.name == "full"
+        and _dtype_bytes(job) == 2.0
+        and s.sharding in ("none", "ddp")
+        and not (s.offload_optimizer or s.offload_params)
+    )
+
+
 def _base_weight_bytes(job: _Job) -> float:
     """The frozen (or, for full fine-tuning, the bf16 working) copy of the base model."""
     c = job.counts
@@ -223,7 +243,7 @@ def _trainable_state_bytes(job: _Job, s: Strategy) -> tuple[float, float]:
     n = job.trainable
     moments = _optimizer_bytes(s.optimizer)
     if job.method.name == "full":
-        weight, grad = 0.0, _dtype_bytes(job)
+        weight, grad = 0.0, 4.0 if _fp32_autocast(job, s) else _dtype_bytes(job)
         master = 0.0 if grad == 4.0 else 4.0
     else:
         weight = grad = 4.0 if job.method.adapter_dtype == "fp32" else 2.0
@@ -235,7 +255,7 @@ def _trainable_state_bytes(job: _Job, s: Strategy) -> tuple[float, float]:
     return on_gpu, offloaded
 
 
-def _layer_bytes_per_token(job: _Job, checkpointing: bool) -> float:
+def _layer_bytes_per_token(job: _Job, checkpointing: bool, autocast: bool = False) -> float:
     """Saved activation bytes of one decoder layer per token (the fitted formulas of `_activations`)."""
     m = job.model
     return layer_bytes_per_token(
@@ -250,6 +270,19 @@ def _layer_bytes_per_token(job: _Job, checkpointing: bool) -> float:
         attention_bias=m.attention_bias,
         lora_rank=job.method.lora_rank,
         checkpointing=checkpointing,
+        autocast=autocast,
+    )
+
+
+def _model_bytes_per_token(job: _Job, s: Strategy) -> float:
+    """Kept once per model per token: the final norm and the head's input (the loss is the `logits` term)."""
+    return model_bytes_per_token(
+        hidden=job.model.hidden_size,
+        vocab=job.model.vocab_size,
+        plain_loss=False,
+        trainable_head=job.method.name == "full",
+        chunked_loss=s.chunked_loss,
+        autocast=_fp32_autocast(job, s),
     )
 
 
@@ -258,17 +291,20 @@ def _activation_bytes(job: _Job, s: Strategy) -> float:
 
     With checkpointing, each layer's input only: the layer being recomputed is transient and never
     coincides with the loss peak, so the overhead's working set counts it (`_working_set_bytes`).
+    Under fp32 autocast (`_fp32_autocast`), also the bf16 weight copies of every layer (without
+    checkpointing) and of the LM head (the model runs its head under autocast; with the chunked loss
+    on zero rows, `logits_to_keep` empty, which still casts and saves the whole weight: measured).
     """
     m = job.model
-    per_token = _layer_bytes_per_token(job, s.activation_checkpointing) * m.num_layers
-    per_token += model_bytes_per_token(
-        hidden=m.hidden_size,
-        vocab=m.vocab_size,
-        plain_loss=False,
-        trainable_head=job.method.name == "full",
-        chunked_loss=s.chunked_loss,
-    )
-    return per_token * s.micro_batch_size * job.seq_len
+    autocast = _fp32_autocast(job, s)
+    per_token = _layer_bytes_per_token(job, s.activation_checkpointing, autocast) * m.num_layers
+    per_token += _model_bytes_per_token(job, s)
+    held = per_token * s.micro_batch_size * job.seq_len
+    if autocast:
+        if not s.activation_checkpointing:
+            held += autocast_weight_copy_bytes(job.counts.linear_per_layer) * m.num_layers
+        held += autocast_weight_copy_bytes(m.vocab_size * m.hidden_size)
+    return held
 
 
 def _logit_bytes(job: _Job, s: Strategy) -> float:
@@ -276,7 +312,7 @@ def _logit_bytes(job: _Job, s: Strategy) -> float:
 
     Measured (scripts/bench_planner.py): a plain loss peaks at 3x the fp32 logits (log-softmax output,
     its gradient and the input gradient at once); the chunked loss at 1.5x one chunk of fp32 logits
-    (the chunk in the compute dtype and its fp32 copy, then the fp32 gradient and its compute-dtype cast),
+    (the chunk in bf16 and its fp32 copy, then the fp32 gradient and its bf16 cast; 1x in fp32),
     plus its hidden-state gradient buffer, the chunk's hidden rows and their gradient and, when the head
     trains, one head-gradient accumulator, all in the compute dtype.
     """
@@ -284,11 +320,15 @@ def _logit_bytes(job: _Job, s: Strategy) -> float:
     vocab = job.model.vocab_size
     if s.chunked_loss:
         rows = min(tokens, job.train.loss_chunk_size)
-        peak = job.cal.chunked_loss_peak_factor * 4.0 * rows * vocab
+        # fp32 autocast: the loss runs outside autocast on fp32 hidden states and an fp32 head
+        buf = 4.0 if _fp32_autocast(job, s) else _dtype_bytes(job)
+        # an fp32 chunk needs no 16-bit copy or cast: its logits, then their gradient (measured 1.03-1.04)
+        factor = job.cal.chunked_loss_peak_factor if buf == 2.0 else 1.0
+        peak = factor * 4.0 * rows * vocab
         # the hidden-state gradient buffer, and the chunk's rows of hidden states and of their gradient
-        peak += _dtype_bytes(job) * (tokens + 2 * rows) * job.model.hidden_size
+        peak += buf * (tokens + 2 * rows) * job.model.hidden_size
         if job.method.name == "full":
-            peak += _dtype_bytes(job) * vocab * job.model.hidden_size  # one accumulator for the head gradient
+            peak += buf * vocab * job.model.hidden_size  # one accumulator for the head gradient
         return peak
     return job.cal.plain_loss_peak_factor * 4.0 * tokens * vocab
 
@@ -296,7 +336,7 @@ def _logit_bytes(job: _Job, s: Strategy) -> float:
 def _memory(job: _Job, s: Strategy) -> tuple[Memory, float]:
     """Per-GPU memory terms (GB) and host memory offloaded per GPU (bytes)."""
     shards = job.hw.total_gpus if s.sharding in ("fsdp", "zero3") else 1
-    weights = _base_weight_bytes(job)
+    weights = 4.0 * job.counts.total if _fp32_autocast(job, s) else _base_weight_bytes(job)
     state_gpu, state_host = _trainable_state_bytes(job, s)
     host = state_host / shards
     if s.offload_params:
@@ -335,12 +375,14 @@ def _working_set_bytes(job: _Job, s: Strategy, logit_bytes: float) -> float:
     the loss peak (the loss is done before the first layer's backward), so only the part above the
     `logits` term is added.
     """
-    one_layer = replace(job, model=replace(job.model, num_layers=1))
-    working = job.cal.backward_working_set_layers * _activation_bytes(
-        one_layer, replace(s, activation_checkpointing=False)
-    )
+    tokens = s.micro_batch_size * job.seq_len
+    autocast = _fp32_autocast(job, s)
+    layer = _layer_bytes_per_token(job, checkpointing=False, autocast=autocast) * tokens
+    working = job.cal.backward_working_set_layers * (layer + _model_bytes_per_token(job, s) * tokens)
     if s.activation_checkpointing:
-        working += _layer_bytes_per_token(job, checkpointing=False) * s.micro_batch_size * job.seq_len
+        working += layer  # the layer being recomputed
+        if autocast:
+            working += autocast_weight_copy_bytes(job.counts.linear_per_layer)  # and its weight copies
     if job.method.name == "qlora":
         compute_bytes = 4.0 if job.method.compute_dtype == "fp32" else 2.0
         working += compute_bytes * max(d_in * d_out for d_in, d_out in projection_shapes(job.model).values())

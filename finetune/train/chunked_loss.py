@@ -227,9 +227,11 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """Fused LM head + cross-entropy: Liger's kernel on CUDA when installed, else ours.
 
-    Under autocast (HF Trainer runs `compute_loss` inside it with bf16=True) the
-    inputs are cast once to the autocast dtype, as autocast would for the head's
-    matmul, and the chunks run with autocast off so every buffer has one dtype.
+    Under autocast (a caller running the loss inside it; transformers 5's Trainer
+    does not: accelerate autocasts the model's forward only, so the trainer's
+    chunked loss sees fp32 hidden states and head) the inputs are cast once to
+    the autocast dtype, as autocast would for the head's matmul, and the chunks
+    run with autocast off so every buffer has one dtype.
     """
     device = hidden.device.type
     if torch.is_autocast_enabled(device):
