@@ -163,9 +163,17 @@ def test_resume_false_starts_fresh_and_resume_path_picks_one(tmp_path, tiny_cach
     reference = losses(folder / "checkpoint-8")
     assert [p.name for p in checkpoints.listing(folder)] == [f"checkpoint-{s}" for s in (2, 4, 6, 8)]
 
-    # resume=true with everything done: resumes at step 8, trains nothing more.
+    # resume=true with everything done: resumes at step 8, trains nothing more (transformers alone would
+    # train a ninth step and rewrite the adapter), keeps the finished run's metrics.
+    adapter_before = adapter(run)
     again = _in_process(run, tiny_data)
     assert again["train"]["resumed_from"] == str((folder / "checkpoint-8").resolve())
+    assert again["train"]["already_complete"] is True and first["train"]["already_complete"] is False
+    assert again["train"]["steps"] == 8 and again["eval"] == first["eval"]
+    assert [p.name for p in checkpoints.listing(folder)] == [f"checkpoint-{s}" for s in (2, 4, 6, 8)]
+    assert json.loads((run / "metrics.json").read_text())["train"]["already_complete"] is True
+    assert adapter(run).keys() == adapter_before.keys()
+    assert all(adapter(run)[k].equal(adapter_before[k]) for k in adapter_before)
 
     # resume=PATH: that checkpoint; the later ones are set aside (never resumed by mistake), then rewritten.
     picked = _in_process(run, tiny_data, "resume=checkpoint-4")

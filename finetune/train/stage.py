@@ -206,7 +206,6 @@ def run(
     # ZeRO-3/FSDP the weights are partitioned across ranks and the eval stage (mode=eval, run by
     # the pipeline after the launcher returns) scores the saved adapter or model instead.
     in_worker_eval = rank0 and plan.strategy.sharding not in SHARDED
-    base = evaluate(model, tokenizer, eval_ds, max_generate=max_generate) if in_worker_eval else None
 
     monitor = cb.RunMonitor(cfg.hardware.device, plan.gpu_memory.total, baseline_gb=baseline_gb)
     early = cb.EarlyStop(cfg.train.loss_spike_factor, cfg.train.eval_rise_patience)
@@ -224,8 +223,11 @@ def run(
         monitor=monitor,
     )
     try:
+        resumed_from, complete = _agreed_resume_point(trainer, cfg, run_dir, rank0)
+        if complete:
+            return _already_trained(run_dir, resumed_from, rank0)
+        base = evaluate(model, tokenizer, eval_ds, max_generate=max_generate) if in_worker_eval else None
         t_train = time.perf_counter()
-        resumed_from = _agreed_resume_point(trainer, cfg, run_dir, rank0)
         if resumed_from:
             log.info("resuming from %s", resumed_from)
             early.restore(resumed_from)
@@ -266,6 +268,7 @@ def run(
             "wall_seconds": round(time.perf_counter() - t0, 2),
             "stopped_early": early.reason,
             "resumed_from": str(Path(resumed_from).resolve()) if resumed_from else None,
+            "already_complete": False,
             "method": cfg.method.name,
             "precision": "bf16" if str(compute_dtype).endswith("bfloat16") else "fp32",
             "trainable_parameters": trainable,
@@ -295,21 +298,58 @@ def is_rank_zero() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _agreed_resume_point(trainer: Any, cfg: Config, run_dir: Path, rank0: bool) -> Optional[str]:
-    """Rank 0 tidies the checkpoint folder and picks the resume point; every rank gets the same answer."""
+def _agreed_resume_point(trainer: Any, cfg: Config, run_dir: Path, rank0: bool) -> tuple[Optional[str], bool]:
+    """Rank 0 tidies the checkpoint folder and picks the resume point; every rank gets the same answer.
+
+    Also whether that checkpoint ends a run already complete (`_complete`): there is nothing to train.
+    """
     from accelerate.utils import broadcast_object_list
 
-    answer: list[Any] = [None, None]
+    answer: list[Any] = [None, None, False]
     if rank0:
         try:
             answer[0] = prepare_checkpoints(cfg, run_dir)
+            answer[2] = answer[0] is not None and _complete(trainer, Path(answer[0]), run_dir)
         except Exception as exc:  # every rank must learn of it, or the others wait forever
             answer[1] = exc
     if trainer.accelerator.num_processes > 1:
         broadcast_object_list(answer, from_process=0)
     if answer[1] is not None:
         raise answer[1]
-    return answer[0]
+    return answer[0], bool(answer[2])
+
+
+def _complete(trainer: Any, checkpoint: Path, run_dir: Path) -> bool:
+    """`checkpoint` is the last step of this run's schedule, and the run's output and metrics are written.
+
+    transformers resumed from the final step trains one step beyond the schedule before it checks
+    the step count (and rewrites the output): re-running a finished job's command must not.
+    """
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    args = trainer.args
+    if args.max_steps > 0:
+        target = args.max_steps
+    else:  # epoch-based: the trainer's own count of optimizer steps
+        target = trainer.set_initial_training_values(args, trainer.get_train_dataloader())[-1]
+    metrics = run_dir / METRICS_FILE
+    previous = json.loads(metrics.read_text()).get("train", {}) if metrics.is_file() else {}
+    return (
+        state.get("global_step", 0) >= target
+        and previous.get("steps") == state.get("global_step")
+        and Path(previous.get("output_dir", "")).is_dir()
+    )
+
+
+def _already_trained(run_dir: Path, checkpoint: Optional[str], rank0: bool) -> dict:
+    """The metrics of the finished run, marked as such: nothing is trained, saved or evaluated again."""
+    path = run_dir / METRICS_FILE
+    metrics = json.loads(path.read_text())
+    log.info("already trained: %s is the schedule's last step; nothing to train", checkpoint)
+    resumed = str(Path(checkpoint).resolve()) if checkpoint else None
+    metrics["train"] = {**metrics["train"], "resumed_from": resumed, "already_complete": True}
+    if rank0:
+        rundir.write_json(path, metrics)
+    return metrics
 
 
 class Preempted(FinetuneError):
