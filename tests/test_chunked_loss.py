@@ -279,13 +279,13 @@ def test_liger_is_used_only_on_cuda(monkeypatch):
 
     # The wiring Liger gets on CUDA: argument order, and the num_items_in_batch denominator.
     expected = plain_loss(hidden, weight, targets, num_items_in_batch=37)
-    actual = chunked_loss._liger_linear_cross_entropy(hidden, weight, targets, None, "mean", 37, -100)
+    actual = chunked_loss._liger_linear_cross_entropy(hidden, weight, targets, num_items_in_batch=37)
     assert calls == ["sum"]
     assert rel_err(actual, expected) <= 1e-6
 
 
 def test_under_autocast_matches_the_plain_loss_in_the_autocast_dtype():
-    """HF Trainer calls compute_loss inside autocast when bf16=True: the chunked loss must run there."""
+    """A caller may run the loss inside autocast (transformers 5's Trainer autocasts only the model's forward)."""
     torch.manual_seed(0)
     hidden = torch.randn(2, 16, 32, requires_grad=True)
     weight = torch.randn(100, 32, requires_grad=True)

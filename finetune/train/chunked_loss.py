@@ -14,6 +14,7 @@ instead (same semantics, faster).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from typing import Any
 
@@ -197,10 +198,12 @@ def _liger_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    reduction: str,
-    num_items_in_batch: torch.Tensor | int | None,
-    ignore_index: int,
+    *,
+    bias: torch.Tensor | None = None,
+    reduction: str = "mean",
+    num_items_in_batch: torch.Tensor | int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,  # the kernel chooses its own chunks
+    ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -234,33 +237,25 @@ def linear_cross_entropy(
     run with autocast off so every buffer has one dtype.
     """
     device = hidden.device.type
-    if torch.is_autocast_enabled(device):
+    autocast = torch.is_autocast_enabled(device)
+    if autocast:
         dtype = torch.get_autocast_dtype(device)
-        with torch.autocast(device_type=device, enabled=False):
-            return linear_cross_entropy(
-                hidden.to(dtype),
-                weight.to(dtype),
-                targets,
-                bias=None if bias is None else bias.to(dtype),
-                reduction=reduction,
-                num_items_in_batch=num_items_in_batch,
-                chunk_size=chunk_size,
-                ignore_index=ignore_index,
-            )
-    if hidden.is_cuda and liger_available():
-        return _liger_linear_cross_entropy(
-            hidden, weight, targets, bias, reduction, num_items_in_batch, ignore_index
-        )
-    return chunked_linear_cross_entropy(
-        hidden,
-        weight,
-        targets,
-        bias=bias,
-        reduction=reduction,
-        num_items_in_batch=num_items_in_batch,
-        chunk_size=chunk_size,
-        ignore_index=ignore_index,
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    loss_fn = (
+        _liger_linear_cross_entropy if hidden.is_cuda and liger_available() else chunked_linear_cross_entropy
     )
+    with torch.autocast(device_type=device, enabled=False) if autocast else contextlib.nullcontext():
+        return loss_fn(
+            hidden,
+            weight,
+            targets,
+            bias=bias,
+            reduction=reduction,
+            num_items_in_batch=num_items_in_batch,
+            chunk_size=chunk_size,
+            ignore_index=ignore_index,
+        )
 
 
 def chunked_causal_lm_loss(
