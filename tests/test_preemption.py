@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,33 +15,26 @@ from finetune.train import callbacks as cb
 from finetune.train import stage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_resume import finish, losses, prepare_run_dir, wait_for_checkpoint, worker  # noqa: E402
+from test_resume import (  # noqa: E402
+    finish,
+    losses,
+    prepare_run_dir,
+    train_in_process,
+    wait_for_checkpoint,
+    worker,
+)
+
+RUN = (
+    "train.max_steps=8",
+    "train.save_steps=4",
+    "train.logging_steps=1",
+    "train.eval_steps=1000",
+    "method.lora_dropout=0.1",
+)
 
 
 def _run(run: Path, tiny_data, *overrides: str) -> dict:
-    from finetune.cli import compose, load_profiles
-    from finetune.planner import make_plan
-    from finetune.stages import resolve
-
-    cfg = resolve(
-        compose(
-            [
-                f"run_dir={run}",
-                "train.seq_len=128",
-                "train.max_steps=8",
-                "train.save_steps=4",
-                "train.logging_steps=1",
-                "train.eval_steps=1000",
-                "train.report_to=[]",
-                "method.lora_dropout=0.1",
-                *overrides,
-            ]
-        )
-    )
-    plan = make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
-    plan = replace(plan, strategy=replace(plan.strategy, micro_batch_size=2, grad_accum_steps=2))
-    train, evals = tiny_data
-    return stage.run(cfg, run, plan, datasets=(train, evals.select(range(4))), max_generate=1)
+    return train_in_process(run, tiny_data, (*RUN, *overrides), micro_batch_size=2, grad_accum_steps=2)
 
 
 def test_sigint_saves_at_the_step_boundary_and_resumes_exactly(tmp_path, tiny_cache, tiny_data, monkeypatch):

@@ -129,31 +129,35 @@ def test_sigkill_at_a_random_step_then_resume_matches_uninterrupted(tmp_path, ti
 # ---------------------------------------------------------------- resume=false, resume=PATH, a changed config
 
 
-def _in_process(run: Path, tiny_data, *overrides: str) -> dict:
+def train_in_process(
+    run: Path, tiny_data, overrides: tuple[str, ...], micro_batch_size: int, grad_accum_steps: int
+) -> dict:
+    """`finetune.train.stage.run` in this process on the tiny data (4 eval rows), with the batch shape fixed."""
     from finetune.cli import compose, load_profiles
     from finetune.planner import make_plan
     from finetune.stages import resolve
     from finetune.train import stage
 
-    cfg = resolve(
-        compose(
-            [
-                f"run_dir={run}",
-                "train.seq_len=128",
-                "train.max_steps=8",
-                "train.save_steps=2",
-                "train.save_total_limit=4",
-                "train.logging_steps=1",
-                "train.eval_steps=1000",
-                "train.report_to=[]",
-                *overrides,
-            ]
-        )
-    )
+    cfg = resolve(compose([f"run_dir={run}", "train.seq_len=128", "train.report_to=[]", *overrides]))
     plan = make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
-    plan = replace(plan, strategy=replace(plan.strategy, micro_batch_size=2, grad_accum_steps=1))
+    strategy = replace(plan.strategy, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps)
     train, evals = tiny_data
-    return stage.run(cfg, run, plan, datasets=(train, evals.select(range(4))), max_generate=1)
+    return stage.run(
+        cfg, run, replace(plan, strategy=strategy), datasets=(train, evals.select(range(4))), max_generate=1
+    )
+
+
+IN_PROCESS = (
+    "train.max_steps=8",
+    "train.save_steps=2",
+    "train.save_total_limit=4",
+    "train.logging_steps=1",
+    "train.eval_steps=1000",
+)
+
+
+def _in_process(run: Path, tiny_data, *overrides: str) -> dict:
+    return train_in_process(run, tiny_data, (*IN_PROCESS, *overrides), micro_batch_size=2, grad_accum_steps=1)
 
 
 def test_resume_false_starts_fresh_and_resume_path_picks_one(tmp_path, tiny_cache, tiny_data):
