@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -209,3 +210,18 @@ def test_a_changed_config_does_not_overwrite_a_run_with_checkpoints(tmp_path):
     assert "lora_rank: 32" in (run / "config.yaml").read_text() and before != ""
     rundir.save_config(compose([f"run_dir={run}", "method.lora_rank=8", "resume=false"]), run)
     assert "lora_rank: 8" in (run / "config.yaml").read_text()
+
+
+def test_an_epoch_based_run_run_again_trains_nothing(tmp_path, tiny_cache, tiny_data):
+    """By epochs, the schedule's length is the trainer's own count of optimizer steps."""
+    run = tmp_path / "run"
+    overrides = ("train.max_steps=-1", "train.epochs=0.02", "train.save_steps=1000", "train.eval_steps=1000")
+    first = train_in_process(run, tiny_data, overrides, micro_batch_size=2, grad_accum_steps=1)
+    steps = first["train"]["steps"]
+    assert steps == math.ceil(0.02 * math.ceil(len(tiny_data[0]) / 2)) > 1  # 2% of an epoch of 2-row batches
+    last = run / "checkpoints" / f"checkpoint-{steps}"  # transformers saves at the end of the schedule
+    assert last.is_dir()
+    again = train_in_process(run, tiny_data, overrides, micro_batch_size=2, grad_accum_steps=1)
+    assert again["train"]["already_complete"] is True and again["train"]["steps"] == steps
+    assert again["train"]["resumed_from"] == str(last.resolve())
+    assert [p.name for p in checkpoints.listing(run / "checkpoints")] == [last.name]
