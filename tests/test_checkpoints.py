@@ -11,6 +11,7 @@ import pytest
 
 from finetune import checkpoints
 from finetune.errors import ConfigError
+from tests.test_eval_support import train_in_process
 
 
 def _fake(folder: Path, step: int, seal: bool = True) -> Path:
@@ -157,16 +158,7 @@ def _cfg(run: Path, *overrides: str):
 
 
 def _train(cfg, tiny_data):
-    from finetune.cli import load_profiles
-    from finetune.planner import make_plan
-    from finetune.stages import resolve
-    from finetune.train import stage
-
-    cfg = resolve(cfg)
-    plan = make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
-    plan = replace(plan, strategy=replace(plan.strategy, micro_batch_size=2, grad_accum_steps=2))
-    train, evals = tiny_data
-    return stage.run(cfg, Path(cfg.run_dir), plan, datasets=(train, evals.select(range(8))), max_generate=2)
+    return train_in_process(cfg, tiny_data, n_eval=8, max_generate=2, micro_batch_size=2, grad_accum_steps=2)
 
 
 def _history(ckpt: Path) -> list[float]:

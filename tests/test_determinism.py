@@ -6,37 +6,32 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
+
+from tests.test_eval_support import train_in_process
 
 
 def _run(run: Path, tiny_data, *overrides: str) -> tuple[list[float], dict]:
     from safetensors.torch import load_file
 
-    from finetune.cli import compose, load_profiles
-    from finetune.planner import make_plan
-    from finetune.stages import resolve
-    from finetune.train import stage
+    from finetune.cli import compose
 
-    cfg = resolve(
-        compose(
-            [
-                f"run_dir={run}",
-                "train.seq_len=128",
-                "train.max_steps=6",
-                "train.save_steps=6",
-                "train.logging_steps=1",
-                "train.eval_steps=1000",
-                "train.report_to=[]",
-                "method.lora_dropout=0.1",  # random masks every step: the seed must drive them
-                *overrides,
-            ]
-        )
+    cfg = compose(
+        [
+            f"run_dir={run}",
+            "train.seq_len=128",
+            "train.max_steps=6",
+            "train.save_steps=6",
+            "train.logging_steps=1",
+            "train.eval_steps=1000",
+            "train.report_to=[]",
+            "method.lora_dropout=0.1",  # random masks every step: the seed must drive them
+            *overrides,
+        ]
     )
-    plan = make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
-    plan = replace(plan, strategy=replace(plan.strategy, micro_batch_size=2, grad_accum_steps=2))
-    train, evals = tiny_data
-    stage.run(cfg, run, plan, datasets=(train.select(range(48)), evals.select(range(4))), max_generate=1)
+    train_in_process(
+        cfg, tiny_data, n_train=48, n_eval=4, max_generate=1, micro_batch_size=2, grad_accum_steps=2
+    )
     history = json.loads((run / "checkpoints" / "checkpoint-6" / "trainer_state.json").read_text())[
         "log_history"
     ]

@@ -1,4 +1,4 @@
-"""Shared helpers for the evaluation, export and compare tests (no tests here).
+"""Shared test helpers (no tests here): configs, plans, in-process training, staged configs, adapter runs.
 
 `with_stages` gives a composed config the `eval` and `export` sections as typed
 objects (a Config subclass, so it works whether or not the root Config has them).
@@ -32,14 +32,42 @@ def compose_tiny(*overrides: str) -> Config:
     return compose(list(overrides))
 
 
-def plan_for(cfg: Config) -> Any:
-    """The planner's plan for `cfg` on this machine (hardware=cpu resolved as the pipeline does)."""
+def plan_for(cfg: Config, **strategy: Any) -> Any:
+    """The planner's plan for `cfg` on this machine (hardware=cpu resolved as the pipeline does),
+    with strategy fields overridden."""
+    from dataclasses import replace
+
     from finetune.cli import load_profiles
     from finetune.planner import make_plan
     from finetune.stages import resolve
 
     cfg = resolve(cfg)
-    return make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
+    plan = make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
+    return replace(plan, strategy=replace(plan.strategy, **strategy)) if strategy else plan
+
+
+def train_in_process(
+    cfg: Config,
+    tiny_data: Any,
+    *,
+    n_eval: int,
+    max_generate: int,
+    n_train: Optional[int] = None,
+    **strategy: Any,
+) -> dict:
+    """`finetune.train.stage.run` in this process on the tiny data (the first `n_train` training rows and
+    `n_eval` eval rows), planned for this machine with `strategy` fixed (the batch shape)."""
+    from finetune.stages import resolve
+    from finetune.train import stage
+
+    cfg = resolve(cfg)
+    train, evals = tiny_data
+    if n_train:
+        train = train.select(range(n_train))
+    datasets = (train, evals.select(range(n_eval)))
+    return stage.run(
+        cfg, Path(cfg.run_dir), plan_for(cfg, **strategy), datasets=datasets, max_generate=max_generate
+    )
 
 
 def with_stages(cfg: Config, eval: Optional[EvalConfig] = None, export: Optional[ExportConfig] = None) -> Any:

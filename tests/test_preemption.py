@@ -19,7 +19,7 @@ from test_resume import (  # noqa: E402
     finish,
     losses,
     prepare_run_dir,
-    train_in_process,
+    train_run,
     wait_for_checkpoint,
     worker,
 )
@@ -34,7 +34,7 @@ RUN = (
 
 
 def _run(run: Path, tiny_data, *overrides: str) -> dict:
-    return train_in_process(run, tiny_data, (*RUN, *overrides), micro_batch_size=2, grad_accum_steps=2)
+    return train_run(run, tiny_data, (*RUN, *overrides), micro_batch_size=2, grad_accum_steps=2)
 
 
 def test_sigint_saves_at_the_step_boundary_and_resumes_exactly(tmp_path, tiny_cache, tiny_data, monkeypatch):

@@ -10,13 +10,13 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from finetune import checkpoints, rundir
 from finetune.errors import ConfigError
+from tests.test_eval_support import train_in_process
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -130,24 +130,6 @@ def test_sigkill_at_a_random_step_then_resume_matches_uninterrupted(tmp_path, ti
 # ---------------------------------------------------------------- resume=false, resume=PATH, a changed config
 
 
-def train_in_process(
-    run: Path, tiny_data, overrides: tuple[str, ...], micro_batch_size: int, grad_accum_steps: int
-) -> dict:
-    """`finetune.train.stage.run` in this process on the tiny data (4 eval rows), with the batch shape fixed."""
-    from finetune.cli import compose, load_profiles
-    from finetune.planner import make_plan
-    from finetune.stages import resolve
-    from finetune.train import stage
-
-    cfg = resolve(compose([f"run_dir={run}", "train.seq_len=128", "train.report_to=[]", *overrides]))
-    plan = make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
-    strategy = replace(plan.strategy, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps)
-    train, evals = tiny_data
-    return stage.run(
-        cfg, run, replace(plan, strategy=strategy), datasets=(train, evals.select(range(4))), max_generate=1
-    )
-
-
 IN_PROCESS = (
     "train.max_steps=8",
     "train.save_steps=2",
@@ -157,8 +139,16 @@ IN_PROCESS = (
 )
 
 
+def train_run(run: Path, tiny_data, overrides: tuple[str, ...], **strategy) -> dict:
+    """The tiny LoRA in this process with the resume tests' settings (4 eval rows, one generation)."""
+    from finetune.cli import compose
+
+    cfg = compose([f"run_dir={run}", "train.seq_len=128", "train.report_to=[]", *overrides])
+    return train_in_process(cfg, tiny_data, n_eval=4, max_generate=1, **strategy)
+
+
 def _in_process(run: Path, tiny_data, *overrides: str) -> dict:
-    return train_in_process(run, tiny_data, (*IN_PROCESS, *overrides), micro_batch_size=2, grad_accum_steps=1)
+    return train_run(run, tiny_data, (*IN_PROCESS, *overrides), micro_batch_size=2, grad_accum_steps=1)
 
 
 def test_resume_false_starts_fresh_and_resume_path_picks_one(tmp_path, tiny_cache, tiny_data):
@@ -216,12 +206,12 @@ def test_an_epoch_based_run_run_again_trains_nothing(tmp_path, tiny_cache, tiny_
     """By epochs, the schedule's length is the trainer's own count of optimizer steps."""
     run = tmp_path / "run"
     overrides = ("train.max_steps=-1", "train.epochs=0.02", "train.save_steps=1000", "train.eval_steps=1000")
-    first = train_in_process(run, tiny_data, overrides, micro_batch_size=2, grad_accum_steps=1)
+    first = train_run(run, tiny_data, overrides, micro_batch_size=2, grad_accum_steps=1)
     steps = first["train"]["steps"]
     assert steps == math.ceil(0.02 * math.ceil(len(tiny_data[0]) / 2)) > 1  # 2% of an epoch of 2-row batches
     last = run / "checkpoints" / f"checkpoint-{steps}"  # transformers saves at the end of the schedule
     assert last.is_dir()
-    again = train_in_process(run, tiny_data, overrides, micro_batch_size=2, grad_accum_steps=1)
+    again = train_run(run, tiny_data, overrides, micro_batch_size=2, grad_accum_steps=1)
     assert again["train"]["already_complete"] is True and again["train"]["steps"] == steps
     assert again["train"]["resumed_from"] == str(last.resolve())
     assert [p.name for p in checkpoints.listing(run / "checkpoints")] == [last.name]

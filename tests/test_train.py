@@ -15,26 +15,9 @@ from finetune import rundir
 from finetune.train import stage
 from finetune.train.callbacks import EarlyStop, RunMonitor
 from finetune.train.collator import NUM_TOKENS_KEY, PackedCollator
+from tests.test_eval_support import compose_tiny, plan_for, train_in_process
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def compose_tiny(*overrides: str):
-    """The real composed config (recipe tiny) with command-line style overrides."""
-    from finetune.cli import compose
-
-    return compose(list(overrides))
-
-
-def plan_for(cfg, **strategy):
-    """The planner's plan for `cfg` on this machine, with strategy fields overridden."""
-    from finetune.cli import load_profiles
-    from finetune.planner import make_plan
-    from finetune.stages import resolve
-
-    cfg = resolve(cfg)
-    plan = make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
-    return replace(plan, strategy=replace(plan.strategy, **strategy)) if strategy else plan
 
 
 def _cfg(tmp_path: Path, *overrides: str):
@@ -60,13 +43,7 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 def _train(cfg, tiny_data, n_train=None, n_eval=24, **strategy):
-    train, evals = tiny_data
-    if n_train:
-        train = train.select(range(n_train))
-    plan = plan_for(cfg, **strategy)
-    return stage.run(
-        cfg, Path(cfg.run_dir), plan, datasets=(train, evals.select(range(n_eval))), max_generate=8
-    )
+    return train_in_process(cfg, tiny_data, n_train=n_train, n_eval=n_eval, max_generate=8, **strategy)
 
 
 # ---------------------------------------------------------------- units
