@@ -16,6 +16,8 @@ from typing import Any, Optional
 import torch
 
 from finetune import tasks
+from finetune.evaluation.config import EvalConfig
+from finetune.evaluation.generate import generate
 from finetune.train.chunked_loss import chunked_causal_lm_loss
 from finetune.train.collator import NUM_TOKENS_KEY, PackedCollator
 
@@ -60,38 +62,6 @@ def split_prompt(messages: list[dict]) -> tuple[list[dict], str]:
     raise ValueError("conversation has no assistant turn")
 
 
-@torch.no_grad()
-def generate_answers(
-    model: Any, tokenizer: Any, prompts: list[list[dict]], max_new_tokens: int, batch_size: int = 32
-) -> list[str]:
-    """Greedy completions of each prompt (rendered with the chat template, generation prompt added)."""
-    device = next(model.parameters()).device
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    answers: list[str] = []
-    try:
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start : start + batch_size]
-            enc = tokenizer.apply_chat_template(
-                chunk, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
-            )
-            enc = {k: v.to(device) for k, v in enc.items()}
-            out = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                temperature=None,
-                top_p=None,
-                top_k=None,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-            answers += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    finally:
-        tokenizer.padding_side = side
-    return answers
-
-
 def evaluate(
     model: Any,
     tokenizer: Any,
@@ -114,9 +84,14 @@ def evaluate(
             prompts = [p for p, _ in pairs]
             references = [r for _, r in pairs]
             longest = max(len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in references)
-            predictions = generate_answers(
-                model, tokenizer, prompts, longest + EXTRA_NEW_TOKENS, batch_size * 2
+            # greedy, left-padded, one rendered prompt each: the evaluation stage's generation
+            settings = EvalConfig(
+                max_new_tokens=longest + EXTRA_NEW_TOKENS,
+                batch_size=batch_size * 2,
+                greedy=True,
+                progress=False,
             )
+            predictions = generate(model, tokenizer, prompts, settings)
             last_user = [
                 next((m["content"] for m in reversed(p) if m["role"] == "user"), "") for p in prompts
             ]
