@@ -118,11 +118,14 @@ def test_plain_logits_cost_three_times_the_fp32_logits():
     assert plan.gpu_memory.logits * GB == pytest.approx(3 * fp32_logits)
 
 
+# one Llama-3.1-8B decoder layer, as layer_bytes_per_token takes it
+LLAMA_8B_LAYER = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128)
+
+
 def _full_8b_layer(checkpointing: bool, autocast: bool) -> int:
     return layer_bytes_per_token(
-        hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, method="full",
-        checkpointing=checkpointing, autocast=autocast,
-    )  # fmt: skip
+        **LLAMA_8B_LAYER, method="full", checkpointing=checkpointing, autocast=autocast
+    )
 
 
 @pytest.mark.parametrize("sharding", ["zero3", "none"])
@@ -173,10 +176,15 @@ def test_full_finetune_without_deepspeed_is_fp32_weights_under_autocast():
 
 
 def _lora_8b_layer(checkpointing: bool) -> int:
+    """The recipes' LoRA: rank 16, fp32 adapters, dropout on."""
     return layer_bytes_per_token(
-        hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, method="lora",
-        lora_dropout=True, adapter_bytes=4, lora_rank=16, checkpointing=checkpointing,
-    )  # fmt: skip
+        **LLAMA_8B_LAYER,
+        method="lora",
+        lora_dropout=True,
+        adapter_bytes=4,
+        lora_rank=16,
+        checkpointing=checkpointing,
+    )
 
 
 @pytest.mark.parametrize("chunked", [False, True])
