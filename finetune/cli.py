@@ -27,16 +27,17 @@ DEFAULT_RECIPE = "tiny"
 def normalize_overrides(overrides: Sequence[str]) -> list[str]:
     """The two spellings the product card promises, made plain Hydra overrides.
 
-    - no `+recipe=` and no model, method or hardware chosen: the embedded default
-      recipe (`tiny`) is added; a job built from groups (model=..., method=...)
-      starts from configs/config.yaml alone, so no tiny-only value leaks into it;
+    - no `+recipe=` and no model chosen: the embedded default recipe (`tiny`) is
+      added, so `hardware=h200` or `method=qlora` alone runs the embedded default
+      there; a job built around a model (model=...) starts from configs/config.yaml
+      alone, so no tiny-only value leaks into it;
     - `smoke=true|false` sets `smoke.enabled` (`smoke` is a section with `steps` and `sibling` too).
     """
     out = []
     for item in overrides:
         m = re.fullmatch(r"smoke=(\w+)", item)
         out.append(f"smoke.enabled={m.group(1)}" if m else item)
-    chosen = any(re.match(r"\+{0,2}(recipe|model|method|hardware)=", item) for item in out)
+    chosen = any(re.match(r"\+{0,2}(recipe|model)=", item) for item in out)
     if not chosen:
         out.insert(0, f"+recipe={DEFAULT_RECIPE}")
     return out

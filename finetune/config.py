@@ -107,10 +107,11 @@ class MethodConfig:
     )
     # fp32 is PEFT's default (upcast adapters); bf16 saves ~30% of activation memory.
     adapter_dtype: str = "fp32"
-    # QLoRA base quantization (bitsandbytes).
+    # QLoRA base quantization (bitsandbytes). compute_dtype: the dtype the 4-bit weights are
+    # dequantized to for each matmul; auto follows `precision` (bf16 on GPUs).
     quant_type: str = "nf4"
     double_quant: bool = True
-    compute_dtype: str = "bf16"
+    compute_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check_choice("method.name", self.name, METHODS)
@@ -118,7 +119,7 @@ class MethodConfig:
         _check_choice("method.precision", self.precision, ("auto", "bf16", "fp32"))
         _check_choice("method.adapter_dtype", self.adapter_dtype, ("bf16", "fp32"))
         _check_choice("method.quant_type", self.quant_type, ("nf4", "fp4"))
-        _check_choice("method.compute_dtype", self.compute_dtype, ("bf16", "fp32"))
+        _check_choice("method.compute_dtype", self.compute_dtype, ("auto", "bf16", "fp32"))
         _check_positive("method.learning_rate", self.learning_rate)
         _check_positive("method.weight_decay", self.weight_decay, allow_zero=True)
         if self.name != "full":
@@ -134,10 +135,15 @@ class MethodConfig:
         return self.name in ("lora", "qlora")
 
     def dtype_on(self, device: str) -> str:
-        """The training precision: `auto` is bf16 on GPUs and fp32 on the CPU."""
+        """The training precision: `auto` is bf16 on GPUs and fp32 on the CPU; a set value is kept on
+        every device (bf16 on a CPU without native bf16 is emulated: slow, but its dtypes flow as on a GPU)."""
         if self.precision != "auto":
             return self.precision
         return "bf16" if device == "cuda" else "fp32"
+
+    def quant_compute_dtype_on(self, device: str) -> str:
+        """QLoRA's dequantization dtype: `compute_dtype`, or the training precision when `auto`."""
+        return self.dtype_on(device) if self.compute_dtype == "auto" else self.compute_dtype
 
 
 @dataclass

@@ -287,7 +287,7 @@ def build_model(
                 from finetune.train.models import prepare_kbit_model
 
                 # the trainer's own preparation (PEFT's, with its fp32 upcast of the 16-bit weights undone)
-                model = prepare_kbit_model(model, False, torch.bfloat16)
+                model = prepare_kbit_model(model, torch.bfloat16)
         from peft import LoraConfig, get_peft_model
 
         model.requires_grad_(False)

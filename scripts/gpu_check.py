@@ -167,7 +167,7 @@ def build(case: dict[str, Any], device: str) -> tuple[Any, Any]:
         _quantize_linears(model, device)
         from finetune.train.models import prepare_kbit_model
 
-        model = prepare_kbit_model(model, False, torch.bfloat16)  # the trainer's preparation
+        model = prepare_kbit_model(model, torch.bfloat16)  # the trainer's preparation
     if case["method"] in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 

@@ -91,7 +91,7 @@ def test_command_line_beats_recipe():
 
 
 def test_method_defaults():
-    lora = compose(["method=lora"]).method
+    lora = compose(["model=tiny", "method=lora"]).method  # a model chosen: the groups alone, no recipe
     assert (lora.lora_rank, lora.lora_alpha, lora.lora_dropout) == (16, 32, 0.05)
     assert lora.target_modules == [
         "q_proj",
@@ -102,9 +102,26 @@ def test_method_defaults():
         "up_proj",
         "down_proj",
     ]
-    q = compose(["method=qlora"]).method
-    assert (q.quant_type, q.double_quant, q.compute_dtype) == ("nf4", True, "bf16")
-    assert compose(["method=full"]).method.optimizer is None
+    q = compose(["model=tiny", "method=qlora"]).method
+    assert (q.quant_type, q.double_quant, q.compute_dtype) == ("nf4", True, "auto")
+    assert q.quant_compute_dtype_on("cuda") == "bf16" and q.quant_compute_dtype_on("cpu") == "fp32"
+    assert compose(["model=tiny", "method=full"]).method.optimizer is None
+
+
+def test_a_group_alone_runs_the_embedded_default_there():
+    """`python -m finetune hardware=h200` (or method=qlora) runs the tiny recipe there; precision follows the device."""
+    on_gpu = compose(["hardware=h200"])
+    assert (on_gpu.name, on_gpu.model.name, on_gpu.train.seq_len, on_gpu.hardware.name) == (
+        "tiny",
+        "tiny",
+        256,
+        "h200",
+    )
+    assert on_gpu.method.dtype_on(on_gpu.hardware.device) == "bf16"
+    assert compose([]).method.dtype_on("cpu") == "fp32"
+    qlora = compose(["method=qlora"])
+    assert (qlora.name, qlora.method.name, qlora.method.lora_rank) == ("tiny", "qlora", 32)
+    assert compose(["model=llama3_1_8b", "hardware=h200"]).name == "llama3_1_8b_lora"  # groups only
 
 
 def test_hardware_facts_match_design():

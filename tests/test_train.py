@@ -279,7 +279,13 @@ def test_qlora_gradients_after_eval_match_dequantized_reference(tiny_cache, tiny
 
     from finetune.train.models import load_for_training, lora_config, model_source
 
-    cfg = _cfg(tmp_path, "method=qlora", "method.lora_dropout=0.0", "method.compute_dtype=fp32")
+    cfg = _cfg(
+        tmp_path,
+        "method=qlora",
+        "method.lora_dropout=0.0",
+        "method.compute_dtype=fp32",
+        "method.adapter_dtype=fp32",
+    )
     torch.manual_seed(0)
     model, _ = load_for_training(cfg)
     quantized = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}

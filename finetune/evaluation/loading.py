@@ -92,8 +92,11 @@ def eval_dtype(cfg: Config) -> torch.dtype:
     """Evaluation runs in the training compute dtype (bf16 where native, else fp32)."""
     from finetune.train.models import resolve_dtype
 
+    device = cfg.hardware.device
     name = (
-        cfg.method.compute_dtype if cfg.method.name == "qlora" else cfg.method.dtype_on(cfg.hardware.device)
+        cfg.method.quant_compute_dtype_on(device)
+        if cfg.method.name == "qlora"
+        else cfg.method.dtype_on(device)
     )
     key = "method.compute_dtype" if cfg.method.name == "qlora" else "method.precision"
     return resolve_dtype(name, cfg.hardware.device, key=key)

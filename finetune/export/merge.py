@@ -120,7 +120,11 @@ def merged_model(cfg: Config, run_dir: Path, inputs: list[torch.Tensor]) -> tupl
             "export.allow_lossy_4bit_merge=true: merging into the 4-bit NF4 base re-quantizes W + BA "
             "and loses most of the update; the merge check will show how much"
         )
-        compute = _DTYPES[cfg.method.compute_dtype] if dtype_name == "bf16" else torch.float32
+        compute = (
+            _DTYPES[cfg.method.quant_compute_dtype_on(cfg.hardware.device)]
+            if dtype_name == "bf16"
+            else torch.float32
+        )
         base = load_base(cfg, compute, quantized=True)
         info.update(base="nf4 (lossy)", dtype="nf4")
     elif cfg.method.name == "qlora" and x.qlora_merge_base == "dequantized":

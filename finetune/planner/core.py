@@ -384,7 +384,7 @@ def _working_set_bytes(job: _Job, s: Strategy, logit_bytes: float) -> float:
         if autocast:
             working += autocast_weight_copy_bytes(job.counts.linear_per_layer)  # and its weight copies
     if job.method.name == "qlora":
-        compute_bytes = 4.0 if job.method.compute_dtype == "fp32" else 2.0
+        compute_bytes = 4.0 if job.method.quant_compute_dtype_on(job.hw.device) == "fp32" else 2.0
         working += compute_bytes * max(d_in * d_out for d_in, d_out in projection_shapes(job.model).values())
     return max(0.0, working - logit_bytes)
 

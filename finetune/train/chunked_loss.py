@@ -10,6 +10,12 @@ result equals transformers' ``ForCausalLMLoss`` up to fp32 rounding.
 
 On CUDA with ``liger-kernel`` installed, Liger's fused Triton kernel is used
 instead (same semantics, faster).
+
+The trainer runs it inside the model's forward (`add_chunked_loss_head`): there
+the head is whole (DeepSpeed ZeRO-3 gathers it for the call, FSDP2's root unit
+holds it unsharded), autocast is on as for the model's own head, and only the
+last hidden state is built (asking the model for `output_hidden_states` would
+keep, and under mixed precision copy to fp32, every layer's).
 """
 
 from __future__ import annotations
@@ -39,6 +45,20 @@ def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into an fp32 accumulator from 16-bit ``a`` and ``b``, without rounding each product.
+
+    Rounding every chunk's contribution to the head gradient to bf16 before summing biases training
+    (TRL's chunked log-prob kernel makes the same point); CUDA multiplies bf16 into fp32 directly.
+    """
+    if a.dtype == acc.dtype and b.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda and hasattr(torch, "float8_e4m3fn"):  # torch >= 2.8: out_dtype on CUDA
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
 def _chunk_loss_and_grads(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -52,7 +72,11 @@ def _chunk_loss_and_grads(
     grad_weight: torch.Tensor | None,
     grad_bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Summed loss of rows ``start:end`` (or of the rows ``index``), adding their gradients in place."""
+    """Summed loss of rows ``start:end`` (or of the rows ``index``), adding their gradients in place.
+
+    ``hidden``, ``weight`` and ``bias`` are in the compute dtype; the logits and their gradient are fp32,
+    the head's gradient accumulates in fp32, the hidden states' gradient is written in its buffer's dtype.
+    """
     if index is None:
         x, target = hidden[start:end], targets[start:end]
     else:
@@ -73,12 +97,14 @@ def _chunk_loss_and_grads(
         grad_bias += grad_logits.sum(dim=0)
     grad_logits = grad_logits.to(hidden.dtype)
     if grad_hidden is not None:
-        if index is None:
+        if index is None and grad_hidden.dtype == grad_logits.dtype:
             torch.mm(grad_logits, weight, out=grad_hidden[start:end])
+        elif index is None:
+            grad_hidden[start:end] = grad_logits @ weight
         else:
-            grad_hidden.index_copy_(0, index, grad_logits @ weight)
+            grad_hidden.index_copy_(0, index, (grad_logits @ weight).to(grad_hidden.dtype))
     if grad_weight is not None:
-        grad_weight.addmm_(grad_logits.t(), x)
+        _addmm_fp32(grad_weight, grad_logits.t(), x)
     return loss_sum
 
 
@@ -89,6 +115,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     ``denominator`` is None) and computes the matching gradients as it goes; the
     backward only scales them by ``grad_output``. Backward runs once per forward
     (the stored gradients are handed over, not copied).
+
+    The matmuls run in ``compute_dtype`` (the inputs are cast once, inside, so a cast
+    copy of the head lives only during the forward); each gradient comes back in its
+    input's dtype, the head's accumulated in fp32 first.
     """
 
     @staticmethod
@@ -101,15 +131,23 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         denominator: torch.Tensor | None,
         chunk_size: int,
         ignore_index: int,
+        compute_dtype: torch.dtype,
     ) -> torch.Tensor:
         need_hidden_grad, need_weight_grad, need_bias_grad = ctx.needs_input_grad[:3]
         num_rows = hidden.shape[0]
         grad_hidden = torch.zeros_like(hidden) if need_hidden_grad else None
-        grad_weight = torch.zeros_like(weight) if need_weight_grad else None
-        loss_dtype = _loss_dtype(hidden.dtype)
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=_loss_dtype(weight.dtype), device=weight.device)
+            if need_weight_grad
+            else None
+        )
+        loss_dtype = _loss_dtype(compute_dtype)
         grad_bias = (
             torch.zeros(weight.shape[0], dtype=loss_dtype, device=weight.device) if need_bias_grad else None
         )
+        x_all = hidden.to(compute_dtype)
+        w_all = weight.to(compute_dtype)
+        b_all = None if bias is None else bias.to(compute_dtype)
         # Gradient of the loss with respect to each token's loss.
         token_scale = 1.0 / denominator if denominator is not None else 1.0
 
@@ -121,9 +159,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             end = min(start + chunk_size, rows.numel())
             # One chunk per call, so its [chunk, V] logits are freed before the next is made.
             total += _chunk_loss_and_grads(
-                hidden,
-                weight,
-                bias,
+                x_all,
+                w_all,
+                b_all,
                 targets,
                 None if all_rows else rows[start:end],
                 start,
@@ -133,7 +171,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_weight,
                 grad_bias,
             )
-
+        del x_all, w_all, b_all  # the cast copies (the head's is V x h) go before the backward
+        if grad_weight is not None and grad_weight.dtype != weight.dtype:
+            grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None and bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
         ctx.grads = (grad_hidden, grad_weight, grad_bias)
@@ -150,7 +190,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # Drop our reference so autograd can take the buffers without copying them.
         grads, ctx.grads = ctx.grads, None
         scaled = tuple(g.mul_(grad_output.to(g.dtype)) if g is not None else None for g in grads)
-        return (*scaled, None, None, None, None)
+        return (*scaled, None, None, None, None, None)
 
 
 def chunked_linear_cross_entropy(
@@ -163,6 +203,7 @@ def chunked_linear_cross_entropy(
     num_items_in_batch: torch.Tensor | int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     ignore_index: int = IGNORE_INDEX,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(hidden @ weight.T + bias, targets)`` in fp32, chunk by chunk.
 
@@ -170,6 +211,7 @@ def chunked_linear_cross_entropy(
     whose target is not ``ignore_index``) or "sum"; ``num_items_in_batch``, when
     given, replaces both: the loss is the sum divided by it, as transformers does
     for gradient accumulation. As with ``F.cross_entropy``, a mean over no tokens is nan.
+    ``compute_dtype`` (default: ``hidden``'s) is the dtype of the matmuls.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -181,15 +223,16 @@ def chunked_linear_cross_entropy(
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    compute_dtype = compute_dtype or hidden.dtype
     hidden, targets = hidden.contiguous(), targets.to(hidden.device)
     if num_items_in_batch is not None:
-        denominator = torch.as_tensor(num_items_in_batch, device=hidden.device).to(_loss_dtype(hidden.dtype))
+        denominator = torch.as_tensor(num_items_in_batch, device=hidden.device).to(_loss_dtype(compute_dtype))
     elif reduction == "mean":
-        denominator = (targets != ignore_index).sum().to(_loss_dtype(hidden.dtype))
+        denominator = (targets != ignore_index).sum().to(_loss_dtype(compute_dtype))
     else:
         denominator = None
     loss: torch.Tensor = _ChunkedLinearCrossEntropy.apply(
-        hidden, weight, bias, targets, denominator, chunk_size, ignore_index
+        hidden, weight, bias, targets, denominator, chunk_size, ignore_index, compute_dtype
     )
     return loss
 
@@ -230,23 +273,30 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """Fused LM head + cross-entropy: Liger's kernel on CUDA when installed, else ours.
 
-    Under autocast (a caller running the loss inside it; transformers 5's Trainer
-    does not: accelerate autocasts the model's forward only, so the trainer's
-    chunked loss sees fp32 hidden states and head) the inputs are cast once to
-    the autocast dtype, as autocast would for the head's matmul, and the chunks
-    run with autocast off so every buffer has one dtype.
+    The head's matmul runs in one dtype, as the model's own head would: under
+    autocast (the trainer computes the loss inside the model's forward, which
+    accelerate autocasts) the autocast dtype; otherwise the head weight's dtype
+    (accelerate's mixed-precision wrapper hands back fp32 hidden states while a
+    LoRA base keeps its head in bf16). The chunks run with autocast off, so every
+    buffer has that one dtype; the softmax is fp32 whatever it is.
     """
     device = hidden.device.type
     autocast = torch.is_autocast_enabled(device)
-    if autocast:
-        dtype = torch.get_autocast_dtype(device)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
-    loss_fn = (
-        _liger_linear_cross_entropy if hidden.is_cuda and liger_available() else chunked_linear_cross_entropy
-    )
+    dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
     with torch.autocast(device_type=device, enabled=False) if autocast else contextlib.nullcontext():
-        return loss_fn(
+        if hidden.is_cuda and liger_available():
+            # Liger's kernel takes one dtype; its casts are ordinary autograd ops.
+            return _liger_linear_cross_entropy(
+                hidden.to(dtype),
+                weight.to(dtype),
+                targets,
+                bias=None if bias is None else bias.to(dtype),
+                reduction=reduction,
+                num_items_in_batch=num_items_in_batch,
+                chunk_size=chunk_size,
+                ignore_index=ignore_index,
+            )
+        return chunked_linear_cross_entropy(
             hidden,
             weight,
             targets,
@@ -255,6 +305,7 @@ def linear_cross_entropy(
             num_items_in_batch=num_items_in_batch,
             chunk_size=chunk_size,
             ignore_index=ignore_index,
+            compute_dtype=dtype,
         )
 
 
@@ -290,3 +341,63 @@ def chunked_causal_lm_loss(
         chunk_size=chunk_size,
         ignore_index=ignore_index,
     )
+
+
+def add_chunked_loss_head(model: Any, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Any:
+    """Teach a transformers causal LM `model(..., labels=y, chunked_loss=True, num_items_in_batch=n)`.
+
+    That call runs the backbone for its last hidden state and `chunked_causal_lm_loss` under the LM head,
+    inside the model's forward, and returns a `CausalLMOutputWithPast` holding only the loss (no
+    logits). Inside the forward means inside every wrapper's hooks: DDP's, DeepSpeed ZeRO-3's (the
+    head is gathered for the call with TRL's `maybe_gather_lm_head_ctx`; its gradient, made in the
+    forward, reaches ZeRO's reduction in the backward as any parameter's would) and FSDP2's (the
+    root unit holds the head unsharded during the forward; a DTensor head is gathered whole). Any
+    other call is the model's own forward, untouched (generation, TRL's fused head).
+
+    A PEFT model is patched underneath (`get_base_model()`), and its forward passes the keyword
+    through. Patching twice is a no-op. Returns `model`.
+    """
+    import functools
+    import types
+
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model):  # PEFT
+        add_chunked_loss_head(get_base_model(), chunk_size)
+        return model
+    if getattr(model, "_finetune_chunked_loss", False):
+        return model
+    original_forward = model.forward
+
+    @functools.wraps(type(model).forward)  # the model's signature: generate() validates its kwargs against it
+    def forward(self: Any, *args: Any, chunked_loss: bool = False, **kwargs: Any) -> Any:
+        if not chunked_loss:
+            return original_forward(*args, **kwargs)
+        from torch.distributed.tensor import DTensor
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+        from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+        labels = kwargs.pop("labels")
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        kwargs.pop("logits_to_keep", None)
+        kwargs.pop("output_hidden_states", None)
+        kwargs["use_cache"] = False
+        hidden = self.base_model(*args, **kwargs).last_hidden_state  # the backbone: the final norm's output
+        head = self.get_output_embeddings()
+        weight, bias = head.weight, head.bias
+        if isinstance(weight, DTensor):  # FSDP2 outside its root's forward: gather the head once
+            weight = weight.full_tensor()
+            bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
+        with maybe_gather_lm_head_ctx(weight, bias):
+            loss = chunked_causal_lm_loss(
+                hidden,
+                weight,
+                labels,
+                chunk_size=chunk_size,
+                num_items_in_batch=num_items_in_batch,
+                lm_head_bias=bias,
+            )
+        return CausalLMOutputWithPast(loss=loss)
+
+    model.forward = types.MethodType(forward, model)
+    model._finetune_chunked_loss = True
+    return model

@@ -18,7 +18,7 @@ import torch
 from finetune import tasks
 from finetune.evaluation.config import EvalConfig
 from finetune.evaluation.generate import generate
-from finetune.train.chunked_loss import chunked_causal_lm_loss
+from finetune.train.chunked_loss import add_chunked_loss_head
 from finetune.train.collator import NUM_TOKENS_KEY, PackedCollator
 
 # Generated answers stop at the end-of-turn token or after this many tokens beyond the longest reference.
@@ -30,7 +30,7 @@ def heldout_loss(model: Any, dataset: Any, pad_token_id: int, batch_size: int = 
     """Mean next-token loss over all labelled tokens of `dataset` (rows with input_ids and labels)."""
     collate = PackedCollator(pad_token_id=pad_token_id)
     device = next(model.parameters()).device
-    head = model.get_output_embeddings()
+    add_chunked_loss_head(model)
     total, count = 0.0, 0
     for start in range(0, len(dataset), batch_size):
         rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
@@ -40,16 +40,16 @@ def heldout_loss(model: Any, dataset: Any, pad_token_id: int, batch_size: int = 
         n = int((labels[:, 1:] != -100).sum())
         if n == 0:
             continue
+        # The summed loss (num_items_in_batch=1), no logits: the trainer's loss path, which casts the
+        # hidden states to the head's dtype (after training, accelerate's wrapper hands back fp32 ones).
         out = model(
             **{k: v.to(device) for k, v in batch.items()},
+            labels=labels,
+            chunked_loss=True,
+            num_items_in_batch=1,
             use_cache=False,
-            output_hidden_states=True,
-            logits_to_keep=torch.empty(0, dtype=torch.long, device=device),
         )
-        summed = chunked_causal_lm_loss(
-            out.hidden_states[-1], head.weight, labels, num_items_in_batch=1, lm_head_bias=head.bias
-        )
-        total += float(summed)
+        total += float(out.loss)
         count += n
     return total / count if count else math.nan
 

@@ -48,10 +48,17 @@ def bf16_supported(device: str) -> bool:
 
 
 def resolve_dtype(name: str, device: str, key: str = "method.precision") -> torch.dtype:
-    """The torch dtype for `bf16`/`fp32`, falling back to fp32 (with a log line) where bf16 is not native."""
+    """The torch dtype for `bf16`/`fp32`.
+
+    bf16 on a CPU without AVX512-BF16 or AMX is kept (emulated, slow): tests use it to run the dtypes a
+    GPU runs. A GPU without bf16 (before Ampere) falls back to fp32, with a log line.
+    """
     dtype = _DTYPES[name]
     if dtype == torch.bfloat16 and not bf16_supported(device):
-        log.warning("%s=bf16 is not native on this %s: training in fp32", key, device)
+        if device == "cpu":
+            log.warning("%s=bf16 is emulated on this CPU (no AVX512-BF16 or AMX): slow", key)
+            return dtype
+        log.warning("%s=bf16 is not supported by this GPU: training in fp32", key)
         return torch.float32
     return dtype
 
@@ -156,7 +163,7 @@ def check_weight_safety(model: ModelConfig, source: str) -> None:
     log.warning("model.allow_pickle_weights=true: loading pickle weights %s from %s", pickles[0], source)
 
 
-def load_for_training(cfg: Config, activation_checkpointing: bool = False) -> tuple[Any, torch.dtype]:
+def load_for_training(cfg: Config) -> tuple[Any, torch.dtype]:
     """The model ready to train with `cfg.method`, and the compute dtype (bf16 or fp32) to train it in."""
     from transformers import AutoModelForCausalLM
 
@@ -173,7 +180,7 @@ def load_for_training(cfg: Config, activation_checkpointing: bool = False) -> tu
     elif method.name == "lora":
         kwargs["dtype"] = compute_dtype
     else:  # qlora
-        quant_dtype = resolve_dtype(method.compute_dtype, device, key="method.compute_dtype")
+        quant_dtype = resolve_dtype(method.quant_compute_dtype_on(device), device, key="method.compute_dtype")
         kwargs["dtype"] = quant_dtype
         kwargs["quantization_config"] = quantization_config(method, quant_dtype)
         kwargs["device_map"] = _device_map(cfg)
@@ -186,7 +193,7 @@ def load_for_training(cfg: Config, activation_checkpointing: bool = False) -> tu
         raise ConfigError(f"model: cannot load weights from {source} ({first})") from None
 
     if method.name == "qlora":
-        model = prepare_kbit_model(model, activation_checkpointing, quant_dtype)
+        model = prepare_kbit_model(model, quant_dtype)
     if method.uses_adapters:
         from peft import get_peft_model
 
@@ -205,22 +212,19 @@ def load_for_training(cfg: Config, activation_checkpointing: bool = False) -> tu
     return model, compute_dtype
 
 
-def prepare_kbit_model(model: Any, activation_checkpointing: bool, compute_dtype: torch.dtype) -> Any:
+def prepare_kbit_model(model: Any, compute_dtype: torch.dtype) -> Any:
     """A 4-bit model made ready for adapters: PEFT's `prepare_model_for_kbit_training`, minus its fp32 upcast.
 
     PEFT upcasts every weight it does not quantize (embeddings, LM head, norms) to fp32: +4 GB on a
     70B, and fp32 hidden states between layers (the checkpointed inputs double). The plan, like the
     QLoRA paper, keeps them in the compute dtype, so they are cast back (scripts/bench_planner.py
-    measures this path against the plan).
+    measures this path against the plan). Activation checkpointing is the trainer's to turn on, as for
+    every method (SFTConfig's `activation_checkpointing`, which also makes the inputs require grad).
     """
     from peft import prepare_model_for_kbit_training
 
     disable_cpu_bf16_packing(model)
-    model = prepare_model_for_kbit_training(
-        model,
-        use_gradient_checkpointing=activation_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-    )
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if compute_dtype != torch.float32:
         for param in model.parameters():
             if param.dtype == torch.float32:

@@ -212,7 +212,7 @@ def run(
 
     tokenizer = load_tokenizer(cfg.model)
     transformers.set_seed(cfg.train.seed)  # the adapters' random init is part of the run's seed
-    model, compute_dtype = load_for_training(cfg, plan.strategy.activation_checkpointing)
+    model, compute_dtype = load_for_training(cfg)
     trainable, total = trainable_parameters(model)
     if cfg.hardware.device == "cpu":
         cpu_threads(total)

@@ -9,10 +9,12 @@ preparation is skipped and `PackedCollator` batches them.
 Checkpoints are atomic (`_save_checkpoint`, see `finetune.checkpoints`): staged,
 checksummed, renamed into place; a crash mid-save leaves the previous one intact.
 
-With `strategy.chunked_loss`, `compute_loss` runs the model for its last
-hidden states only (no logits) and applies `chunked_causal_lm_loss` to the LM
-head, honouring `num_items_in_batch` so gradient accumulation weighs every
-token the same as one large batch.
+With `strategy.chunked_loss`, `compute_loss` asks the model for the project's
+chunked loss, computed inside its forward (`add_chunked_loss_head`: no logits,
+the head gathered under ZeRO-3/FSDP2), honouring `num_items_in_batch` so
+gradient accumulation weighs every token the same as one large batch. Without
+it, TRL's own loss runs (`SFTTrainer.compute_loss`: a fused LM head that never
+builds the full logits either).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from finetune import checkpoints
 from finetune.config import Config
 from finetune.planner import Plan
 from finetune.train.callbacks import RunMonitor
-from finetune.train.chunked_loss import chunked_causal_lm_loss
+from finetune.train.chunked_loss import add_chunked_loss_head
 from finetune.train.collator import NUM_TOKENS_KEY, PackedCollator
 
 log = logging.getLogger(__name__)
@@ -139,9 +141,10 @@ class FinetuneTrainer(SFTTrainer):
     ):
         super().__init__(*args, **kwargs)
         self.chunked_loss = chunked_loss
-        self.loss_chunk_size = loss_chunk_size
         self.monitor = monitor
         self.last_checkpoint: Optional[Path] = None
+        # After TRL's fused LM head (SFTTrainer.__init__): ours wraps it, and runs only when asked.
+        add_chunked_loss_head(self.model, loss_chunk_size)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs["use_cache"] = False  # a cache would also turn off the packed (block-diagonal) attention mask
@@ -150,22 +153,10 @@ class FinetuneTrainer(SFTTrainer):
             self.monitor.add_tokens(int(num_tokens))
         if not self.chunked_loss:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        labels = inputs.pop("labels")
-        outputs = model(
-            **inputs,
-            output_hidden_states=True,
-            logits_to_keep=torch.empty(0, dtype=torch.long, device=labels.device),  # no logits at all
-        )
-        hidden = outputs.hidden_states[-1]  # after the final norm: the LM head's input
-        head = self.accelerator.unwrap_model(model).get_output_embeddings()
-        loss = chunked_causal_lm_loss(
-            hidden,
-            head.weight,
-            labels,
-            chunk_size=self.loss_chunk_size,
-            num_items_in_batch=num_items_in_batch,
-            lm_head_bias=head.bias,
-        )
+        # Through the wrapped model (DDP, DeepSpeed, FSDP2, accelerate's autocast): the loss is computed
+        # inside the model's forward, where every engine has the head whole.
+        outputs = model(**inputs, chunked_loss=True, num_items_in_batch=num_items_in_batch)
+        loss = outputs.loss
         # As `Trainer.compute_loss`: `num_items_in_batch` counts every rank's tokens and DDP averages gradients.
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes
@@ -204,6 +195,16 @@ class FinetuneTrainer(SFTTrainer):
         self.accelerator.wait_for_everyone()
 
 
+def _checkpointing_on(trainer: Any) -> bool:
+    """Activation checkpointing really on: the model's own (transformers) or FSDP's (accelerate's plugin)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    return bool(getattr(base, "is_activation_checkpointing", False)) or bool(
+        plugin is not None and plugin.activation_checkpointing
+    )
+
+
 def _offload_device(block: Any) -> Optional[str]:
     device = getattr(block, "device", None)
     return None if device is None else str(getattr(device, "value", device))
@@ -228,6 +229,11 @@ def engine_record(trainer: Any) -> dict[str, Any]:
         "offload_optimizer": None,
         "offload_params": None,
         "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
+        # What the dtypes really were: autocast (accelerate's mixed precision) and the parameters' storage.
+        "mixed_precision": str(trainer.accelerator.mixed_precision),
+        "parameter_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in trainer.model.parameters()}),
+        "loss": "chunked" if getattr(trainer, "chunked_loss", False) else "trl",
+        "activation_checkpointing": _checkpointing_on(trainer),
     }
     params = list(trainer.model.parameters())
     local = full = sum(p.numel() for p in params)
@@ -286,4 +292,19 @@ def build_trainer(
     # Our rich progress bar replaces transformers' printed dicts and tqdm bars.
     for cb in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(cb)
+    if cfg.method.uses_adapters:
+        keep_adapter_dtype(trainer.model, cfg.method.adapter_dtype)
     return trainer
+
+
+def keep_adapter_dtype(model: Any, adapter_dtype: str) -> int:
+    """The adapters in `method.adapter_dtype`, as planned: SFTTrainer casts a quantized model's trainable
+    parameters to bf16 whatever was asked (the QLoRA paper's choice, also our QLoRA default). Returns
+    how many tensors were cast back."""
+    dtype = torch.bfloat16 if adapter_dtype == "bf16" else torch.float32
+    cast = 0
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+            cast += 1
+    return cast
