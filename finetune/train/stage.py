@@ -193,7 +193,7 @@ def run(
     from finetune.train import callbacks as cb
     from finetune.train.evaluate import evaluate
     from finetune.train.models import load_for_training, load_tokenizer, trainable_parameters
-    from finetune.train.trainer import build_trainer, engine_record
+    from finetune.train.trainer import build_trainer, engine_record, save_output
 
     run_dir = Path(run_dir)
     rank0 = is_rank_zero()
@@ -267,7 +267,9 @@ def run(
 
     out_dir = run_dir / (ADAPTER_DIR if cfg.method.uses_adapters else MODEL_DIR)
     engine = engine_record(trainer)  # every rank takes part (it gathers)
-    trainer.save_model(str(out_dir))  # every rank: ZeRO-3 gathers the partitioned weights; rank 0 writes
+    save_output(
+        trainer, out_dir
+    )  # every rank: ZeRO-3 and FSDP2 gather the partitioned weights; rank 0 writes
     if rank0:
         tokenizer.save_pretrained(str(out_dir))
 

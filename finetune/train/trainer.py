@@ -146,6 +146,24 @@ class FinetuneTrainer(SFTTrainer):
         # After TRL's fused LM head (SFTTrainer.__init__): ours wraps it, and runs only when asked.
         add_chunked_loss_head(self.model, loss_chunk_size)
 
+    def create_accelerator_and_postprocess(self) -> None:
+        """FSDP2 on CPU ranks too: accelerate enables its FSDP plugin only for accelerator devices and
+        silently runs DDP over gloo instead, so a planned FSDP run on CPU processes (the tests' stand-in
+        for GPUs) would prove nothing. The plugin is installed as accelerate would on GPUs."""
+        super().create_accelerator_and_postprocess()
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        state = self.accelerator.state
+        if self.args.fsdp_plugin_args is None or state.distributed_type != DistributedType.MULTI_CPU:
+            return
+        plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+        if state.mixed_precision != "no":
+            plugin.set_mixed_precision(state.mixed_precision)
+        state.distributed_type = DistributedType.FSDP
+        state.fsdp_plugin = plugin
+        self.is_fsdp_enabled = True
+        log.info("FSDP2 on %d CPU ranks (gloo)", state.num_processes)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs["use_cache"] = False  # a cache would also turn off the packed (block-diagonal) attention mask
         num_tokens = inputs.pop(NUM_TOKENS_KEY, None)
@@ -237,6 +255,8 @@ def engine_record(trainer: Any) -> dict[str, Any]:
     }
     params = list(trainer.model.parameters())
     local = full = sum(p.numel() for p in params)
+    if trainer.is_fsdp_enabled:  # FSDP2: DTensor parameters, this rank's shard is the local tensor
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
     if trainer.is_deepspeed_enabled:
         engine = trainer.deepspeed
         record.update(
@@ -254,6 +274,29 @@ def engine_record(trainer: Any) -> dict[str, Any]:
         [{"rank": rank, "pid": os.getpid(), "parameters_held": local, "parameters": full}]
     )
     return record
+
+
+def save_output(trainer: Any, out_dir: Path) -> None:
+    """The trained adapter or model, whole, into `out_dir` (every rank calls it; rank 0 writes).
+
+    Under FSDP2 the Trainer's `save_model` writes nothing with a sharded state dict (what the
+    resumable checkpoints use), so the output is gathered here: an adapter's trainable tensors
+    alone (not the frozen base: 140 GB for a 70B), or the full state dict of a fully trained model.
+    ZeRO-3 gathers through `stage3_gather_16bit_weights_on_model_save` in `save_model`.
+    """
+    if not trainer.is_fsdp_enabled:
+        trainer.save_model(str(out_dir))
+        return
+    model = trainer.model
+    if hasattr(model, "get_base_model"):  # PEFT: only the adapter's tensors, gathered
+        state_dict = {
+            name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+            for name, p in model.named_parameters()
+            if p.requires_grad
+        }
+    else:
+        state_dict = trainer.accelerator.get_state_dict(model)
+    trainer._save(str(out_dir), state_dict=state_dict)
 
 
 def build_trainer(
