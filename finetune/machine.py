@@ -118,10 +118,11 @@ def _nvml_gpus() -> str:
     try:
         pynvml.nvmlInit()
         try:
-            names = [
-                str(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)))
+            raw = [
+                pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
                 for i in range(pynvml.nvmlDeviceGetCount())
             ]
+            names = [n.decode() if isinstance(n, bytes) else str(n) for n in raw]  # bytes in older pynvml
         finally:
             pynvml.nvmlShutdown()
     except pynvml.NVMLError:  # no driver, or no device: nothing more to say

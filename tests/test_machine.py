@@ -296,3 +296,21 @@ def test_the_command_line_refuses_gpu_plans_on_this_cpu_machine(tmp_path):
     )  # fmt: skip
     assert dry.returncode == 0, dry.stderr
     assert "--nproc_per_node=8" in dry.stdout and (tmp_path / "dry" / "launch.sh").is_file()
+
+
+def test_a_cpu_only_torch_beside_real_gpus_is_named(monkeypatch, tmp_path):
+    """pynvml (optional) says what torch cannot see: the fix is a CUDA build of torch, not another machine."""
+    import types
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    fake = types.ModuleType("pynvml")
+    fake.NVMLError = type("NVMLError", (Exception,), {})  # type: ignore[attr-defined]
+    fake.nvmlInit = fake.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetCount = lambda: 2  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetHandleByIndex = lambda i: i  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetName = lambda h: b"NVIDIA H100 80GB HBM3"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert machine.read_machine(tmp_path).no_gpu_reason.endswith("; NVML sees 2 x NVIDIA H100 80GB HBM3")
