@@ -137,7 +137,7 @@ def load_profiles() -> dict[str, HardwareConfig]:
 
     profiles = {}
     for name in group_choices("hardware"):
-        if name in ("auto", "cpu"):
+        if name in ("auto", "cpu", "local"):  # chosen, or read from the machine, at plan time
             continue
         node = OmegaConf.merge(
             OmegaConf.structured(HardwareConfig),

@@ -165,6 +165,12 @@ class HardwareConfig:
     usd_per_month: Optional[float] = None
     # hardware=auto: the profiles to choose from, cheapest that fits wins.
     candidates: list[str] = field(default_factory=list)
+    # What torch.cuda.get_device_name() reports for this profile's GPU (hardware=local matches on it
+    # and on memory); for hardware=local, the names detected.
+    gpu_names: list[str] = field(default_factory=list)
+    # hardware=local: free disk under the run directory, and what was detected or left unknown (plan reasons).
+    disk_free_gb: Optional[float] = None
+    notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_choice("hardware.device", self.device, ("cuda", "cpu"))

@@ -9,19 +9,26 @@
   loading, the per-rank baseline) against this machine's total RAM (a refusal)
   and its available RAM (a warning: other processes hold it now).
 
-`disk_usage` and `memory` are parameters so tests can stand in for a full disk
-or a small machine.
+- the machine (`check_machine`, where ranks start here): as many CUDA GPUs as the
+  plan uses on this node, each with the plan's memory (less `machine.MEMORY_TOLERANCE`),
+  running its dtype (bf16: compute capability 8.0 or later). A mismatch exits 2 unless
+  `launch.allow_mismatch=true`; more GPUs than planned: the first ones are used.
+
+`disk_usage`, `memory` and `read` are parameters so tests can stand in for a full disk,
+a small machine or another machine's GPUs.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from finetune import checkpoints
+from finetune import checkpoints, machine
 from finetune.config import Config
 from finetune.errors import LaunchError
 
@@ -82,3 +89,56 @@ def check(
             host_need,
             available,
         )
+
+
+@dataclass(frozen=True)
+class MachineCheck:
+    """What `check_machine` found: the environment that limits the ranks to the planned GPUs, and notes."""
+
+    env: dict[str, str]
+    notes: tuple[str, ...] = ()
+    mismatch: Optional[str] = None  # let through by launch.allow_mismatch=true
+
+
+def needs_bf16(cfg: Config) -> bool:
+    """Does the plan's training run bf16 on CUDA (weights, QLoRA compute, or bf16 adapters)?"""
+    m = cfg.method
+    return (
+        m.dtype_on("cuda") == "bf16"
+        or (m.name == "qlora" and m.compute_dtype == "bf16")
+        or (m.uses_adapters and m.adapter_dtype == "bf16")
+    )
+
+
+def check_machine(
+    cfg: Config,
+    plan: Any,
+    *,
+    gpus: int,
+    device: str,
+    allow_mismatch: bool,
+    read: Optional[Callable[[Optional[Path]], machine.Machine]] = None,
+) -> MachineCheck:
+    """Refuse (LaunchError) to start `plan` on a machine that cannot run it; see the module doc.
+
+    `gpus` and `device`: what this node starts (the launch layout's processes per node). `plan` is a
+    `Plan` or plan.json's dict; `read` stands in for `machine.read_machine` in tests.
+    """
+    if device != "cuda":
+        return MachineCheck({})
+    hw = plan["hardware"] if isinstance(plan, dict) else plan.hardware
+    name, memory = (hw["name"], hw["gpu_memory_gb"]) if isinstance(hw, dict) else (hw.name, hw.gpu_memory_gb)
+    req = machine.Requirement(str(name), device, gpus, memory, needs_bf16(cfg))
+    here = (read or machine.read_machine)(None)
+    problem = machine.mismatch(req, here)
+    if problem is not None:
+        if not allow_mismatch:
+            raise LaunchError(problem)
+        return MachineCheck({}, (f"launch.allow_mismatch=true: starting anyway although {problem}",), problem)
+    if len(here.gpus) <= gpus:
+        return MachineCheck({})
+    visible = machine.visible_devices(gpus, os.environ)
+    return MachineCheck(
+        {"CUDA_VISIBLE_DEVICES": visible},
+        (f"this machine has {len(here.gpus)} GPUs, the plan uses {gpus}: CUDA_VISIBLE_DEVICES={visible}",),
+    )

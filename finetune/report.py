@@ -17,8 +17,9 @@ def print_plan(plan: Plan, title: str, console: Console | None = None) -> None:
     hw, s, m = plan.hardware, plan.strategy, plan.gpu_memory
     verdict = "[bold green]FITS[/]" if plan.fits else "[bold red]DOES NOT FIT[/]"
     gpus = f"{hw.total_gpus} x " if hw.total_gpus > 1 else ""
+    kind = f"{' / '.join(hw.gpu_names)}, " if hw.name == "local" and hw.gpu_names else ""  # what was detected
     console.print(
-        f"\n[bold]{title}[/] on [bold]{hw.name}[/] ({gpus}{hw.gpu_memory_gb:g} GB): {verdict}"
+        f"\n[bold]{title}[/] on [bold]{hw.name}[/] ({gpus}{kind}{hw.gpu_memory_gb:g} GB): {verdict}"
         f"  - {m.total:,.1f} GB of {plan.usable_gpu_memory_gb:,.1f} GB usable per GPU"
     )
     console.print(
@@ -46,8 +47,9 @@ def print_plan(plan: Plan, title: str, console: Console | None = None) -> None:
     host = f"host RAM {plan.host_memory_gb:,.0f} GB per node"
     if hw.host_memory_gb is not None:
         host += f" of {hw.host_memory_gb:,.0f}"
+    free = "" if hw.disk_free_gb is None else f" ({hw.disk_free_gb:,.0f} GB free)"
     console.print(
-        f"{host}; disk: checkpoint {plan.disk_checkpoint_gb:,.2f} GB, export {plan.disk_export_gb:,.2f} GB"
+        f"{host}; disk: checkpoint {plan.disk_checkpoint_gb:,.2f} GB, export {plan.disk_export_gb:,.2f} GB{free}"
     )
     if e.tokens_per_second is not None:
         line = f"estimate: {e.tokens_per_second:,.0f} tokens/s, {e.step_seconds:,.2f} s/step"

@@ -56,10 +56,12 @@ def model_from_config_json(model: ModelConfig) -> ModelConfig:
 
 
 def resolve(cfg: Config) -> Config:
-    """Facts read at the edge: a local config.json, this machine's memory for hardware=cpu."""
+    """Facts read at the edge: a local config.json, this machine for hardware=local, its memory for hardware=cpu."""
     from finetune.cli import resolve_host_hardware
+    from finetune.machine import resolve_local
 
-    return replace(cfg, model=model_from_config_json(cfg.model), hardware=resolve_host_hardware(cfg.hardware))
+    hardware = resolve_local(cfg.hardware, cfg.launch.nnodes or 1, cfg.resolved_run_dir)
+    return replace(cfg, model=model_from_config_json(cfg.model), hardware=resolve_host_hardware(hardware))
 
 
 def data_seq_len(run_dir: Path) -> Optional[int]:
@@ -83,6 +85,7 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
     plan = make_plan(
         cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles(), seq_len=seq_len
     )
+    plan = replace(plan, reasons=(*cfg.hardware.notes, *plan.reasons))  # hardware=local: what was detected
     payload = plan.to_dict()
     rundir.write_json(run_dir / rundir.PLAN_FILE, payload)
     if cfg.plan.out:

@@ -251,10 +251,19 @@ WORKER_CASES = [
     ),
     ("plan_missing", lambda run: (run / "plan.json").unlink(), "plan.json: missing"),
     ("data_missing", lambda run: __import__("shutil").rmtree(run / "data"), "no prepared data"),
+    pytest.param(
+        "cuda_plan_without_cuda",
+        _edit_config("device: cpu", "device: cuda"),
+        "plans for 1 CUDA GPU(s)",
+        marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA"),
+        id="cuda_plan_without_cuda",
+    ),
 ]
 
 
-@pytest.mark.parametrize("case, edit, needle", WORKER_CASES, ids=[c[0] for c in WORKER_CASES])
+@pytest.mark.parametrize(
+    "case, edit, needle", WORKER_CASES, ids=[getattr(c, "id", None) or c[0] for c in WORKER_CASES]
+)
 def test_worker_refuses_before_training(world, capsys, case, edit, needle):
     from finetune.train.__main__ import main
 

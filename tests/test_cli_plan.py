@@ -64,6 +64,32 @@ def test_hardware_auto_picks_cheapest_that_fits(tmp_path: Path):
     plan = json.loads(out.read_text())
     fitting = [a for a in plan["alternatives"] if a["fits"]]
     assert plan["hardware"]["usd_per_month"] == min(a["usd_per_month"] for a in fitting)
+    # Profiles without a known price are not weighed, and the plan says which were skipped.
+    assert all(a["usd_per_month"] is not None for a in plan["alternatives"])
+    skipped = next(r for r in plan["reasons"] if r.startswith("hardware=auto: skipped"))
+    assert "a100_80gb" in skipped and "l40s" in skipped and "h100," not in skipped
+
+
+def test_hardware_local_on_this_machine_plans_for_what_it_finds(tmp_path: Path):
+    """No GPU here: hardware=local plans for the CPU, as hardware=cpu does, and says why."""
+    import psutil
+    import torch
+
+    out = tmp_path / "p.json"
+    r = run_cli("+recipe=tiny", "hardware=local", "mode=plan", f"plan.out={out}", f"run_dir={tmp_path / 'r'}")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(out.read_text())
+    ram = round(psutil.virtual_memory().total / 1e9, 2)
+    if torch.cuda.is_available():
+        assert plan["hardware"]["gpus"] == torch.cuda.device_count()
+        assert plan["reasons"][0].startswith(f"hardware=local: {torch.cuda.device_count()} x ")
+    else:
+        assert plan["hardware"] == {
+            "name": "local", "gpus": 1, "gpu_memory_gb": ram, "host_memory_gb": ram, "usd_per_month": None,
+        }  # fmt: skip
+        assert plan["reasons"][0].startswith("hardware=local: no CUDA GPU on this machine")
+        assert "planning for the CPU as hardware=cpu does" in plan["reasons"][0]
+        assert "on local (" in r.stdout and f"free under {tmp_path / 'r'}" in plan["reasons"][0]
 
 
 def test_local_config_json(tmp_path: Path):
@@ -99,7 +125,7 @@ def test_local_config_json(tmp_path: Path):
         (["mode=plan", "method.lora_rank=-1"], "method.lora_rank=-1"),
         (["+recipe=does_not_exist"], "choose from llama70b_full"),
         (["mode=plan", "model=gpt5"], "choose from llama3_1_70b"),
-        (["mode=plan", "hardware=tpu_v5"], "choose from auto, b200"),
+        (["mode=plan", "hardware=tpu_v5"], "unknown hardware; choose from a100_40gb"),
         (["mode=plan", "train.bogus=1"], "train.bogus: unknown key"),
         (["mode=plan", "train.batch_size=many"], "train.batch_size"),
         (["mode=plan", "model=llama3_1_8b", "train.seq_len=999999"], "train.seq_len=999999 exceeds"),

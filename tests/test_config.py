@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.cli import compose
+from finetune.cli import compose, load_profiles
 from finetune.config import Config, group_choices, package_dir, recipe_names
 from finetune.errors import ConfigError
 
@@ -65,7 +65,9 @@ def test_stable_names():
     }
     assert set(group_choices("method")) == {"full", "lora", "qlora"}
     assert set(group_choices("hardware")) == {
-        "cpu", "h100", "h200", "b200", "b300", "h100x8", "h200x8", "b200x8", "b300x8", "auto",
+        "cpu", "h100", "h200", "b200", "b300", "h100x8", "h200x8", "b200x8", "b300x8", "auto", "local",
+        "a100_40gb", "a100_80gb", "a100_40gbx8", "a100_80gbx8", "l40s", "l40sx8", "h100_nvl",
+        "gh200_96gb", "gh200_144gb",
     }  # fmt: skip
 
 
@@ -136,6 +138,35 @@ def test_hardware_facts_match_design():
         assert hw.peak_bf16_tflops == (989 if name.startswith("h") else 2250)
 
 
+def test_rented_profiles_carry_datasheet_facts_and_no_invented_ones():
+    facts = {  # name: (gpus, GB per GPU, memory TB/s, dense bf16 TFLOP/s, interconnect); price unknown
+        "a100_40gb": (1, 40, 1.555, 312, None), "a100_80gb": (1, 80, 2.039, 312, None),
+        "a100_40gbx8": (8, 40, 1.555, 312, "nvlink"), "a100_80gbx8": (8, 80, 2.039, 312, "nvlink"),
+        "l40s": (1, 48, 0.864, 362, None), "l40sx8": (8, 48, 0.864, 362, "pcie"),
+        "h100_nvl": (1, 94, 3.9, None, None), "gh200_96gb": (1, 96, 4.0, None, None),
+        "gh200_144gb": (1, 144, None, None, None),
+    }  # fmt: skip
+    for name, (gpus, gb, tb_s, tflops, link) in facts.items():
+        hw = compose([f"hardware={name}"]).hardware
+        assert (hw.total_gpus, hw.gpu_memory_gb, hw.hbm_tb_per_s) == (gpus, gb, tb_s), name
+        assert (hw.peak_bf16_tflops, hw.interconnect) == (tflops, link), name
+        assert hw.usd_per_month is None and hw.host_memory_gb is None and len(hw.gpu_names) == 1, name
+
+
+@pytest.mark.parametrize("name", [n for n in group_choices("hardware") if n not in ("auto", "cpu", "local")])
+def test_every_gpu_profile_plans(name: str):
+    from finetune.planner import make_plan
+
+    cfg = compose(["model=llama3_1_8b", "method=qlora", f"hardware={name}", "train.seq_len=2048"])
+    plan = make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
+    assert (
+        plan.fits
+        and plan.hardware.name == name
+        and plan.to_dict()["hardware"]["gpus"] == cfg.hardware.total_gpus
+    )
+    assert (plan.estimate.tokens_per_second is None) == (cfg.hardware.peak_bf16_tflops is None)
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
@@ -148,7 +179,7 @@ def test_hardware_facts_match_design():
         (["+foo=1"], "foo: unknown key"),
         (["model=gpt5"], "model=gpt5: unknown model; choose from llama3_1_70b"),
         (["method=dora"], "method=dora: unknown method; choose from full, lora, qlora"),
-        (["hardware=tpu"], "hardware=tpu: unknown hardware; choose from auto"),
+        (["hardware=tpu"], "hardware=tpu: unknown hardware; choose from a100_40gb"),
         (["+recipe=nope"], "recipe=nope: unknown recipe; choose from llama70b_full"),
         (["mode=fly"], "mode='fly' is not one of"),
         (["method.optimizer=sgd"], "method.optimizer='sgd' is not one of adamw"),

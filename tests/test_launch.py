@@ -22,10 +22,23 @@ from finetune.config import Config, package_dir
 from finetune.errors import ConfigError, LaunchError
 from finetune.launch import LaunchConfig, stage
 from finetune.launch.runner import subprocess_runner, wait_for_rendezvous
+from finetune.machine import GPU, Machine
 from finetune.planner import Plan, make_plan
 from finetune.stages import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
+H200 = GPU("NVIDIA H200", 150_011_707_392, (9, 0))  # what torch.cuda reports for one H200
+A100_40 = GPU("NVIDIA A100-SXM4-40GB", 42_405_855_232, (8, 0))
+
+
+def node(*gpus: GPU) -> Machine:
+    return Machine(gpus=gpus, host_memory_bytes=2_000 * 10**9, cpu_count=192)
+
+
+@pytest.fixture(autouse=True)
+def eight_h200(monkeypatch):
+    """The llama70b_full plans are for h200x8: these launches start on a stand-in 8 x H200 node."""
+    monkeypatch.setattr("finetune.machine.read_machine", lambda run_dir=None: node(*[H200] * 8))
 
 
 class Capture:
@@ -320,6 +333,59 @@ def test_a_plan_that_does_not_fit_is_not_launched(run70, capsys):
         stage.run(cfg, run_dir, unfit, launch=LaunchConfig(), runner=Capture())
     assert stage.run(cfg, run_dir, unfit, launch=LaunchConfig(dry_run=True), runner=Capture()) == 0
     assert "warning: the plan does not fit" in capsys.readouterr().out
+
+
+def test_a_machine_unlike_the_plan_is_refused_before_anything_is_written(run70):
+    cfg, plan, run_dir = run70
+    runner = Capture()
+    eight_a100 = node(*[A100_40] * 8)
+    with pytest.raises(LaunchError) as err:
+        stage.run(cfg, run_dir, plan, launch=LaunchConfig(), runner=runner, read_machine=lambda _: eight_a100)
+    line = str(err.value)
+    assert "\n" not in line
+    assert "hardware=h200x8 plans for 8 CUDA GPU(s) with 141 GB each" in line
+    assert "this machine has 42.4 GB per GPU: 8 x NVIDIA A100-SXM4-40GB (42.4 GB, 8.0)" in line
+    assert "hardware=local" in line and "launch.allow_mismatch=true" in line
+    assert runner.calls == [] and not (run_dir / "launch.sh").exists()
+    # Preparing a launch for elsewhere is not starting one here: dry runs and SLURM pass.
+    assert (
+        stage.run(cfg, run_dir, plan, launch=LaunchConfig(dry_run=True), read_machine=lambda _: eight_a100)
+        == 0
+    )
+    slurm = LaunchConfig(scheduler="slurm")
+    assert stage.run(cfg, run_dir, plan, launch=slurm, runner=runner, which=lambda n: None) == 0
+
+
+def test_allow_mismatch_starts_anyway_and_says_so(run70, capsys):
+    cfg, plan, run_dir = run70
+    runner = Capture()
+    launch = LaunchConfig(allow_mismatch=True)
+    assert stage.run(cfg, run_dir, plan, launch=launch, runner=runner, read_machine=lambda _: node(H200)) == 0
+    assert len(runner.calls) == 1
+    out = capsys.readouterr().out
+    assert "note: launch.allow_mismatch=true: starting anyway although hardware=h200x8 plans for 8" in out
+    assert "this machine has 1 GPU(s)" in out
+
+
+def test_more_gpus_than_planned_start_on_the_first_ones(run70, capsys, monkeypatch):
+    cfg, plan, run_dir = run70
+    sixteen = node(*[H200] * 16)
+    runner = Capture()
+    stage.run(cfg, run_dir, plan, launch=LaunchConfig(), runner=runner, read_machine=lambda _: sixteen)
+    [(argv, env, _)] = runner.calls
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7" and "--nproc_per_node=8" in argv
+    assert "export CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7" in (run_dir / "launch.sh").read_text()
+    assert (
+        "this machine has 16 GPUs, the plan uses 8: CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7"
+        in capsys.readouterr().out
+    )
+    # A list the user already narrowed is narrowed further, in its own order.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "15,14,13,12,11,10,9,8,7")
+    runner = Capture()
+    stage.run(
+        cfg, run_dir, plan, launch=LaunchConfig(), runner=runner, read_machine=lambda _: node(*[H200] * 9)
+    )
+    assert runner.calls[0][1]["CUDA_VISIBLE_DEVICES"] == "15,14,13,12,11,10,9,8"
 
 
 def test_missing_run_dir_files_are_named(tmp_path, llama70b_full):

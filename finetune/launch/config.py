@@ -38,6 +38,9 @@ class LaunchConfig:
     max_restarts: int = 0
     # Print the commands and write launch.sh (or slurm.sbatch), run nothing.
     dry_run: bool = False
+    # Start although this machine does not match the plan (too few or too small GPUs, no CUDA, no bf16);
+    # the mismatch is logged in metrics.json.
+    allow_mismatch: bool = False
     # Start in tmux (nohup when tmux is absent) so the job survives a dropped SSH session.
     detach: bool = False
     session: Optional[str] = None  # tmux session name; default ft-<run name>

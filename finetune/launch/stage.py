@@ -41,7 +41,9 @@ from finetune.launch.runner import (
     wait_for_rendezvous,
 )
 from finetune.launch.slurm import SBATCH_FILE, sbatch_script
+from finetune.machine import Machine
 from finetune.planner import Plan
+from finetune.preflight import MachineCheck, check_machine
 from finetune.secrets import is_secret_name
 
 LAUNCH_SCRIPT = "launch.sh"
@@ -87,8 +89,12 @@ def run(
     which: Which = shutil.which,
     probe: Probe = tcp_reachable,
     sleep: Callable[[float], None] = time.sleep,
+    read_machine: Optional[Callable[[Optional[Path]], Machine]] = None,
 ) -> int:
-    """Write the engine files, then run, detach, submit to SLURM, or only print (dry_run). Returns the exit code."""
+    """Write the engine files, then run, detach, submit to SLURM, or only print (dry_run). Returns the exit code.
+
+    Ranks that start here are checked against this machine first (`preflight.check_machine`).
+    """
     launch = launch or launch_of(cfg)
     run_dir = Path(run_dir).resolve()
     for name in (rundir.CONFIG_FILE, rundir.PLAN_FILE):
@@ -104,13 +110,23 @@ def run(
         print(f"warning: {message}")
 
     lay = layout(cfg, plan, launch)
+    here = MachineCheck({})
+    if not launch.dry_run and launch.scheduler == "none":  # SLURM's nodes are not this machine
+        here = check_machine(
+            cfg,
+            plan,
+            gpus=lay.nproc_per_node,
+            device=lay.device,
+            allow_mismatch=launch.allow_mismatch,
+            read=read_machine,
+        )
     files = write_engine_files(cfg, plan, run_dir, launch)
-    env = nccl_env(launch, lay)
+    env = {**nccl_env(launch, lay), **here.env}
     print(f"launch: {describe(files, lay)}")
     for path in (files.deepspeed, files.accelerate_config):
         if path is not None:
             print(f"  engine settings: {path}")
-    for note in files.notes:
+    for note in (*files.notes, *here.notes):
         print(f"  note: {note}")
 
     if launch.scheduler == "slurm":

@@ -674,9 +674,9 @@ def _suggestions(
     fitting = sorted((a for a in alts if a.fits), key=lambda a: a.hardware.usd_per_month or math.inf)
     if fitting:
         a = fitting[0]
-        out.append(
-            f"hardware={a.hardware.name} fits ({a.gpu_memory.total:.1f} GB per GPU, {a.hardware.usd_per_month:,.0f} USD/month)"
-        )
+        usd = a.hardware.usd_per_month
+        price = "price unknown" if usd is None else f"{usd:,.0f} USD/month"
+        out.append(f"hardware={a.hardware.name} fits ({a.gpu_memory.total:.1f} GB per GPU, {price})")
     if method.name == "lora":
         q = _plan_on(model, replace(method, name="qlora"), plan.hardware, train, plan_cfg, plan.seq_len, cal)
         if q.fits:
@@ -723,12 +723,19 @@ def make_plan(
     cal = calibration or Calibration.default()
     n = _resolve_seq_len(model, train, seq_len)
     gpu_profiles = [p for p in profiles.values() if p.device == "cuda" and p.gpu_memory_gb is not None]
+    unpriced: list[str] = []
     if hardware.is_auto:
         names = hardware.candidates or [p.name for p in gpu_profiles]
         unknown = [name for name in names if name not in profiles]
         if unknown:
             raise PlanError(f"hardware.candidates names unknown profiles: {', '.join(unknown)}")
-        gpu_profiles = [profiles[name] for name in names]
+        # Without a known price a profile cannot be the cheapest: auto weighs the priced ones only.
+        unpriced = [name for name in names if profiles[name].usd_per_month is None]
+        gpu_profiles = [profiles[name] for name in names if name not in unpriced]
+        if not gpu_profiles:
+            raise PlanError(
+                f"hardware=auto: no candidate has a known price (usd_per_month): {', '.join(names)}"
+            )
     alts = [_plan_on(model, method, p, _train_for(train, p), plan_cfg, n, cal) for p in gpu_profiles]
     if hardware.is_auto:
         fitting = [a for a in alts if a.fits]
@@ -742,6 +749,9 @@ def make_plan(
         else:
             plan = min(alts, key=lambda a: a.gpu_memory.total / (a.hardware.gpu_memory_gb or 1))
             plan = replace(plan, reasons=("hardware=auto: no profile fits",) + plan.reasons)
+        if unpriced:
+            skipped = f"hardware=auto: skipped {', '.join(unpriced)} (price unknown)"
+            plan = replace(plan, reasons=plan.reasons[:1] + (skipped,) + plan.reasons[1:])
     else:
         plan = _plan_on(model, method, hardware, train, plan_cfg, n, cal)
     alternatives = tuple(

@@ -197,10 +197,20 @@ def run(
 
     run_dir = Path(run_dir)
     rank0 = is_rank_zero()
+    mismatch = None  # what launch.allow_mismatch=true let through (metrics.json)
     if rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         rundir.lock(run_dir)
         preflight.check(cfg, run_dir, plan)
+        mismatch = preflight.check_machine(
+            cfg,
+            plan,
+            gpus=cfg.launch.nproc_per_node or plan.hardware.gpus_per_node,
+            device=plan.hardware.device,
+            allow_mismatch=cfg.launch.allow_mismatch,
+        ).mismatch
+        if mismatch:
+            log.warning("launch.allow_mismatch=true: training although %s", mismatch)
     transformers.utils.logging.disable_progress_bar()
     t0 = time.perf_counter()
     baseline_gb = _rss_gb()
@@ -303,6 +313,7 @@ def run(
             "strategy": asdict(plan.strategy),
             "output_dir": str(out_dir),
             "engine": engine,
+            "machine_mismatch": mismatch,
         },
         "eval": {"base": base, "trained": trained}
         if in_worker_eval
