@@ -226,8 +226,11 @@ def test_this_cpu_machine_refuses_a_gpu_plan_and_allow_mismatch_is_logged(tmp_pa
         pytest.skip("this machine has a GPU")
     args = ["+recipe=tiny", "hardware=h100", f"run_dir={tmp_path / 'run'}", "train.seq_len=128"]
     args += ["train.max_steps=2", "train.report_to=[]", "train.save_steps=1000", "train.eval_steps=1000"]
+    # fp32: a bf16 CUDA plan forced onto a CPU is refused by transformers itself (no bf16 "GPU" here)
+    args += ["method.precision=fp32"]
     with pytest.raises(
-        LaunchError, match=r"hardware=h100 plans for 1 CUDA GPU\(s\) with 80 GB each; this machine"
+        LaunchError,
+        match=r"hardware=h100 plans for 1 CUDA GPU\(s\) with 80 GB each; this machine has no CUDA GPU",
     ):
         train_in_process(compose(args), tiny_data, n_train=8, n_eval=4, max_generate=2)
     assert (
