@@ -1,16 +1,20 @@
-"""Peak memory and time of the causal-LM loss step, plain vs chunked, on CPU.
+"""Peak memory and time of the causal-LM loss step on CPU: plain, ours (chunked), TRL's fused LM head.
 
 Usage:
     python scripts/bench_loss.py                    # vocab 128,256, hidden 4,096, 4,096 tokens, fp32
     python scripts/bench_loss.py --quick            # vocab 32,000, hidden 1,024, 2,048 tokens (~1 min)
     python scripts/bench_loss.py --chunk-sizes 512 1024 2048 --repeats 3 --hidden 2048
+    python scripts/bench_loss.py --dtype bfloat16 --tokens 8192 --paths chunked trl   # ours vs TRL's
 
 The loss step is forward + backward from the final hidden states [1, tokens, h]
 through the LM head to the scalar loss, for a frozen head (LoRA/QLoRA: only the
 hidden states get a gradient) and a trainable head (full fine-tuning: the head
 gets a [V, h] gradient too). The plain path is ``transformers``'
 ``ForCausalLMLoss(F.linear(hidden, W), labels)`` (what an nn.Linear head feeds it); the chunked path is
-``finetune.train.chunked_loss.chunked_causal_lm_loss``.
+``finetune.train.chunked_loss.chunked_causal_lm_loss``; the trl path is TRL 1.16's SFTTrainer loss
+(its fused LM head: vocabulary tiles, log-probabilities recomputed in the backward). On a CPU TRL
+folds its tiles with torch ops; on GPUs with a Triton kernel, so its CPU time and memory are an
+upper bound.
 
 Each measurement runs in a fresh subprocess: peak = the process's RSS
 high-water mark (VmHWM, reset through /proc/self/clear_refs once the inputs are
@@ -45,6 +49,30 @@ def load_chunked_loss():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def trl_fused_lm_head_loss(hidden_states, weight, labels):
+    """TRL 1.16's SFTTrainer loss, as its fused LM head computes it (trl.trainer.utils.add_fused_lm_head):
+    vocabulary tiles through `ChunkedLogProbFunction` on the labelled positions, with the entropy and
+    top-1 outputs SFTTrainer asks for its metrics; the mean negative log-probability."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+    hidden = hidden_states[:, :-1]
+    targets = labels[:, 1:]
+    mask = targets != -100
+    log_probs = ChunkedLogProbFunction.apply(
+        hidden[mask],
+        weight,
+        None,
+        targets[mask],
+        1.0,
+        _CHUNKED_LOGPROB_CHUNK_SIZE,
+        None,
+        1.0,
+        ("log_probs", "entropy", "is_top1"),
+    )[0]
+    return -log_probs.sum() / mask.sum().clamp(min=1)
 
 
 def rss_kb() -> dict[str, int]:
@@ -83,6 +111,8 @@ def run_case(path: str, head: str, chunk_size: int, vocab: int, hidden: int, tok
     start = time.perf_counter()
     if path == "plain":
         loss = ForCausalLMLoss(torch.nn.functional.linear(hidden_states, weight), labels, vocab)
+    elif path == "trl":
+        loss = trl_fused_lm_head_loss(hidden_states, weight, labels)
     else:
         loss = chunked_causal_lm_loss(hidden_states, weight, labels, chunk_size=chunk_size)
     loss.backward()
@@ -115,6 +145,13 @@ def main() -> None:
     parser.add_argument(
         "--heads", nargs="+", choices=["frozen", "trainable"], default=["frozen", "trainable"]
     )
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        choices=["plain", "chunked", "trl"],
+        default=["plain", "chunked", "trl"],
+        help="plain: transformers' ForCausalLMLoss on full logits; chunked: ours; trl: TRL's fused LM head",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="vocab 32,000, hidden 1,024, 2,048 tokens")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -128,8 +165,9 @@ def main() -> None:
     if args.chunk_sizes is None:
         args.chunk_sizes = [load_chunked_loss().DEFAULT_CHUNK_SIZE]
 
-    cases = [(head, "plain", 0) for head in args.heads]
-    cases += [(head, "chunked", c) for head in args.heads for c in args.chunk_sizes]
+    cases = [(head, path, 0) for head in args.heads for path in args.paths if path != "chunked"]
+    if "chunked" in args.paths:
+        cases += [(head, "chunked", c) for head in args.heads for c in args.chunk_sizes]
     results: dict[tuple, list[dict]] = {case: [] for case in cases}
     for repeat in range(args.repeats):
         for case in cases:
@@ -145,36 +183,33 @@ def main() -> None:
 
     import torch
     import transformers
+    import trl
 
     dtype_bytes = 4 if args.dtype == "float32" else 2
     print(
         f"vocab {args.vocab:,}, hidden {args.hidden:,}, {args.tokens:,} tokens, {args.dtype}; "
         f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
-        f"torch {torch.__version__}, transformers {transformers.__version__}; "
-        f"median of {args.repeats}, peak = RSS high-water mark of the step over its inputs\n"
+        f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}; "
+        f"median of {args.repeats}, peak = RSS high-water mark of the step over its inputs; "
+        "ratios against `chunked` (ours) with its first chunk size\n"
     )
-    print(
-        "| head | chunk | head grad GB | plain peak GB | chunked peak GB | peak ratio | plain s | chunked s | time ratio |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| head | path | chunk | head grad GB | peak GB | peak / ours | seconds | time / ours | loss |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for head in args.heads:
-        plain = results[(head, "plain", 0)]
-        plain_peak = statistics.median(r["peak_bytes"] for r in plain)
-        plain_s = statistics.median(r["seconds"] for r in plain)
         head_grad = args.vocab * args.hidden * dtype_bytes if head == "trainable" else 0
-        for chunk_size in args.chunk_sizes:
-            chunked = results[(head, "chunked", chunk_size)]
-            peak = statistics.median(r["peak_bytes"] for r in chunked)
-            seconds = statistics.median(r["seconds"] for r in chunked)
+        rows = [case for case in cases if case[0] == head]
+        ours = next((c for c in rows if c[1] == "chunked"), rows[0])
+        ours_peak = statistics.median(r["peak_bytes"] for r in results[ours])
+        ours_s = statistics.median(r["seconds"] for r in results[ours])
+        for case in rows:
+            peak = statistics.median(r["peak_bytes"] for r in results[case])
+            seconds = statistics.median(r["seconds"] for r in results[case])
+            loss = statistics.median(r["loss"] for r in results[case])
+            chunk = case[2] if case[1] == "chunked" else ("32768 x 4096" if case[1] == "trl" else "-")
             print(
-                f"| {head} | {chunk_size} | {head_grad / GB:.2f} | {plain_peak / GB:.2f} | {peak / GB:.2f} "
-                f"| {plain_peak / peak:.1f}x | {plain_s:.1f} | {seconds:.1f} | {seconds / plain_s:.2f}x |"
+                f"| {head} | {case[1]} | {chunk} | {head_grad / GB:.2f} | {peak / GB:.2f} | {peak / ours_peak:.2f}x "
+                f"| {seconds:.1f} | {seconds / ours_s:.2f}x | {loss:.5f} |"
             )
-            if head_grad:
-                print(
-                    f"| {head}, excl. head grad | {chunk_size} | | {(plain_peak - head_grad) / GB:.2f} "
-                    f"| {(peak - head_grad) / GB:.2f} | {(plain_peak - head_grad) / (peak - head_grad):.1f}x | | | |"
-                )
 
 
 if __name__ == "__main__":

@@ -469,7 +469,9 @@ def _ladder(job: _Job) -> list[tuple[str, Strategy]]:
             step(f"micro-batch {mbs} with more gradient accumulation", micro_batch_size=mbs)
     if t.sharding is None and multi:
         step(f"{shard_engine} full shard across {hw.total_gpus} GPUs", sharding=shard_engine)
-    if job.method.optimizer is None and hw.device == "cuda":
+    # bitsandbytes' 8-bit optimizers have no DTensor support: FSDP2 cannot run them (measured: "Operator
+    # bitsandbytes.optimizer_update_32bit.default does not have a sharding strategy registered").
+    if job.method.optimizer is None and hw.device == "cuda" and s.sharding != "fsdp":
         step("8-bit optimizer states", optimizer="adamw_8bit")
     sharded_or_single = s.sharding != "ddp"
     if t.offload_optimizer is None and sharded_or_single:

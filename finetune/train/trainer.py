@@ -213,6 +213,21 @@ class FinetuneTrainer(SFTTrainer):
         self.accelerator.wait_for_everyone()
 
 
+def optimizer_kind(optimizer: Any) -> str:
+    """The optimizer that really updates the weights, in the plan's words: adamw, adamw_8bit,
+    paged_adamw_8bit, or cpu_adamw (DeepSpeed's fp32 Adam on the host, under optimizer offload)."""
+    cls = type(optimizer)
+    if cls.__module__.startswith("bitsandbytes"):
+        bits = getattr(getattr(optimizer, "args", None), "optim_bits", 32)
+        paged = "paged_" if getattr(optimizer, "is_paged", False) else ""
+        return f"{paged}adamw_8bit" if bits == 8 else f"{paged}adamw_32bit_bnb"
+    if cls.__name__ == "DeepSpeedCPUAdam":
+        return "cpu_adamw"
+    if cls.__name__ == "AdamW" and cls.__module__.startswith("torch"):
+        return "adamw"
+    return f"{cls.__module__}.{cls.__name__}"
+
+
 def _checkpointing_on(trainer: Any) -> bool:
     """Activation checkpointing really on: the model's own (transformers) or FSDP's (accelerate's plugin)."""
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -252,6 +267,8 @@ def engine_record(trainer: Any) -> dict[str, Any]:
         "parameter_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in trainer.model.parameters()}),
         "loss": "chunked" if getattr(trainer, "chunked_loss", False) else "trl",
         "activation_checkpointing": _checkpointing_on(trainer),
+        "micro_batch_size": trainer.args.per_device_train_batch_size,
+        "grad_accum_steps": trainer.args.gradient_accumulation_steps,
     }
     params = list(trainer.model.parameters())
     local = full = sum(p.numel() for p in params)
@@ -269,6 +286,10 @@ def engine_record(trainer: Any) -> dict[str, Any]:
         if engine.zero_optimization_stage() == 3:  # partitioned: ds_tensor is this rank's slice
             local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
             full = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+        basic = getattr(engine, "basic_optimizer", None) or engine.optimizer
+    else:
+        basic = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    record["optimizer_kind"] = optimizer_kind(basic)
     rank = int(os.environ.get("RANK", "0"))
     record["ranks"] = gather_object(
         [{"rank": rank, "pid": os.getpid(), "parameters_held": local, "parameters": full}]
