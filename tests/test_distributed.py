@@ -11,8 +11,14 @@ ZeRO stage, offload, each rank's pid and share of the parameters); the tests
 assert on that, and compare the loss trajectory with one process taking the
 same global batch (micro-batch x accumulation x world size = 16 sequences).
 
-Trainer FSDP on the CPU silently becomes DDP, so FSDP2 is proven separately by
-`dist_fsdp2_check.py`, which drives `fully_shard` directly.
+accelerate enables FSDP only on accelerators (on CPU ranks the Trainer's FSDP
+silently became DDP); FinetuneTrainer installs its FSDP2 plugin on CPU ranks
+too, so the Trainer's own FSDP2 path runs here, with gloo.
+
+The ZeRO-3 and FSDP2 runs use the chunked loss (what the 70B and 32B recipes
+plan), computed inside the model's forward where each engine has the head whole;
+read after the forward, ZeRO-3's head was already partitioned again (weight of
+shape (0,)).
 """
 
 from __future__ import annotations
@@ -28,11 +34,14 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 6
-# Measured on 2 CPU cores, fp32, against one process with the same global batch: DDP identical
-# to the bit; ZeRO-3 9e-8 relative in the loss, 8e-8 in the weights; ZeRO-3 with DeepSpeed's CPU
-# Adam 9e-7 and 8e-8; FSDP2 9e-8 and 2e-7. The bounds leave 10x and more for other CPUs.
+# Measured on 2 CPU cores, fp32, against one process with the same global batch (all with the chunked
+# loss), largest relative loss difference / largest weight difference: DDP 0 / 0; ZeRO-3 1.1e-7 /
+# 9.1e-6; ZeRO-3 with DeepSpeed's CPU Adam 1.8e-6 / 2.0e-5; FSDP2 0 / 7.9e-6. AdamW steps by
+# lr * m / sqrt(v), so where a gradient is near zero a 1e-7 difference in reduction order can flip a
+# good part of an lr-sized step. The loss trajectory is the tight check; the weights' bound (0.1% of
+# the largest LoRA weight, about 0.09) still catches an adapter that did not train or was not gathered.
 LOSS_RTOL = 1e-5
-WEIGHT_ATOL = 1e-5  # max |difference| of any trained weight (LoRA weights here are about 0.09 at most)
+WEIGHT_ATOL = 1e-4  # max |difference| of any trained weight
 RUN_TIMEOUT_S = 900
 
 
@@ -51,6 +60,9 @@ def overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
         f"train.save_steps={STEPS}",  # one checkpoint at the end: its trainer_state.json holds the losses
         "train.eval_steps=1000",
         f"data.cache_dir={cache}",
+        # The loss the 70B and 32B recipes plan, computed inside the model's forward (every run here,
+        # the reference too: the two loss paths agree to ~1e-7, which AdamW turns into ~1e-5 in weights).
+        "train.chunked_loss=true",
         *extra,
     ]
 
@@ -172,27 +184,18 @@ def test_deepspeed_zero3_two_processes_train_like_one(root, reference, offload):
     assert "ACCELERATE_USE_CPU" not in (run["dir"] / "launch.sh").read_text()
 
 
-def test_fsdp2_fully_shard_two_processes_match_one(root, tiny_model_dir):
-    import torch
-
-    script = str(REPO / "tests" / "dist_fsdp2_check.py")
-    out, ref = root / "fsdp2.json", root / "fsdp2-one.json"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    for argv in (
-        [*torchrun, script, str(tiny_model_dir), str(out)],
-        [sys.executable, script, str(tiny_model_dir), str(ref)],
-    ):
-        proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-        assert proc.returncode == 0, proc.stderr[-8000:]
-    sharded, single = json.loads(out.read_text()), json.loads(ref.read_text())
-    assert sharded["world_size"] == 2 and sharded["backend"] == "gloo"
-    assert sharded["wrapper"].startswith("FSDP") and sharded["sharded_parameters"] > 0
-    assert sharded["parameters_held"] < 0.6 * sharded["parameters"]
-    assert single["world_size"] == 1 and not single["wrapper"].startswith("FSDP")
-    worst = max(abs(a - b) / abs(b) for a, b in zip(sharded["losses"], single["losses"]))
-    assert worst <= LOSS_RTOL, (sharded["losses"], single["losses"])
-    assert sharded["losses"][-1] < sharded["losses"][0]  # it trained
-    a, b = torch.load(sharded["final_params_file"]), torch.load(single["final_params_file"])
-    assert a.keys() == b.keys()
-    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
-    assert diff <= WEIGHT_ATOL, f"FSDP2 weights differ from one process by {diff}"
+def test_fsdp2_trainer_two_processes_train_like_one(root, reference):
+    """The Trainer's FSDP2 path (accelerate's plugin, fully_shard per decoder layer), chunked loss."""
+    extra = ["train.sharding=fsdp", "train.engine=fsdp"]
+    run = train_run(root, "fsdp2", "hardware.gpus_per_node=2", *extra)
+    assert (run["dir"] / "accelerate_fsdp.yaml").is_file()
+    engine = run["metrics"]["train"]["engine"]
+    assert_two_ranks(engine)
+    assert engine["wrapper"].startswith("FSDP") and engine["zero_stage"] is None
+    assert engine["loss"] == "chunked" and engine["optimizer_kind"] == "adamw"
+    for r in engine["ranks"]:  # each rank holds its DTensor shard: half of every parameter
+        assert r["parameters_held"] < 0.6 * r["parameters"]
+    # The adapter gathered from the shards equals one process's (Trainer.save_model wrote nothing here).
+    assert_same_trajectory(run, reference)
+    assert_rank0_hygiene(run)
+    assert "skipped" in run["metrics"]["eval"]

@@ -240,3 +240,28 @@ def test_qlora_run_is_evaluated_on_its_4bit_base(tmp_path, tiny_cache, tiny_data
     result = eval_stage.run(cfg, run, eval_dataset=tiny_data[1].select(range(8)))
     assert set(result) == {"base", "trained", "regression", "settings"}
     assert 0 < result["base"]["loss"] != pytest.approx(result["trained"]["loss"], abs=1e-3)
+
+
+def test_an_adapter_saved_under_wrapper_names_is_refused_not_scored_as_the_base(
+    tmp_path, tiny_cache, tiny_model_cfg
+):
+    """FSDP's checkpoint wrapper renames layers; PEFT would only warn and leave the adapter unloaded."""
+    from safetensors.torch import load_file, save_file
+
+    from finetune import tiny
+    from finetune.config import MethodConfig
+    from finetune.errors import LaunchError
+    from finetune.evaluation.loading import attach_adapter
+
+    adapter = make_adapter_run(tmp_path / "run", tiny_model_cfg, MethodConfig(lora_dropout=0.0))
+    attach_adapter(tiny.load_model(tiny_model_cfg), adapter)  # as saved: loads
+    path = adapter / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    renamed = {k.replace("layers.0.", "layers.0._checkpoint_wrapped_module."): v for k, v in tensors.items()}
+    save_file(renamed, str(path))
+    moved = sum(k not in tensors for k in renamed)
+    with (
+        pytest.warns(UserWarning, match="missing adapter keys"),
+        pytest.raises(LaunchError, match=rf"{moved} of {len(renamed)} adapter tensors match no module"),
+    ):
+        attach_adapter(tiny.load_model(tiny_model_cfg), adapter)

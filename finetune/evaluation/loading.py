@@ -85,7 +85,28 @@ def attach_adapter(model: Any, adapter: Path) -> Any:
 
     if not (adapter / "adapter_config.json").is_file():
         raise LaunchError(f"{adapter}: no adapter_config.json; run the training stage (mode=train) first")
-    return PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
+    peft_model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
+    check_adapter_matches(peft_model, adapter)
+    return peft_model
+
+
+def check_adapter_matches(peft_model: Any, adapter: Path) -> None:
+    """Every saved adapter tensor loaded into a module: PEFT only warns about names it cannot place,
+    and an adapter saved under a wrapper's names (FSDP's checkpoint wrapper) would score as the base."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors import safe_open
+
+    path = adapter / "adapter_model.safetensors"
+    if not path.is_file():
+        return
+    with safe_open(str(path), framework="pt") as f:
+        saved = set(f.keys())
+    unmatched = sorted(saved - set(get_peft_model_state_dict(peft_model)))
+    if unmatched or not saved:
+        example = f" (e.g. {unmatched[0]})" if unmatched else ""
+        raise LaunchError(
+            f"{path}: {len(unmatched)} of {len(saved)} adapter tensors match no module of the model{example}"
+        )
 
 
 def eval_dtype(cfg: Config) -> torch.dtype:

@@ -157,6 +157,10 @@ class FinetuneTrainer(SFTTrainer):
         if self.args.fsdp_plugin_args is None or state.distributed_type != DistributedType.MULTI_CPU:
             return
         plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+        if type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy":
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)  # pinned memory needs an accelerator
         if state.mixed_precision != "no":
             plugin.set_mixed_precision(state.mixed_precision)
         state.distributed_type = DistributedType.FSDP
@@ -274,6 +278,9 @@ def engine_record(trainer: Any) -> dict[str, Any]:
     local = full = sum(p.numel() for p in params)
     if trainer.is_fsdp_enabled:  # FSDP2: DTensor parameters, this rank's shard is the local tensor
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+        policy = trainer.accelerator.state.fsdp_plugin.cpu_offload
+        if type(policy).__name__ == "CPUOffloadPolicy":  # parameters, gradients and optimizer state together
+            record.update(offload_optimizer="cpu", offload_params="cpu")
     if trainer.is_deepspeed_enabled:
         engine = trainer.deepspeed
         record.update(
@@ -297,6 +304,10 @@ def engine_record(trainer: Any) -> dict[str, Any]:
     return record
 
 
+# torch.distributed's CheckpointWrapper (accelerate applies it for FSDP's activation checkpointing).
+_CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."
+
+
 def save_output(trainer: Any, out_dir: Path) -> None:
     """The trained adapter or model, whole, into `out_dir` (every rank calls it; rank 0 writes).
 
@@ -309,15 +320,39 @@ def save_output(trainer: Any, out_dir: Path) -> None:
         trainer.save_model(str(out_dir))
         return
     model = trainer.model
-    if hasattr(model, "get_base_model"):  # PEFT: only the adapter's tensors, gathered
-        state_dict = {
-            name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
-            for name, p in model.named_parameters()
-            if p.requires_grad
-        }
-    else:
-        state_dict = trainer.accelerator.get_state_dict(model)
-    trainer._save(str(out_dir), state_dict=state_dict)
+    if not hasattr(model, "get_base_model"):
+        # One tensor gathered at a time (rank 0 keeps them on the host); accelerate's get_state_dict
+        # (torch's get_model_state_dict) handed back invalid storages for CPU-offloaded shards.
+        keep = trainer.args.should_save
+        state_dict = {}
+        for name, tensor in model.state_dict().items():
+            whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            if keep:
+                state_dict[name] = whole.detach().to("cpu", copy=True)
+        trainer._save(str(out_dir), state_dict=state_dict)
+        return
+    import copy
+
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    gathered = {  # a collective: every rank gathers each trainable DTensor whole
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+    # PEFT picks the adapter's tensors by the modules' names, which FSDP's activation checkpointing
+    # wraps (`_checkpoint_wrapped_module`); the file must carry the model's own names to load again.
+    adapter = {
+        key.replace(_CHECKPOINT_WRAPPER, ""): tensor.contiguous()
+        for key, tensor in get_peft_model_state_dict(model, state_dict=gathered).items()
+    }
+    if trainer.args.should_save:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file(adapter, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = copy.deepcopy(model.peft_config["default"])
+        config.inference_mode = True
+        config.save_pretrained(str(out_dir))
 
 
 def build_trainer(
