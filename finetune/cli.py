@@ -15,10 +15,18 @@ import sys
 import typing
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Optional
 
 from finetune.config import Config, HardwareConfig, group_choices, package_dir, recipe_names, register_configs
-from finetune.errors import ConfigError, FinetuneError
+from finetune.errors import (
+    INTERRUPTED_EXIT_CODE,
+    ConfigError,
+    DiskFullError,
+    FinetuneError,
+    interrupt_on_signals,
+    is_disk_full,
+)
 
 _GROUPS = ("model", "method", "hardware", "data", "train", "plan", "launch", "eval", "export")
 DEFAULT_RECIPE = "tiny"
@@ -63,7 +71,44 @@ def compose(overrides: Sequence[str]) -> Config:
     except Exception as exc:  # Hydra and OmegaConf raise many types; all are bad input here.
         raise ConfigError(_one_line(exc)) from None
     assert isinstance(cfg, Config)
+    _register_forwarded_secrets(cfg, overrides)
     return cfg
+
+
+# `+launch.env.KEY=${oc.env:NAME}` (or `${oc.env:NAME,default}`): the one place an environment variable may
+# be read into the config, forwarding it to the ranks by reference.
+_FORWARDED = re.compile(r"\+{0,2}launch\.env\.([A-Za-z_]\w*)=\$\{oc\.env:([A-Za-z_]\w*)(?:,[^{}]*)?\}")
+
+
+def _check_env_interpolation(item: str) -> None:
+    """Refuse ${oc.env:...} anywhere but as the whole value of a launch.env entry.
+
+    Refused rather than redacted: config.yaml must say what the run used, and a name or path read
+    from the environment would land in clear in config.yaml, plan.json, folder names and scripts
+    (redacting it there would make config.yaml name a run directory or data file that does not exist).
+    The shell already expands `run_dir=$SCRATCH/x` visibly. A forwarded launch.env value is a secret
+    by assumption: redacted everywhere, referenced by name in launch.sh (`_register_forwarded_secrets`).
+    """
+    if "oc.env" not in item or _FORWARDED.fullmatch(item):
+        return
+    key = item.split("=", 1)[0].lstrip("+")
+    raise ConfigError(
+        f"{key}: ${{oc.env:...}} is accepted only as the whole value of +launch.env.NAME (forwarded to the "
+        f'ranks by reference); write the value itself, or let the shell expand it: {key}="$VAR"'
+    )
+
+
+def _register_forwarded_secrets(cfg: Config, overrides: Sequence[str]) -> None:
+    from finetune import secrets
+
+    for item in overrides:
+        m = _FORWARDED.fullmatch(item)
+        if not m:
+            continue
+        key, var = m.groups()
+        value = cfg.launch.env.get(key)
+        if value and os.environ.get(var) == value:
+            secrets.register(value, var)
 
 
 def _check_overrides(overrides: Sequence[str]) -> None:
@@ -71,6 +116,7 @@ def _check_overrides(overrides: Sequence[str]) -> None:
     for item in overrides:
         if not item.strip():
             raise ConfigError("an empty argument: write KEY=VALUE")
+        _check_env_interpolation(item)
         added = re.fullmatch(r"\+{1,2}([\w.]+)=.*", item)
         if added and added.group(1) != "recipe" and not added.group(1).startswith("launch.env."):
             key = added.group(1)
@@ -184,6 +230,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for group in ("model", "method", "hardware", "data"):
             print(f"{group}:", ", ".join(group_choices(group)))
         return 0
+    restore = interrupt_on_signals()
     try:
         cfg = compose(args)
         if cfg.smoke.enabled and cfg.mode in ("all", "train"):
@@ -194,6 +241,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except FinetuneError as exc:
         print(f"finetune: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("finetune: interrupted", file=sys.stderr)
-        return 130
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        from finetune.rundir import free_bytes
+
+        where = exc.filename or os.getcwd()
+        print(f"finetune: error: {DiskFullError(where, None, free_bytes(Path(where)))}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as exc:
+        from finetune import stages
+
+        name = getattr(exc, "signal_name", "SIGINT")
+        print(
+            f"finetune: stopped by {name} during {stages.current_stage}; what was written completely is kept "
+            "(files, the data cache and checkpoints are written whole or not at all); run the same command "
+            "again to continue",
+            file=sys.stderr,
+        )
+        return INTERRUPTED_EXIT_CODE
+    finally:
+        restore()

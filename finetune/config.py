@@ -10,6 +10,9 @@ objects, never a dict. Cross-field checks live in `__post_init__` and raise
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -40,8 +43,34 @@ def _check_positive(
         if allow_none:
             return
         raise ConfigError(f"{key} must be set")
+    _check_finite(key, value)
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def _check_finite(key: str, value: Any) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value} must be a finite number")
+
+
+def _check_all_finite(node: Any, key: str) -> None:
+    """NaN and infinity refused in every float of the config (comparisons with NaN are always False,
+    so a range check alone lets `method.learning_rate=nan` through to crash the worker after loading)."""
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for f in dataclasses.fields(node):
+            _check_all_finite(getattr(node, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            _check_all_finite(v, f"{key}.{k}")
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            _check_all_finite(v, f"{key}[{i}]")
+    else:
+        _check_finite(key, node)
+
+
+# A run's name names its folder (runs/<name>), the SLURM job and the tmux session: a plain name only.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 
 
 @dataclass
@@ -307,7 +336,20 @@ class Config:
     runs: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        _check_all_finite(self, "")
         _check_choice("mode", self.mode, MODES)
+        if not _NAME.fullmatch(self.name):
+            raise ConfigError(
+                f"name={self.name!r}: use letters, digits and . _ + - (at most 128, no '/' or '..'); "
+                "it names the run directory runs/<name>"
+            )
+        if self.run_dir is not None and (
+            not self.run_dir.strip() or re.search(r"[\x00-\x1f\x7f]", self.run_dir)
+        ):
+            raise ConfigError(
+                f"run_dir={self.run_dir!r}: empty or holds control characters (a newline would end a line of "
+                "launch.sh or slurm.sbatch)"
+            )
         if self.mode == "compare" and len(self.runs) < 1:
             raise ConfigError("mode=compare needs runs=[RUN_DIR,...]: the runs to put side by side")
         if self.method.optimizer == "paged_adamw_8bit" and self.hardware.device == "cpu":

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from finetune import checkpoints, machine
 from finetune.config import Config
-from finetune.errors import LaunchError
+from finetune.errors import LaunchError, format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +70,11 @@ def check(
     need = disk_needed_gb(plan, keep, existing)
     free = disk_usage(str(run_dir)).free / GB
     if need > free:
+        size = format_bytes  # units that stay meaningful for small runs (kB, MB), not "0.0 GB"
         raise LaunchError(
-            f"disk: {run_dir} has {free:,.1f} GB free, the run needs about {need:,.1f} GB "
-            f"({plan.disk_checkpoint_gb:,.2f} GB a checkpoint x {keep} kept (train.save_total_limit) + one being "
-            "written + the output); free space, lower train.save_total_limit, or choose another run_dir"
+            f"disk: {run_dir} has {size(free * GB)} free, the run needs about {size(need * GB)} "
+            f"({size(plan.disk_checkpoint_gb * GB)} a checkpoint x {keep} kept (train.save_total_limit) + one "
+            "being written + the output); free space, lower train.save_total_limit, or choose another run_dir"
         )
     vm = memory()
     host_need = float(plan.host_memory_gb or 0.0)

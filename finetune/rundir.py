@@ -5,7 +5,15 @@ crash never leaves a half-written `config.yaml` or `plan.json` behind, and
 scrubbed of secrets (`finetune.secrets`). `lock` makes one process the run
 directory's only writer: `prepare` takes it, and it is held until the process
 ends (the kernel drops an flock even on SIGKILL, so no stale lock survives a
-crash); the training worker a holder launches runs under its parent's lock.
+crash). The lock is handed down: the training process the pipeline launches
+inherits the lock's file descriptor (`held_fds`, FINETUNE_LOCK_FDS) and so holds
+the lock itself, also after its parent died, until it exits; a second run never
+starts while any writer lives.
+
+A run directory is the project's own: `prepare` refuses `/`, a home directory,
+the installed package and any existing non-empty folder without the ownership
+marker (`OWNER_FILE`), which it writes into the folders it creates. Nothing
+the project did not write is deleted (`replace_tree`).
 """
 
 from __future__ import annotations
@@ -13,36 +21,81 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
 from finetune.config import Config
-from finetune.errors import ConfigError, LaunchError
-from finetune.secrets import scrub, scrub_text
+from finetune.errors import ConfigError, DiskFullError, LaunchError, is_disk_full
+from finetune.secrets import scrub, scrub_text, shell_reference, shell_word
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.yaml"
 PLAN_FILE = "plan.json"
 LOCK_FILE = ".lock"
+# Written into every folder finetune creates as a run directory (and into RUN_DIR/data): what holds it is ours
+# to replace; a folder without it is the user's and is never written over or deleted.
+OWNER_FILE = ".finetune-run"
+LOCK_FDS_ENV = "FINETUNE_LOCK_FDS"
 SHELL_SUFFIXES = (".sh", ".sbatch")  # secrets in these become ${NAME}, read from the environment at run time
+
+
+def free_bytes(path: Path) -> Optional[int]:
+    """Free bytes on the file system holding `path` (its nearest existing parent), None if unknown."""
+    import shutil
+
+    for p in (Path(path), *Path(path).parents):
+        if p.exists():
+            try:
+                return shutil.disk_usage(p).free
+            except OSError:
+                return None
+    return None
 
 
 def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    data = scrub_text(text, shell=path.suffix in SHELL_SUFFIXES)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise DiskFullError(path, len(data.encode()), free_bytes(path.parent)) from None
+        raise
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(scrub_text(text, shell=path.suffix in SHELL_SUFFIXES))
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if is_disk_full(exc):
+            raise DiskFullError(path, len(data.encode()), free_bytes(path.parent)) from None
         raise
+
+
+def shell_comment(text: str) -> str:
+    """`text` as one `# ...` line of a script: a newline or other control character in a name or path
+    would otherwise end the comment and start a command."""
+    return "# " + re.sub(r"[\x00-\x1f\x7f]", "?", str(text))
+
+
+def export_line(key: str, value: str) -> str:
+    """`export KEY=VALUE` for a script: a secret as a `${NAME}` reference (`secrets.shell_reference`), never
+    its value; anything else quoted as one literal word."""
+    ref = shell_reference(key, value)
+    return f"export {key}=${{{ref}}}" if ref else f"export {key}={shell_word(value)}"
+
+
+def references_secrets(env: dict[str, str]) -> bool:
+    """Whether `export_line` writes a secret reference for any of `env` (the script is then mode 0700)."""
+    return any(shell_reference(k, v) or shell_word(v).startswith('"') for k, v in env.items())
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -50,8 +103,9 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def prepare(cfg: Config) -> Path:
-    """Create the run directory (or reuse it) and check it is writable."""
+    """Create the run directory (or reuse one of ours), check it is writable, lock it, mark it ours."""
     run_dir = cfg.resolved_run_dir
+    check_run_dir(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -59,7 +113,94 @@ def prepare(cfg: Config) -> Path:
     if not os.access(run_dir, os.W_OK):
         raise LaunchError(f"run_dir={run_dir}: not writable")
     lock(run_dir)
+    check_run_dir(run_dir)  # again under the lock: nobody filled it in between
+    mark_owned(run_dir)
     return run_dir
+
+
+# ---------------------------------------------------------------- a run directory is the project's own
+
+
+def _home_dirs() -> set[Path]:
+    homes = {Path.home().resolve()}
+    try:
+        import pwd
+
+        homes |= {Path(p.pw_dir).resolve() for p in pwd.getpwall() if p.pw_dir not in ("", "/")}
+    except (ImportError, OSError, KeyError):  # not POSIX, or no passwd database
+        pass
+    return homes
+
+
+def _package_dir() -> Path:
+    import finetune
+
+    return Path(finetune.__file__).resolve().parent
+
+
+def is_owned(folder: Path) -> bool:
+    """A folder finetune made: its marker, or (written before the marker existed) config.yaml next to .lock."""
+    folder = Path(folder)
+    return (folder / OWNER_FILE).is_file() or (
+        (folder / CONFIG_FILE).is_file() and (folder / LOCK_FILE).is_file()
+    )
+
+
+def _foreign_entries(folder: Path) -> list[str]:
+    return [p.name for p in folder.iterdir() if p.name not in (LOCK_FILE, OWNER_FILE)]
+
+
+def mark_owned(folder: Path) -> None:
+    path = Path(folder) / OWNER_FILE
+    if not path.is_file():
+        atomic_write_text(
+            path, "written by finetune: this folder and what finetune wrote in it are its own\n"
+        )
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse a run_dir the project must not own: `/`, a home directory, the installed package, or an
+    existing non-empty folder that is not a run directory (stages replace files and folders in there)."""
+    resolved = Path(run_dir).expanduser().resolve()
+    why = None
+    if resolved == Path(resolved.anchor):
+        why = "the root of the file system"
+    elif resolved in _home_dirs():
+        why = "a home directory"
+    elif resolved == _package_dir() or _package_dir() in resolved.parents:
+        why = f"inside the installed finetune package ({_package_dir()})"
+    elif resolved.is_dir() and not is_owned(resolved) and _foreign_entries(resolved):
+        why = (
+            f"an existing folder that is not a finetune run directory (no {OWNER_FILE}; it holds other files)"
+        )
+    elif resolved.exists() and not resolved.is_dir():
+        return  # mkdir names the problem
+    if why:
+        raise ConfigError(f"run_dir={run_dir}: {why}; choose a new or empty folder (runs/<name> by default)")
+
+
+def replace_tree(tmp: Path, dst: Path, legacy: Optional[Callable[[Path], bool]] = None) -> None:
+    """Put the folder `tmp` in place of `dst`, which is deleted only when finetune wrote it: its marker,
+    or `legacy(dst)` for what versions before the marker wrote."""
+    import shutil
+
+    check_replaceable(dst, legacy)
+    mark_owned(tmp)
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(tmp, dst)
+
+
+def check_replaceable(dst: Path, legacy: Optional[Callable[[Path], bool]] = None) -> None:
+    """Refuse (ConfigError) when `dst` exists and finetune did not write it (see `replace_tree`)."""
+    if not (dst.exists() or dst.is_symlink()):
+        return
+    ours = dst.is_dir() and ((dst / OWNER_FILE).is_file() or (legacy is not None and legacy(dst)))
+    if dst.is_symlink() or not ours:
+        raise ConfigError(
+            f"{dst}: exists and was not written by finetune (no {OWNER_FILE}); move it out of the run "
+            "directory (nothing was deleted)"
+        )
 
 
 # ---------------------------------------------------------------- one writer per run directory
@@ -68,13 +209,48 @@ def prepare(cfg: Config) -> Path:
 _held: dict[str, int] = {}
 
 
-def _holder(path: Path) -> tuple[Optional[int], str]:
+def _holders(path: Path) -> list[tuple[int, str]]:
+    """(pid, host) of every process that held the lock, one line each: the taker, then who inherited it."""
     try:
-        fields = path.read_text().split()
+        lines = path.read_text().splitlines()
     except OSError:
-        return None, ""
-    pid = int(fields[0]) if fields and fields[0].isdigit() else None
-    return pid, (fields[1] if len(fields) > 1 else "")
+        return []
+    out = []
+    for line in lines:
+        fields = line.split()
+        if fields and fields[0].isdigit():
+            out.append((int(fields[0]), fields[1] if len(fields) > 1 else ""))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    return psutil.pid_exists(pid)
+
+
+def held_fds() -> list[int]:
+    """The lock descriptors this process holds: a launched child inherits them and so holds the locks too."""
+    return sorted(_held.values())
+
+
+def _inherited(path: Path) -> Optional[int]:
+    """A descriptor named in FINETUNE_LOCK_FDS that is open on this very lock file (same device and inode)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    for item in os.environ.get(LOCK_FDS_ENV, "").split(","):
+        if not item.strip().isdigit():
+            continue
+        fd = int(item)
+        try:
+            fst = os.fstat(fd)
+        except OSError:
+            continue
+        if (fst.st_dev, fst.st_ino) == (st.st_dev, st.st_ino):
+            return fd
+    return None
 
 
 def _is_ancestor(pid: int) -> bool:
@@ -89,9 +265,11 @@ def _is_ancestor(pid: int) -> bool:
 def lock(run_dir: Path) -> None:
     """Make this process the only writer of `run_dir` (exclusive flock on RUN_DIR/.lock), or refuse.
 
-    Re-entrant in one process; a process whose ancestor holds the lock (the
-    pipeline that launched this training worker) proceeds under it. Anyone else
-    gets a LaunchError naming the holder's pid and host.
+    Re-entrant in one process. A process that inherited the lock's descriptor
+    (the training worker the pipeline launched) takes the lock on it, so it holds
+    the lock itself for as long as it lives, whether its parent lives or not; a
+    process whose ancestor holds the lock (a torchrun rank) proceeds under it.
+    Anyone else gets a LaunchError naming the living holders' pids and host.
     """
     run_dir = Path(run_dir)
     key = str(run_dir.resolve())
@@ -103,15 +281,30 @@ def lock(run_dir: Path) -> None:
         log.warning("no fcntl on this platform: run directory %s is not locked", run_dir)
         return
     path = run_dir / LOCK_FILE
+    me = f"{os.getpid()} {socket.gethostname()}\n"
+    inherited = _inherited(path)
+    if inherited is not None:  # the same open file description as the parent's: the lock is ours as well
+        fcntl.flock(inherited, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        before = "".join(f"{p} {h}\n" for p, h in _holders(path))
+        os.ftruncate(inherited, 0)
+        os.pwrite(inherited, (before + me).encode(), 0)
+        _held[key] = inherited
+        return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        pid, host = _holder(path)
-        if pid is not None and host == socket.gethostname() and _is_ancestor(pid):
+        here = socket.gethostname()
+        holders = _holders(path)
+        if any(host == here and _is_ancestor(pid) for pid, host in holders):
             return  # launched by the holder: its lock covers us
-        who = f"pid {pid}" + (f" on {host}" if host else "") if pid is not None else "another process"
+        living = [(p, h) for p, h in holders if h != here or _alive(p)] or holders
+        who = (
+            ", ".join(f"pid {p}" + (f" on {h}" if h else "") for p, h in living)
+            if living
+            else "another process"
+        )
         raise LaunchError(
             f"run_dir={run_dir}: in use by {who} (lock {path}); wait for it to finish, stop it, "
             "or choose another run_dir"
@@ -121,8 +314,14 @@ def lock(run_dir: Path) -> None:
         log.warning("cannot lock %s (%s): make sure no other run writes there", path, exc.strerror)
         return
     os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
-    os.fsync(fd)
+    try:
+        os.pwrite(fd, me.encode(), 0)
+        os.fsync(fd)
+    except OSError as exc:
+        os.close(fd)
+        if is_disk_full(exc):
+            raise DiskFullError(path, len(me), free_bytes(run_dir)) from None
+        raise
     _held[key] = fd
 
 

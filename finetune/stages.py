@@ -17,6 +17,14 @@ from finetune.config import Config, ModelConfig
 from finetune.errors import ConfigError, LaunchError, PlanError
 from finetune.planner import Plan, make_plan
 
+# What the pipeline is doing now, for the one line a signal leaves (`cli.main`).
+current_stage = "the set-up"
+
+
+def _enter(stage: str) -> None:
+    global current_stage
+    current_stage = stage
+
 
 def model_from_config_json(model: ModelConfig) -> ModelConfig:
     """`model.config_path=PATH`: architecture facts from a local Hugging Face config.json."""
@@ -111,11 +119,26 @@ def train_stage(cfg: Config, run_dir: Path, plan: Plan) -> int:
     preflight.check(cfg, run_dir, plan)
     code = launch_stage.run(cfg, run_dir, plan)
     if code == PREEMPTED_EXIT_CODE:
+        # The worker's own line above says what it saved; this one must not claim more.
         print(
-            "finetune: training stopped on a signal after saving a checkpoint; run the same command again to resume",
+            "finetune: training was stopped by a signal (what it saved is said above); run the same command "
+            "again to resume from the newest complete checkpoint",
             file=sys.stderr,
         )
         return code
+    if code < 0:  # killed by a signal it could not handle (SIGKILL: kill -9 or the out-of-memory killer)
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        print(
+            f"finetune: the training process was killed by {name} (kill -9, or the system ran out of memory); "
+            "run the same command again to resume from the newest complete checkpoint",
+            file=sys.stderr,
+        )
+        return PREEMPTED_EXIT_CODE
     if code != 0:
         raise LaunchError(
             f"training exited with code {code}; its log is above (resume: run the same command again)"
@@ -158,36 +181,46 @@ def run(cfg: Config) -> int:
     if cfg.mode == "compare":
         from finetune import compare
 
-        compare.run(cfg.runs, Path(cfg.run_dir) if cfg.run_dir else Path("runs") / "compare")
+        out = Path(cfg.run_dir) if cfg.run_dir else Path("runs") / "compare"
+        rundir.check_run_dir(out)
+        compare.run(cfg.runs, out)
+        rundir.mark_owned(out)
         return 0
     run_dir = rundir.prepare(cfg)
     rundir.save_config(cfg, run_dir)
     mode = cfg.mode
     if mode == "plan":
+        _enter("the plan stage")
         plan_stage(cfg, run_dir)
         return 0
     if mode in ("data", "all"):
         from finetune.data import stage as data_stage
 
+        _enter("the data stage")
         data_stage.run(cfg, run_dir)
         if mode == "data":
             return 0
     if mode == "launch":
         from finetune.launch import stage as launch_stage
 
+        _enter("the launch stage")
         return launch_stage.run(cfg, run_dir, plan_stage(cfg, run_dir, quiet=True))
+    _enter("the plan stage")
     plan = plan_stage(cfg, run_dir, quiet=mode in ("eval", "export"))
     if mode in ("train", "all"):
+        _enter("the training stage")
         code = train_stage(cfg, run_dir, plan)
         if code:
             return code
     if mode in ("eval", "all"):
         from finetune.evaluation import stage as eval_stage
 
+        _enter("the evaluation stage")
         eval_stage.run(cfg, run_dir)
     if mode in ("export", "all"):
         from finetune.export import stage as export_stage
 
+        _enter("the export stage")
         export_stage.run(cfg, run_dir, plan)
     _print_summary(run_dir)
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -86,6 +87,49 @@ CONFIG_CASES = [
         "plan.out={tmp}/afile/plan.json: cannot write",
     ),
     ("missing_data_file", ["mode=data", "data.path={tmp}/missing.jsonl"], "no such file or folder"),
+    # Not a number: NaN passes every range check (comparisons are False), so each float is checked as such.
+    ("learning_rate_nan", ["method.learning_rate=nan"], "method.learning_rate=nan must be a finite number"),
+    ("learning_rate_inf", ["method.learning_rate=inf"], "method.learning_rate=inf must be a finite number"),
+    ("weight_decay_minus_inf", ["method.weight_decay=-inf"], "method.weight_decay=-inf must be a finite"),
+    ("lora_dropout_nan", ["method.lora_dropout=nan"], "method.lora_dropout=nan"),
+    ("max_grad_norm_nan", ["train.max_grad_norm=nan"], "train.max_grad_norm=nan must be a finite number"),
+    ("max_grad_norm_inf", ["train.max_grad_norm=inf"], "train.max_grad_norm=inf must be a finite number"),
+    (
+        "loss_spike_factor_nan",
+        ["train.loss_spike_factor=nan"],
+        "train.loss_spike_factor=nan must be a finite",
+    ),
+    ("epochs_inf", ["train.epochs=inf"], "train.epochs=inf must be a finite number"),
+    ("warmup_ratio_nan", ["train.warmup_ratio=nan"], "train.warmup_ratio=nan"),
+    ("gpu_memory_inf", ["hardware.gpu_memory_gb=inf"], "hardware.gpu_memory_gb=inf must be a finite number"),
+    ("rope_theta_nan", ["model.rope_theta=nan"], "model.rope_theta=nan must be a finite number"),
+    ("mfu_nan", ["plan.mfu=nan"], "plan.mfu=nan"),
+    ("temperature_nan", ["eval.temperature=nan"], "eval.temperature=nan"),
+    ("gpu_utilization_inf", ["export.gpu_memory_utilization=inf"], "export.gpu_memory_utilization=inf"),
+    ("rdzv_wait_nan", ["launch.rdzv_wait_s=nan"], "launch.rdzv_wait_s=nan"),
+    ("near_dedup_threshold_nan", ["data.near_dedup_threshold=nan"], "data.near_dedup_threshold=nan"),
+    ("seq_len_percentile_inf", ["data.seq_len_percentile=inf"], "data.seq_len_percentile=inf"),
+    # Names and paths: a run's name cannot leave runs/, the environment is not read into names and paths.
+    ("name_up_and_out", ["name=../../x"], "name='../../x': use letters, digits"),
+    ("name_with_a_slash", ["name=a/b"], "name='a/b': use letters, digits"),
+    ("name_with_a_newline", ["name='a\ntouch x\n#'"], "name='a\\ntouch x\\n#': use letters"),
+    ("name_from_the_environment", ["name=${oc.env:HOME}"], "name: ${oc.env:...} is accepted only"),
+    (
+        "run_dir_from_the_environment",
+        ["run_dir=/tmp/${oc.env:HOME}"],
+        "run_dir: ${oc.env:...} is accepted only",
+    ),
+    (
+        "launch_env_partly_from_env",
+        ["+launch.env.X=a${oc.env:HOME}"],
+        "launch.env.X: ${oc.env:...} is accepted",
+    ),
+    ("run_dir_with_a_newline", ["run_dir='{tmp}/a\nb'"], "holds control characters"),
+    ("run_dir_not_ours", ["run_dir={tmp}/emptyfolder/.."], "not a finetune run directory"),
+    ("run_dir_package", ["run_dir=" + str(REPO / "finetune")], "inside the installed finetune package"),
+    ("run_dir_root", ["run_dir=/"], "run_dir=/: the root of the file system"),
+    ("slurm_partition_with_a_newline", ["launch.slurm_partition='gpu\nid'"], "launch.slurm_partition="),
+    ("control_tokens_unknown", ["data.control_tokens=strip"], "data.control_tokens='strip'"),
     # The existing run named by a bad command: refused before anything is written there.
     ("bad_value_on_existing_run", ["run_dir=" + OLD, "train.seq_len=0"], "train.seq_len=0"),
     (
@@ -105,6 +149,8 @@ DATA_FILES = {
     "notes.txt": b"just text\n",
     "bad.parquet": b"PAR1 not really parquet",
     "csv_without_columns.csv": b"a,b\n1,2\n",
+    "lone_surrogate.jsonl": b'{"messages": [{"role": "user", "content": "x \\ud800"}, {"role": "assistant", "content": "y"}]}\n',
+    "lone_surrogate.json": b'[{"prompt": "fine", "completion": "\\udc00 end"}]',
 }
 
 DATA_CASES = [
@@ -118,6 +164,8 @@ DATA_CASES = [
     ("data_broken_parquet", "bad.parquet", "not a readable Parquet file"),
     ("data_csv_without_columns", "csv_without_columns.csv", "csv_without_columns.csv"),
     ("data_folder_without_files", "emptyfolder", "no .jsonl"),
+    ("data_lone_surrogate", "lone_surrogate.jsonl", "holds a lone surrogate '\\ud800' at character 2"),
+    ("data_lone_surrogate_json", "lone_surrogate.json", "completion holds a lone surrogate '\\udc00'"),
 ]
 
 
@@ -301,3 +349,141 @@ def test_command_line_exit_2_one_line(world, args, needle):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().count("\n") == 0 and needle.replace("{tmp}", str(world)) in r.stderr
     assert _digest(world / "existing") == old_before
+
+
+# ---------------------------------------------------------------- a full disk: one line, the path and the bytes
+
+
+def _no_space(path: str = "") -> OSError:
+    import errno
+
+    return OSError(errno.ENOSPC, "No space left on device", path or None)
+
+
+def test_full_disk_writing_the_run_directory(world, capsys, monkeypatch):
+    run = world / "full-disk"
+
+    def fsync(fd):
+        raise _no_space()
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    code, err = _cli(["mode=plan", f"run_dir={run}"], capsys)
+    monkeypatch.undo()
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"finetune: error: disk full: {run}/") and " B" in lines[0]
+    assert "needs about" in lines[0] and "free" in lines[0]
+    assert not (run / "config.yaml").exists() and not (run / "plan.json").exists()
+
+
+def test_full_disk_building_the_data_cache(world, capsys, monkeypatch):
+    from finetune.data import stage as data_stage
+
+    cache = world / "full-cache"
+
+    def save(prepared, out):
+        (out / "train").mkdir()
+        raise _no_space(str(out / "train" / "data-00000-of-00001.arrow"))
+
+    monkeypatch.setattr(data_stage, "_save", save)
+    run = world / "full-data"
+    code, err = _cli(["mode=data", f"run_dir={run}", f"data.cache_dir={cache}", "train.seq_len=128"], capsys)
+    lines = [x for x in err.splitlines() if x.strip() and not x.startswith("data:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"finetune: error: disk full: {cache}: ") and "needs about" in lines[0]
+    assert " kB" in lines[0] or " MB" in lines[0]  # the prepared data's size, in units that mean something
+    assert list(cache.rglob("stats.json")) == [] and not (run / "data").exists()
+
+
+def test_full_disk_during_a_checkpoint_save_and_the_rerun(world, capsys, monkeypatch):
+    """The reported case: a full disk mid-checkpoint was `RuntimeError: basic_ios::clear: iostream error`,
+    then an OSError traceback on the rerun. Now both are one line naming the path and the bytes needed."""
+    import shutil
+    from collections import namedtuple
+
+    import torch
+
+    from finetune import preflight
+    from finetune.train.__main__ import main
+
+    assert (
+        preflight.check.__kwdefaults__["disk_usage"] is shutil.disk_usage
+    )  # bound before the disk fills below
+    run = _worker_case(world, "full-disk-save", lambda run: None)
+    (run / "config.yaml").write_text(
+        (run / "config.yaml")
+        .read_text()
+        .replace("max_steps: -1", "max_steps: 4")
+        .replace("save_steps: 200", "save_steps: 2")
+    )
+    real_save, full = torch.save, []
+
+    def failing_save(obj, f, *args, **kwargs):  # the disk fills up at the first checkpoint
+        if "checkpoint-2" in str(f):
+            full.append(True)
+            raise RuntimeError("basic_ios::clear: iostream error")
+        return real_save(obj, f, *args, **kwargs)
+
+    usage = namedtuple("usage", "total used free")
+    # The worker's log handler writes to the stderr of the test that first ran it in this process: a fresh one.
+    monkeypatch.setattr(logging.getLogger("finetune"), "handlers", [])
+    monkeypatch.setattr(torch, "save", failing_save)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 4096 if full else 10**12))
+    code = main([str(run)])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("finetune.train:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert f"disk full: {run / 'checkpoints'}: 4.1 kB free, needs about" in lines[0]
+    assert "checkpoint-2" not in [p.name for p in (run / "checkpoints").iterdir()]  # never half-sealed
+
+    # The rerun on the still full disk (the preflight sees the real disk, as a small shortfall goes unseen):
+    # the same one line, no OSError traceback.
+    code = main([str(run)])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("finetune")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert f"disk full: {run / 'checkpoints'}: 4.1 kB free, needs about" in lines[0]
+
+    # A worker whose very first write fails (its lock file): one line as well, not an OSError traceback.
+    other = _worker_case(world, "full-disk-lock", lambda run: None)
+
+    def fsync(fd):
+        raise _no_space()
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    code = main([str(other)])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("finetune")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[0].startswith(f"finetune.train: disk full: {other / '.lock'}: 4.1 kB free, needs about")
+
+
+def test_a_write_error_with_room_to_spare_is_not_called_a_full_disk(tmp_path):
+    from finetune.train.__main__ import disk_full
+
+    (tmp_path / "plan.json").write_text(json.dumps({"disk_gb": {"checkpoint": 0.001}}))
+    assert disk_full(RuntimeError("basic_ios::clear: iostream error"), str(tmp_path)) is None  # disk has room
+    assert disk_full(RuntimeError("CUDA out of memory"), str(tmp_path)) is None
+    assert disk_full(_no_space(str(tmp_path / "x")), str(tmp_path)) is not None
+
+
+def test_preflight_disk_message_uses_units_that_mean_something(tmp_path):
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from finetune import preflight
+    from finetune.cli import compose
+    from finetune.errors import LaunchError, format_bytes
+
+    usage = namedtuple("usage", "total used free")
+    plan = SimpleNamespace(disk_checkpoint_gb=20e3 / 1e9, host_memory_gb=0.0)  # a 20 kB checkpoint
+    cfg = compose(["train.save_total_limit=2"])
+    with pytest.raises(LaunchError) as exc:
+        preflight.check(cfg, tmp_path, plan, disk_usage=lambda p: usage(10**6, 10**6, 5_000))
+    assert (
+        f"disk: {tmp_path} has 5.0 kB free, the run needs about 80.0 kB (20.0 kB a checkpoint x 2 kept"
+        in str(exc.value)
+    )
+    assert [format_bytes(n) for n in (0, 999, 1_500, 2.5e6, 3e9, 4.2e12)] == [
+        "0 B", "999 B", "1.5 kB", "2.5 MB", "3.0 GB", "4.2 TB",
+    ]  # fmt: skip

@@ -82,6 +82,68 @@ def test_template_that_rewrites_earlier_turns_falls_back_to_search(corpus):
     assert tok.decode([t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX]) == "to vi<|im_end|>"
 
 
+def _long_conversation(turns: int, seed: int, system: bool) -> list[dict]:
+    rng = random.Random(seed)
+    words = ["ka", "lo", "mi ne", " ru", "sa\n", "to vi ", "el"]
+    msgs = [{"role": "system", "content": " be brief "}] if system else []
+    for t in range(turns):
+        msgs.append({"role": "user", "content": f"{rng.choice(words)} q{t}{rng.choice(words)}"})
+        msgs.append({"role": "assistant", "content": f"{rng.choice(words)}a{t} {rng.choice(words)}"})
+    return msgs
+
+
+def _plain_tiny() -> str:
+    from finetune import tiny
+
+    return tiny.CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+
+
+@pytest.mark.parametrize("template", ["llama3", "chatml", "tiny"])
+@pytest.mark.parametrize("system", [False, True])
+def test_long_conversations_get_the_prefix_routes_spans_from_one_rendering(
+    corpus, template, system, monkeypatch
+):
+    """Beyond PREFIX_RENDER_MAX_MESSAGES the spans come from the template's layout: the same spans (and
+    labels) as rendering every prefix, which is what the short conversations still do."""
+    from finetune.data import render
+
+    text_template = {"llama3": synthetic.LLAMA3, "chatml": synthetic.CHATML, "tiny": _plain_tiny()}[template]
+    r = Renderer(_tok(corpus, text_template))
+    convs = [_long_conversation(40, seed, system) for seed in range(3)]
+    fast = [r.render(c) for c in convs]
+    monkeypatch.setattr(render, "PREFIX_RENDER_MAX_MESSAGES", 10**9)
+    assert [r.render(c) for c in convs] == fast
+    assert r.prefix_fallbacks == 0
+    assert [len(spans) for _, spans in fast] == [40, 40, 40]
+
+
+def test_a_layout_that_does_not_hold_falls_back_to_the_search(corpus):
+    template = (  # every 50th message marked: position-dependent text the probes cannot see
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}{% if loop.index % 50 == 0 %}*{% endif %}\n"
+        "{{ message['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tok = _tok(corpus, template)
+    r = Renderer(tok)
+    conv = _long_conversation(40, 0, False)
+    (ids,), (labels,) = r.encode([conv])
+    assert r.prefix_fallbacks == 1
+    trained = tok.decode([t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX])
+    assert trained == "".join(m["content"] + "<|im_end|>" for m in conv if m["role"] == "assistant")
+
+
+def test_a_10000_turn_conversation_masks_in_linear_time(corpus):
+    """The reported case: 10,000 turns under a template without {% generation %} took 50 s (quadratic)."""
+    import time
+
+    r = Renderer(_tok(corpus, synthetic.CHATML))
+    conv = _long_conversation(10_000, 1, True)
+    t0 = time.perf_counter()
+    text, spans = r.render(conv)
+    assert time.perf_counter() - t0 < 5  # about 0.05 s here; the bound is loose (speed lives in benchmarks)
+    assert len(spans) == 10_000 and r.prefix_fallbacks == 0
+    assert all(text[a:b].endswith("<|im_end|>") for a, b in spans)
+
+
 def test_renderer_needs_a_template(corpus):
     from finetune.errors import DataError
 

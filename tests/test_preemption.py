@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,9 @@ from finetune.train import stage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_resume import (  # noqa: E402
+    RUN as RUN_DIR_ARGS,
+)
+from test_resume import (
     finish,
     losses,
     prepare_run_dir,
@@ -122,3 +128,143 @@ def test_sigterm_to_the_worker_saves_exits_75_and_the_same_command_resumes(tmp_p
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["train"]["resumed_from"] == str(last.resolve()) and metrics["train"]["steps"] == 60
     assert len(losses(run / "checkpoints" / "checkpoint-60")) == 60
+
+
+# ---------------------------------------------------------------- exit 75 for every interruption, a true message
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Runs the worker's entry point with one step made slow (it touches FLAG, then waits): a signal sent
+# then lands in that step. argv: FLAG MODULE FUNCTION [python -m finetune.train] RUN_DIR.
+SLOW_STEP = """
+import importlib, sys, time
+from pathlib import Path
+flag, module, name = sys.argv[1:4]
+mod = importlib.import_module(module)
+def slow(*args, **kwargs):
+    Path(flag).write_text("in")
+    time.sleep(120)
+setattr(mod, name, slow)
+from finetune.train.__main__ import main
+sys.exit(main([sys.argv[-1]]))
+"""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def _wait(flag: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not flag.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"no {flag.name} after {timeout} s"
+        time.sleep(0.02)
+
+
+def _slow_worker(run: Path, flag: Path, module: str, name: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", SLOW_STEP, str(flag), module, name, str(run)],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "module, name, during",
+    [
+        ("finetune.train.models", "load_for_training", "loading the model"),
+        ("finetune.train.evaluate", "evaluate", "the base evaluation"),
+    ],
+    ids=["model_load", "base_evaluation"],
+)
+def test_sigterm_outside_the_training_loop_stops_at_once_with_75(tmp_path, tiny_cache, module, name, during):
+    """The reported cases: SIGTERM during model load exited 2; during the base evaluation it waited for all
+    of it, then claimed a checkpoint that this attempt had not saved."""
+    run = prepare_run_dir(tmp_path / "run", tmp_path / "cache", "train.max_steps=4")
+    flag = tmp_path / "flag"
+    proc = _slow_worker(run, flag, module, name)
+    _wait(flag, proc)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 20  # at once, not after the 120 s step
+    assert proc.returncode == 75, err[-3000:]
+    line = [x for x in err.splitlines() if x.startswith("finetune.train: stopped")]
+    assert len(line) == 1 and "Traceback" not in err, err[-3000:]
+    assert f"stopped by SIGTERM during {during}, at once (nothing was saved by this stop)" in line[0]
+    assert "no checkpoint was saved yet" in line[0] and "saved:" not in line[0]
+    assert f"python -m finetune.train {run}" in line[0]
+    assert not (run / "checkpoints").exists() or not checkpoints.listing(run / "checkpoints")
+
+
+def test_sigterm_before_training_names_the_existing_resume_point_not_a_new_save(tmp_path, tiny_cache):
+    run = prepare_run_dir(tmp_path / "run", tmp_path / "cache", "train.max_steps=4", "train.save_steps=2")
+    code, err = finish(worker(run))
+    assert code == 0, err[-3000:]
+    (run / "metrics.json").unlink()  # as if the run had died after its last checkpoint
+    newest = checkpoints.last_complete(run / "checkpoints")
+    stamp = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
+    flag = tmp_path / "flag"
+    proc = _slow_worker(run, flag, "finetune.train.evaluate", "evaluate")
+    _wait(flag, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, err[-3000:]
+    assert (
+        f"during the base evaluation, at once (nothing was saved by this stop); the newest complete checkpoint is {newest}"
+        in err
+    )
+    assert {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()} == stamp
+
+
+def _fake_python(tmp_path: Path, module: str, name: str, flag: Path) -> Path:
+    """launch.python for the pipeline: the worker with one step made slow."""
+    fake = tmp_path / "slowpy"
+    fake.write_text(
+        f'#!/usr/bin/env bash\nexec {sys.executable} -c {shlex.quote(SLOW_STEP)} {flag} {module} {name} "$@"\n'
+    )
+    fake.chmod(0o755)
+    return fake
+
+
+def test_two_sigterms_to_the_pipeline_half_a_second_apart_exit_75(tmp_path, tiny_cache):
+    """The reported case: SIGTERM twice (0.5 s apart) to `python -m finetune mode=train` during model load
+    exited 2 (reserved for bad input)."""
+    run = prepare_run_dir(tmp_path / "run", tmp_path / "cache", "train.max_steps=4")
+    flag = tmp_path / "flag"
+    fake = _fake_python(tmp_path, "finetune.train.models", "load_for_training", flag)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "finetune", "mode=train", f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}",
+         *RUN_DIR_ARGS, f"launch.python={fake}"],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _wait(flag, proc)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, err[-3000:]
+    assert "Traceback" not in err and "exited with code" not in err
+    assert "finetune.train: stopped by SIGTERM during loading the model, at once" in err
+    assert "finetune: training was stopped by a signal (what it saved is said above)" in err
+
+
+def test_sigterm_to_the_pipeline_during_the_data_stage_exits_75(tmp_path, tiny_cache):
+    code = (
+        "import sys, time\nfrom pathlib import Path\nfrom finetune.data import stage\n"
+        "def slow(*a, **k):\n    Path(sys.argv[1]).write_text('in')\n    time.sleep(120)\n"
+        "stage._prepare = slow\nfrom finetune.cli import main\nsys.exit(main(sys.argv[2:]))\n"
+    )
+    flag, run = tmp_path / "flag", tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(flag), "mode=data", f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}"],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _wait(flag, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, err[-3000:]
+    lines = [x for x in err.splitlines() if x.startswith("finetune:")]
+    assert len(lines) == 1 and lines[0].startswith("finetune: stopped by SIGTERM during the data stage;")
+    assert "Traceback" not in err and not (run / "data").exists()
+    assert list((tmp_path / "cache").rglob("stats.json")) == []  # no cache entry, half-built or not

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -209,3 +211,239 @@ def test_pickle_weights_refused_unless_allowed_and_opt_ins_logged(tmp_path, tiny
     with caplog.at_level(logging.WARNING):
         check_weight_safety(replace(cfg.model, trust_remote_code=True), str(tiny.model_dir(cfg.model)))
     assert "trust_remote_code=true" in caplog.text
+
+
+# ---------------------------------------------------------------- scripts: every value quoted, secrets by name
+
+
+def _launch(tmp_path: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return _run(
+        [sys.executable, "-m", "finetune", "mode=launch", "launch.dry_run=true", f"run_dir={tmp_path / 'run'}",
+         *overrides],
+        env or _env(),
+        tmp_path,
+    )  # fmt: skip
+
+
+def test_a_name_that_would_inject_a_command_is_refused_and_nothing_runs(tmp_path):
+    """The reported case: name='a<newline>touch FILE<newline>#' wrote a command line into launch.sh."""
+    target = tmp_path / "pwned"
+    r = _launch(tmp_path, f"name='a\ntouch {target}\n#'")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "name=" in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists() and not target.exists()
+
+
+def _fake_python(tmp_path: Path) -> tuple[Path, Path]:
+    """A stand-in interpreter that records its argv and the environment variables the script exported."""
+    record = tmp_path / "argv.txt"
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f'{{ printf "%s\\n" "$@"; printf "EXTRA=%s\\n" "$EXTRA"; printf "HF=%s\\n" "${{HF_TOKEN:-}}"; }} > {record}\n'
+    )
+    fake.chmod(0o755)
+    return fake, record
+
+
+def test_launch_sh_quotes_every_value_and_runs_none_of_them(tmp_path):
+    """Hostile values in the environment, the interpreter path and the run directory reach the worker
+    literally when launch.sh runs, and no command inside them runs."""
+    target = tmp_path / "pwned"
+    hostile = f'$(touch {target}); `touch {target}` "d" $HOME\n touch {target} ;'
+    fake, record = _fake_python(tmp_path)
+    run = tmp_path / "run $(touch pwned) `touch pwned`"
+    r = _run(
+        [sys.executable, "-m", "finetune", "mode=launch", "launch.dry_run=true", f"run_dir='{run}'",
+         f"launch.python={fake}", f"+launch.env.EXTRA='{hostile}'"],
+        _env(),
+        tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    script = run / "launch.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    done = subprocess.run(["bash", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert not target.exists() and not (tmp_path / "pwned").exists()
+    lines = record.read_text().split("\n")
+    assert lines[:3] == ["-m", "finetune.train", str(run.resolve())]
+    assert "\n".join(lines[3:]).startswith(f"EXTRA={hostile}\n")
+    assert stat.S_IMODE(script.stat().st_mode) == 0o755  # no secret in it
+
+
+def test_a_secret_given_on_the_command_line_is_referenced_by_name_only(tmp_path):
+    """The reported case: '+launch.env.HF_TOKEN=hf_...' was written in clear into a world-readable launch.sh."""
+    token = "hf_givenOnTheCommandLine0123456789"
+    fake, record = _fake_python(tmp_path)
+    env = {k: v for k, v in _env().items() if k != "HF_TOKEN"}
+    r = _launch(tmp_path, f"+launch.env.HF_TOKEN={token}", f"launch.python={fake}", env=env)
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / "run"
+    for path in run.rglob("*"):
+        if path.is_file():
+            assert token.encode() not in path.read_bytes(), f"the token is in {path.name}"
+    assert token not in r.stdout + r.stderr
+    script = run / "launch.sh"
+    assert "export HF_TOKEN=${HF_TOKEN}" in script.read_text().splitlines()
+    assert stat.S_IMODE(script.stat().st_mode) == 0o700
+    # Run where the token is set, the worker gets it from that environment; unset, the script stops.
+    done = subprocess.run(["bash", str(script)], env={**env, "HF_TOKEN": "from-the-env"}, capture_output=True)
+    assert done.returncode == 0 and "HF=from-the-env" in record.read_text()
+    unset = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert unset.returncode != 0 and "HF_TOKEN" in unset.stderr
+
+
+def test_sbatch_script_quotes_and_references_secrets(tmp_path):
+    from finetune.launch import LaunchConfig
+    from finetune.launch import stage as launch_stage
+    from tests.test_launch import Capture, prepared
+
+    secret = "tok_inTheEnvironment_5678"
+    os.environ["SERVICE_TOKEN"] = secret
+    try:
+        cfg, plan, run = prepared(tmp_path, "+recipe=llama70b_full")
+        launch = LaunchConfig(
+            scheduler="slurm", nnodes=2, dry_run=True,
+            env={"FORWARDED": secret, "URL": f"https://u:{secret}@host/$x", "PLAIN": "a b;touch x"},
+        )  # fmt: skip
+        launch_stage.run(cfg, run, plan, launch=launch, runner=Capture(), which=lambda n: None)
+    finally:
+        del os.environ["SERVICE_TOKEN"]
+    path = run / "slurm.sbatch"
+    text = path.read_text()
+    assert secret not in text and stat.S_IMODE(path.stat().st_mode) == 0o700
+    lines = text.splitlines()
+    assert "export FORWARDED=${SERVICE_TOKEN}" in lines
+    assert 'export URL="https://u:${SERVICE_TOKEN}@host/\\$x"' in lines
+    assert "export PLAIN='a b;touch x'" in lines
+    probe = (
+        "\n".join(x for x in lines if x.startswith("export "))
+        + '\nprintf "%s|%s|%s" "$FORWARDED" "$URL" "$PLAIN"\n'
+    )
+    out = subprocess.run(["bash", "-c", probe], env={"SERVICE_TOKEN": "S"}, capture_output=True, text=True)
+    assert out.stdout == "S|https://u:S@host/$x|a b;touch x"
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+
+
+def test_slurm_names_cannot_carry_lines(tmp_path):
+    r = _launch(tmp_path, "launch.scheduler=slurm", "launch.slurm_partition='gpu\ntouch x'")
+    assert r.returncode == 2 and "launch.slurm_partition=" in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+def test_serve_sh_keeps_names_on_their_comment_lines(tmp_path):
+    from finetune.export import serve
+    from tests.test_launch import planned
+
+    cfg, plan = planned("model=llama3_1_8b", "method=lora", "hardware=h100", "train.seq_len=4096")
+    target = tmp_path / "pwned"
+    evil = f"x\ntouch {target}\n"
+    cfg = replace(
+        cfg, model=replace(cfg.model, name=evil), export=replace(cfg.export, served_model_name=evil)
+    )
+    commands = serve.serve_commands(cfg, plan, merged=True, adapter=True, base_source=f"/m/$(touch {target})")
+    path = tmp_path / "serve.sh"
+    serve.write(cfg, path, commands)
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "vllm").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$OUT"\n')
+    (bindir / "vllm").chmod(0o755)
+    for variant in ("merged", "lora"):
+        out = tmp_path / f"{variant}.txt"
+        env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "OUT": str(out)}
+        assert subprocess.run(["bash", str(path), variant], env=env).returncode == 0
+        assert evil.strip("\n").split("\n")[0] in out.read_text()
+    assert not target.exists()
+
+
+# ---------------------------------------------------------------- ${oc.env:...}: forwarded by reference or refused
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["name=${oc.env:DATABASE_URL}", "run_dir=/tmp/${oc.env:DATABASE_URL}", "data.path=${oc.env:DATABASE_URL}",
+     "+launch.env.DB=pre-${oc.env:DATABASE_URL}", "export.served_model_name=${oc.decode:${oc.env:DATABASE_URL}}"],
+)  # fmt: skip
+def test_env_interpolation_outside_launch_env_is_refused(tmp_path, override):
+    """The reported case: 'name=${oc.env:DATABASE_URL}' copied any variable into config.yaml in clear."""
+    value = "postgres://user:pw0123456789@db/prod"
+    r = _run([sys.executable, "-m", "finetune", "mode=plan", f"run_dir={tmp_path / 'run'}", override],
+             _env(DATABASE_URL=value), tmp_path)  # fmt: skip
+    key = override.split("=", 1)[0].lstrip("+")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert f"{key}: ${{oc.env:...}} is accepted only as the whole value of +launch.env.NAME" in r.stderr
+    assert not (tmp_path / "run").exists() and value not in r.stdout + r.stderr
+
+
+def test_a_variable_forwarded_with_oc_env_is_a_secret_whatever_its_name(tmp_path):
+    value = "postgres://user:pw0123456789@db/prod"
+    r = _launch(tmp_path, "+launch.env.DB=${oc.env:DATABASE_URL}", env=_env(DATABASE_URL=value))
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / "run"
+    for path in run.rglob("*"):
+        if path.is_file():
+            assert value.encode() not in path.read_bytes(), f"the value is in {path.name}"
+    assert value not in r.stdout + r.stderr
+    assert "DB: <redacted:DATABASE_URL>" in (run / "config.yaml").read_text()
+    script = run / "launch.sh"
+    assert "export DB=${DATABASE_URL}" in script.read_text().splitlines()
+    assert stat.S_IMODE(script.stat().st_mode) == 0o700
+
+
+# ---------------------------------------------------------------- secrets in the data
+
+
+AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [f"aws_secret_access_key = {AWS_SECRET}", f"key:{AWS_SECRET}.", f'"{AWS_SECRET}"',
+     "secret 9f+aB3/dE4kLmN0pQ7rS2tUvWxYz1A/bC5d+Ef6G"],
+)  # fmt: skip
+def test_aws_secret_keys_with_slashes_are_scrubbed(text):
+    from collections import Counter
+
+    from finetune.data import clean
+
+    counts: Counter = Counter()
+    out = clean.scrub_pii(text, counts)
+    assert "<API_KEY>" in out and counts["API_KEY"] == 1, out
+    assert not any(len(w) >= 20 and "/" in w for w in out.replace('"', " ").split())
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "see /usr/local/lib/python3.11/site-packages/torch/nn",
+        "ratio 1/2 and 3/4",
+        "a" * 40,
+        "abcdefghij/KLMNOPQRST/uvwxyzabcd/EFGHIJKL",
+    ],
+)
+def test_paths_and_plain_words_are_not_taken_for_keys(text):
+    from collections import Counter
+
+    from finetune.data import clean
+
+    assert clean.scrub_pii(text, Counter()) == text
+
+
+def test_aws_secret_in_the_data_reaches_neither_the_cache_nor_the_run(tmp_path, tiny_cache):
+    from finetune.cli import compose
+    from finetune.data import stage as data_stage
+    from finetune.data import synthetic
+
+    rows = [{"messages": c} for c in synthetic.conversations(30, seed=2, median_words=8)]
+    rows.append({"messages": [{"role": "user", "content": f"my key is {AWS_SECRET} ok"},
+                              {"role": "assistant", "content": f"Stored {AWS_SECRET}."}]})  # fmt: skip
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = compose([f"data.path={path}", f"data.cache_dir={tmp_path / 'cache'}", "train.seq_len=512"])
+    stats = data_stage.run(cfg, tmp_path / "run")
+    assert stats["pii"]["API_KEY"] == 2
+    for folder in (tmp_path / "cache", tmp_path / "run"):
+        for p in folder.rglob("*"):
+            if p.is_file():
+                blob = p.read_bytes()
+                assert AWS_SECRET.encode() not in blob and b"K7MDENG" not in blob, p

@@ -66,14 +66,23 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
+def published_before_markers(folder: Path) -> bool:
+    """RUN_DIR/data as versions before the ownership marker published it: a copy of a cache entry."""
+    return (folder / COMPLETE).is_file() and (folder / "train").is_dir() and (folder / "eval").is_dir()
+
+
 def publish_copy(src: Path, dst: Path) -> None:
-    """Replace `dst` by a hard-linked (or copied) tree of `src`, via a temporary sibling and a rename."""
+    """Replace `dst` by a hard-linked (or copied) tree of `src`, via a temporary sibling and a rename.
+
+    An existing `dst` is deleted only when finetune published it (`rundir.replace_tree`): a user's
+    files in RUN_DIR/data are never removed; the stage stops with a one-line error instead.
+    """
+    from finetune import rundir
+
     tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         shutil.copytree(src, tmp, copy_function=_link_or_copy)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
+        rundir.replace_tree(tmp, dst, legacy=published_before_markers)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

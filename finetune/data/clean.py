@@ -27,6 +27,12 @@ _API_KEY = re.compile(
     # generic: a 32+ character run mixing letters and digits (hex secrets, bearer tokens)
     r"(?=[A-Za-z0-9_-]*[0-9])(?=[A-Za-z0-9_-]*[A-Za-z])[A-Za-z0-9_-]{32,})\b"
 )
+# AWS secret access keys: 40 characters of base64 (with '/' and '+', which the pattern above stops at),
+# mixing upper and lower case and digits, standing alone.
+_AWS_SECRET = re.compile(
+    r"(?<![A-Za-z0-9/+=])(?=[A-Za-z0-9/+]*[0-9])(?=[A-Za-z0-9/+]*[a-z])(?=[A-Za-z0-9/+]*[A-Z])"
+    r"[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+=])"
+)
 _EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}\b")
 _IPV4 = re.compile(
     r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?![\w.])"
@@ -64,6 +70,7 @@ def scrub_pii(text: str, counts: Counter) -> str:
 
     if not any(ch.isdigit() or ch == "@" for ch in text) and len(text) < 32:
         return text
+    text = sub(_AWS_SECRET, "API_KEY", text)
     text = sub(_API_KEY, "API_KEY", text)
     text = sub(_EMAIL, "EMAIL", text)
     text = sub(_IPV4, "IP", text)

@@ -38,6 +38,10 @@ class DataConfig:
     check_roles: bool = True
     scrub_pii: bool = True
     on_error: str = "raise"  # raise | skip
+    # Message content holding the tokenizer's special tokens or the chat template's markers (<|user|>, ...):
+    # drop the sample (counted as control_tokens), escape them (a zero-width space after their first
+    # character, so they tokenize as plain text), or keep them (they become real control tokens).
+    control_tokens: str = "drop"  # drop | escape | keep
     # train.seq_len=auto takes this percentile of kept lengths (100: the longest).
     seq_len_percentile: float = 100.0
     packing: bool = True
@@ -51,6 +55,7 @@ class DataConfig:
             "train_on": ("assistant", "all", "last"),
             "too_long": ("drop", "truncate"),
             "on_error": ("raise", "skip"),
+            "control_tokens": ("drop", "escape", "keep"),
         }
         for key, valid in choices.items():
             if getattr(self, key) not in valid:

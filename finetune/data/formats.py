@@ -9,6 +9,7 @@ it into a located `DataError` or, with data.on_error=skip, a counted skip.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from finetune.data.config import DataConfig
@@ -49,13 +50,27 @@ def _field(record: dict, key: str) -> Any:
     return record[key]
 
 
+# A lone UTF-16 surrogate ("\ud800" in JSON) is no character: no UTF-8 encoding, no tokenizer takes it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _encodable(text: str, what: str) -> str:
+    bad = _SURROGATE.search(text)
+    if bad:
+        raise RecordError(
+            "unencodable_text",
+            f"{what} holds a lone surrogate {ascii(bad.group(0))} at character {bad.start()} (not valid Unicode)",
+        )
+    return text
+
+
 def _text(value: Any, what: str) -> str:
     if isinstance(value, str):
-        return value
+        return _encodable(value, what)
     if isinstance(value, list) and all(isinstance(p, dict) for p in value):  # [{"type": "text", "text": ...}]
         parts = [p.get("text") for p in value]
         if all(isinstance(p, str) for p in parts):
-            return "".join(p for p in parts if isinstance(p, str))
+            return _encodable("".join(p for p in parts if isinstance(p, str)), what)
     raise RecordError("bad_content", f"{what} must be text, got {type(value).__name__}")
 
 

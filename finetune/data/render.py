@@ -10,6 +10,15 @@ The trainable character spans of a conversation come from one of two places:
   whitespace a template puts after the end-of-turn token is not trained on (a
   model never generates it: generation stops at that token).
 
+Rendering every prefix costs time quadratic in the number of turns (a 10,000-turn
+conversation took 50 s). Conversations of more than `PREFIX_RENDER_MAX_MESSAGES`
+messages are therefore rendered once and cut at the same places from the
+template's layout (`_Layout`): what it writes before, between and after
+messages and after a prefix, learned once from probe conversations whose
+contents are placeholders. The layout must reproduce the rendered text exactly
+(each content verbatim or stripped, each piece of template text in its place),
+else that conversation falls back to the search below. Same spans, linear time.
+
 Texts are then tokenized in batches by the fast tokenizer with offsets, and a
 token is trainable when it starts inside a trainable span. Both routes give
 the same labels for the same conversation (tested).
@@ -19,13 +28,50 @@ from __future__ import annotations
 
 import bisect
 import re
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
 
 from finetune.data.formats import Messages
 from finetune.errors import DataError
 
 IGNORE_INDEX = -100
 _MARKERS = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# Up to this many messages the spans come from rendering prefixes; beyond, from the template's layout.
+PREFIX_RENDER_MAX_MESSAGES = 32
+# Probe conversations (contents are placeholders of private-use characters) the layout is learned from.
+_PROBES = (
+    ("system", "user", "assistant", "user", "assistant", "user", "assistant"),
+    ("user", "assistant", "user", "assistant", "user", "assistant"),
+)
+
+
+@dataclass
+class _Layout:
+    """The text a template writes around message contents, learned from probe conversations.
+
+    Keys are roles; `first` marks the conversation's first message, whose surroundings may differ.
+    """
+
+    head: dict[str, str] = field(default_factory=dict)  # first role -> text before its content
+    sep: dict[tuple[str, str, bool], str] = field(default_factory=dict)  # (role, next role, first) -> between
+    tail: dict[str, str] = field(default_factory=dict)  # last role -> text after the last content
+    # (role, first) -> text after the content of a prefix's last message, and the generation prompt after it
+    last: dict[tuple[str, bool], str] = field(default_factory=dict)
+    gen: dict[tuple[str, bool], str] = field(default_factory=dict)
+
+    def texts(self) -> list[str]:
+        return [
+            *self.head.values(),
+            *self.sep.values(),
+            *self.tail.values(),
+            *self.last.values(),
+            *self.gen.values(),
+        ]
+
+
+def _put(table: dict, key: Any, value: str) -> bool:
+    """Record `value` under `key`; False when the template wrote something else there before."""
+    return table.setdefault(key, value) == value
 
 
 def has_generation_markers(template: str) -> bool:
@@ -53,6 +99,8 @@ class Renderer:
         self.markers = has_generation_markers(template)
         self.template_kwargs = dict(tokenizer.special_tokens_map)
         self.prefix_fallbacks = 0  # conversations whose prefixes did not render as prefixes
+        self._layout_learned = False
+        self._layout: Optional[_Layout] = None
         try:
             from transformers.utils.chat_template_utils import _compile_jinja_template
 
@@ -114,11 +162,104 @@ class Renderer:
             end -= 1
         return start, end
 
+    def layout(self) -> Optional[_Layout]:
+        """The template's layout (learned on first use), or None when the probes do not reveal one."""
+        if not self._layout_learned:
+            self._layout, self._layout_learned = self._learn_layout(), True
+        return self._layout
+
+    def template_texts(self) -> list[str]:
+        """The text the template writes around contents (for `finetune.data.control`); [] if unknown."""
+        layout = self.layout()
+        return layout.texts() if layout is not None else []
+
+    def _learn_layout(self) -> Optional[_Layout]:
+        layout = _Layout()
+        for roles in _PROBES:
+            probe = [{"role": r, "content": f"\ue000{k}\ue001"} for k, r in enumerate(roles)]
+            prefixes = [probe[:k] for k in range(1, len(probe) + 1)]
+            try:
+                (full,), _ = self._render([probe])
+                plain, _ = self._render(prefixes)
+                prompted, _ = self._render(prefixes, add_generation_prompt=True)
+            except Exception:  # a template that refuses this shape (no system role, ...): try the other
+                continue
+            starts = [full.find(m["content"]) for m in probe]
+            if min(starts) < 0 or starts != sorted(starts):
+                return None
+            ends = [a + len(m["content"]) for a, m in zip(starts, probe)]
+            ok = _put(layout.head, roles[0], full[: starts[0]]) and _put(
+                layout.tail, roles[-1], full[ends[-1] :]
+            )
+            for j in range(len(probe) - 1):
+                ok = ok and _put(layout.sep, (roles[j], roles[j + 1], j == 0), full[ends[j] : starts[j + 1]])
+            for k, (pre, gen) in enumerate(zip(plain, prompted), start=1):
+                end = ends[k - 1]
+                ok = ok and pre[:end] == full[:end] and gen.startswith(pre)
+                ok = ok and _put(layout.last, (roles[k - 1], k == 1), pre[end:])
+                ok = ok and _put(layout.gen, (roles[k - 1], k == 1), gen[len(pre) :])
+            if not ok:
+                return None
+        return layout if layout.head else None
+
+    def _spans_by_layout(
+        self, text: str, msgs: Messages, turns: list[int]
+    ) -> Union[list[tuple[int, int]], str, None]:
+        """The prefix route's spans from one rendering: None when the layout does not reproduce `text`,
+        "search" where the prefix route itself would fall back to the search."""
+        layout = self.layout()
+        if layout is None or turns[0] == 0:
+            return None
+        roles = [m["role"] for m in msgs]
+        head = layout.head.get(roles[0])
+        if head is None or not text.startswith(head):
+            return None
+        pos, ends = len(head), []
+        for j, m in enumerate(msgs):
+            last = j == len(msgs) - 1
+            after = layout.tail.get(roles[j]) if last else layout.sep.get((roles[j], roles[j + 1], j == 0))
+            if after is None:
+                return None
+            for content in (m["content"], m["content"].strip()):  # verbatim, or trimmed by the template
+                end = pos + len(content)
+                if (
+                    text.startswith(content, pos)
+                    and text.startswith(after, end)
+                    and (not last or end + len(after) == len(text))
+                ):
+                    break
+            else:
+                return None
+            ends.append(end)
+            pos = end + len(after)
+        spans = []
+        for i in turns:
+            before = (roles[i - 1], i - 1 == 0)
+            trailer, prompt, own = (
+                layout.last.get(before),
+                layout.gen.get(before),
+                layout.last.get((roles[i], False)),
+            )
+            if trailer is None or prompt is None or own is None:
+                return None
+            p, q = ends[i - 1] + len(trailer) + len(prompt), ends[i] + len(own)
+            if not (
+                text.startswith(trailer + prompt, ends[i - 1]) and text.startswith(own, ends[i]) and q > p
+            ):
+                return "search"
+            spans.append((p, q))
+        return spans
+
     def _render_by_prefixes(self, msgs: Messages) -> tuple[str, list[tuple[int, int]]]:
         turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
         (text,), _ = self._render([msgs])
         if not turns:
             return text, []
+        if len(msgs) > PREFIX_RENDER_MAX_MESSAGES:  # linear: one rendering and the template's layout
+            spans = self._spans_by_layout(text, msgs, turns)
+            if isinstance(spans, list):
+                return text, spans
+            return text, self._spans_by_search(text, msgs, turns)
         prompts, _ = self._render([msgs[:i] for i in turns], add_generation_prompt=True)
         # A conversation that ends on its last reply: that turn ends where the text does (one render saved).
         last_is_end = turns[-1] == len(msgs) - 1

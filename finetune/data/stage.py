@@ -3,7 +3,8 @@
     python -m finetune mode=data data.path=PATH model=tiny train.seq_len=N
 
 Steps: read (bad input located by file and line) -> map to messages -> clean
-(turn order, empty, personal data, exact and near duplicates) -> held-out
+(turn order, empty, too long by characters, control tokens in content, personal
+data, exact and near duplicates) -> held-out
 split by seed (after deduplication; train keeps no exact or near duplicate of
 an eval sample) -> render with the tokenizer's chat template and mask labels ->
 length limits -> resolve `train.seq_len=auto` -> best-fit-decreasing packing.
@@ -25,20 +26,48 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from finetune import rundir
 from finetune.config import Config, ModelConfig
 from finetune.data import cache, clean, pack, sources, stats
+from finetune.data.control import ControlTokens, special_tokens, template_markers
 from finetune.data.formats import Messages, RecordError, to_messages, turn_order_problem
 from finetune.data.render import IGNORE_INDEX, Renderer
-from finetune.errors import ConfigError, DataError
+from finetune.errors import ConfigError, DataError, DiskFullError, is_disk_full
 
 DATA_DIR = "data"
 STATS_FILE = "data_stats.json"
 HISTOGRAM_FILE = "data_tokens.png"
 # Bump when the prepared format or the cleaning rules change: old cache entries stop matching.
-PREPARED_VERSION = 1
+PREPARED_VERSION = 2
+
+
+def max_chars(tokenizer: Any, max_tokens: int) -> int:
+    """Characters of content beyond which a sample cannot fit in `max_tokens` tokens, so it is dropped (or
+    cut, with data.too_long=truncate) before it costs any rendering or tokenizing.
+
+    A token covers at most as many characters of text as its vocabulary string is long (byte-level
+    BPE: a byte per vocabulary character; SentencePiece: a character each, byte fallback tokens are
+    longer), so `max_tokens` tokens never hold more than `max_tokens` x the longest vocabulary entry;
+    doubled where the tokenizer normalizes first (NFKC can compose two characters into one).
+    """
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    normalizes = backend is None or backend.normalizer is not None
+    return max_tokens * max(longest, 1) * (2 if normalizes else 1)
+
+
+def _cut(msgs: Messages, limit: int) -> Messages:
+    """The head of a conversation holding `limit` characters of content (data.too_long=truncate)."""
+    out: Messages = []
+    total = 0
+    for m in msgs:
+        if total >= limit:
+            break
+        out.append({**m, "content": m["content"][: limit - total]})
+        total += len(out[-1]["content"])
+    return out
 
 
 def load_tokenizer(model: ModelConfig) -> Any:
@@ -122,6 +151,8 @@ def _progress(console):
 def run(cfg: Config, run_dir: Path, *, tokenizer: Any = None) -> dict:
     """Prepare (or fetch from the cache) the training and eval data; write `data_stats.json`; return the stats."""
     run_dir = Path(run_dir)
+    # Before any work: RUN_DIR/data is replaced at the end, and only when finetune wrote it.
+    rundir.check_replaceable(run_dir / DATA_DIR, cache.published_before_markers)
     console = _console()
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
     path = cfg.data.path or str(_default_data_path())
@@ -138,24 +169,46 @@ def run(cfg: Config, run_dir: Path, *, tokenizer: Any = None) -> dict:
     entry = cache.lookup(cache_root, key)
     hit = entry is not None
     if entry is None:
-        with cache.building(cache_root, key) as tmp:
-            loaded = preloaded if preloaded is not None else sources.load(path)[0]
-            prepared = _prepare(cfg, tokenizer, loaded, path, console)
-            prepared["stats"]["input"]["fingerprint"] = input_fp
-            _save(prepared, tmp)
-            prepared["stats"]["cache"] = {"fingerprint": key, "hit": False, "dir": str(cache_root / key)}
-            rundir.write_json(tmp / cache.COMPLETE, prepared["stats"])
+        prepared: dict = {}
+        try:
+            with cache.building(cache_root, key) as tmp:
+                loaded = preloaded if preloaded is not None else sources.load(path)[0]
+                prepared = _prepare(cfg, tokenizer, loaded, path, console)
+                prepared["stats"]["input"]["fingerprint"] = input_fp
+                _save(prepared, tmp)
+                prepared["stats"]["cache"] = {"fingerprint": key, "hit": False, "dir": str(cache_root / key)}
+                rundir.write_json(tmp / cache.COMPLETE, prepared["stats"])
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise DiskFullError(
+                    cache_root, _prepared_bytes(prepared), rundir.free_bytes(cache_root)
+                ) from None
+            raise
         entry = cache_root / key
     result = json.loads((entry / cache.COMPLETE).read_text())
     result["cache"] = {"fingerprint": key, "hit": hit, "dir": str(entry)}
 
-    cache.publish_copy(entry, run_dir / DATA_DIR)
-    hist = entry / HISTOGRAM_FILE
-    if hist.is_file():
-        _copy_file(hist, run_dir / HISTOGRAM_FILE)
+    try:
+        cache.publish_copy(entry, run_dir / DATA_DIR)  # hard links where it can: no bytes
+        hist = entry / HISTOGRAM_FILE
+        if hist.is_file():
+            _copy_file(hist, run_dir / HISTOGRAM_FILE)
+    except OSError as exc:
+        if is_disk_full(exc):
+            size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+            raise DiskFullError(run_dir / DATA_DIR, size, rundir.free_bytes(run_dir)) from None
+        raise
     rundir.write_json(run_dir / STATS_FILE, result)
     _report(console, result)
     return result
+
+
+def _prepared_bytes(prepared: dict) -> Optional[int]:
+    """About what the cache entry takes: three 8-byte columns a training token, two an eval token."""
+    tokens = (prepared.get("stats") or {}).get("tokens")
+    if not tokens:
+        return None
+    return 24 * int(tokens["train_total"]) + 16 * int(tokens["eval_total"])
 
 
 def _copy_file(src: Path, dst: Path) -> None:
@@ -230,6 +283,13 @@ def _prepare(cfg: Config, tokenizer: Any, loaded: sources.Loaded, path: str, con
     dropped: Counter = Counter()
     pii: Counter = Counter()
     renderer = Renderer(tokenizer, dc.train_on)
+    control = ControlTokens(special_tokens(tokenizer) | template_markers(renderer.template_texts()))
+    with_control = 0
+    seq_len_cfg = cfg.train.seq_len
+    hard = cfg.model.max_position_embeddings if seq_len_cfg == "auto" else int(seq_len_cfg)
+    if dc.max_tokens:
+        hard = min(hard, dc.max_tokens)
+    char_limit = max_chars(tokenizer, hard)
 
     num_input = loaded.num_input  # every record read, good or bad
     with _progress(console) as progress:
@@ -251,6 +311,18 @@ def _prepare(cfg: Config, tokenizer: Any, loaded: sources.Loaded, path: str, con
             if dc.check_roles and turn_order_problem(msgs):
                 dropped["invalid_turn_order"] += 1
                 continue
+            if sum(len(m["content"]) for m in msgs) > char_limit:  # cannot fit: no rendering, no tokenizing
+                if dc.too_long == "drop":
+                    dropped["too_long_chars"] += 1
+                    continue
+                msgs = _cut(msgs, 2 * char_limit)  # the head, with room: truncation to seq_len follows
+            if control.in_messages(msgs):
+                with_control += 1
+                if dc.control_tokens == "drop":
+                    dropped["control_tokens"] += 1
+                    continue
+                if dc.control_tokens == "escape":
+                    msgs = control.escape_messages(msgs)
             if dc.scrub_pii:
                 msgs = [{"role": m["role"], "content": clean.scrub_pii(m["content"], pii)} for m in msgs]
             kept.append(msgs)
@@ -317,11 +389,7 @@ def _prepare(cfg: Config, tokenizer: Any, loaded: sources.Loaded, path: str, con
         )
 
     # Length limits, then train.seq_len=auto (the longest kept sample, or a percentile with truncation).
-    seq_len_cfg = cfg.train.seq_len
     auto = seq_len_cfg == "auto"
-    hard = cfg.model.max_position_embeddings if auto else int(seq_len_cfg)
-    if dc.max_tokens:
-        hard = min(hard, dc.max_tokens)
     keep = full_lengths >= dc.min_tokens
     dropped["too_short"] += int((~keep).sum())
     over = keep & (full_lengths > hard)
@@ -372,6 +440,8 @@ def _prepare(cfg: Config, tokenizer: Any, loaded: sources.Loaded, path: str, con
         "num_eval": len(eval_rows),
         "dropped": {k: v for k, v in sorted(dropped.items()) if v},
         "truncated": truncated,
+        "max_chars": char_limit,
+        "control_tokens": {"mode": dc.control_tokens, "samples": with_control},
         "pii": dict(sorted(pii.items())),
         "skipped_files": loaded.empty_files,
         "bad_input_examples": list(sources.iter_where(loaded.bad)),

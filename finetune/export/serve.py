@@ -158,7 +158,10 @@ def script(cfg: Config, commands: list[ServeCommand]) -> str:
     variants = [c.variant for c in commands]
     lines = [
         "#!/usr/bin/env bash",
-        f"# Serve run '{cfg.name}' ({cfg.method.name} on {cfg.model.name}) with vLLM. Written by mode=export.",
+        # Names come from configs and a model's config.json: shell_comment keeps each on its comment line.
+        rundir.shell_comment(
+            f"Serve run '{cfg.name}' ({cfg.method.name} on {cfg.model.name}) with vLLM. Written by mode=export."
+        ),
         f"#   bash serve.sh [{'|'.join(variants)}]     (default: {variants[0]})",
         "#   merged: the merged bf16 weights in ./merged",
         "#   lora:   the base model with ./adapter on top (clients ask for the run's name; NAME-base is the base)",
@@ -169,7 +172,7 @@ def script(cfg: Config, commands: list[ServeCommand]) -> str:
         f'case "${{1:-{variants[0]}}}" in',
     ]
     for c in commands:
-        lines += [f"  {c.variant})", f"    # {c.note}", f"    exec {c.line}", "    ;;"]
+        lines += [f"  {c.variant})", f"    {rundir.shell_comment(c.note)}", f"    exec {c.line}", "    ;;"]
     lines += [
         "  *)",
         f'    echo "usage: $0 [{"|".join(variants)}]" >&2',

@@ -118,13 +118,15 @@ def build_command(
 
 def launch_script(cmd: Command, lay: Layout, launch: LaunchConfig, header: list[str]) -> str:
     """run_dir/launch.sh: the exact command with its environment; on several nodes NODE_RANK picks the node."""
+    from finetune.rundir import export_line, shell_comment
+
     lines = [
         "#!/usr/bin/env bash",
-        *(f"# {h}" for h in header),
+        *(shell_comment(h) for h in header),
         "set -euo pipefail",
         f"cd {shlex.quote(cmd.cwd)}",
     ]
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in cmd.env.items()]
+    lines += [export_line(k, v) for k, v in cmd.env.items()]
     if lay.nnodes > 1:
         lines.append(
             f'NODE_RANK="${{NODE_RANK:-{launch.node_rank}}}"   # on node i: NODE_RANK=i bash launch.sh'

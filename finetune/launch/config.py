@@ -89,6 +89,12 @@ class LaunchConfig:
             raise ConfigError(
                 f"launch.session={self.session!r}: use letters, digits, '-' and '_' (tmux names)"
             )
+        for key in ("slurm_partition", "slurm_account"):  # written into slurm.sbatch's #SBATCH lines
+            value = getattr(self, key)
+            if value is not None and not re.fullmatch(r"[\w.,:+-]+", value):
+                raise ConfigError(
+                    f"launch.{key}={value!r}: use letters, digits and . , : + - _ (SLURM names)"
+                )
         if self.slurm_cpus_per_task is not None and self.slurm_cpus_per_task < 1:
             raise ConfigError(f"launch.slurm_cpus_per_task={self.slurm_cpus_per_task} must be >= 1")
         if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", self.slurm_time):

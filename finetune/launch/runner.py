@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import time
@@ -22,19 +23,65 @@ Probe = Callable[[str, int, float], bool]
 Which = Callable[[str], Optional[str]]
 
 
+# Put in front of the command on Linux: PR_SET_PDEATHSIG (kept across exec) has the kernel send the
+# command SIGTERM when this process dies, even by SIGKILL, so the training worker stops (saving a
+# checkpoint) instead of writing on as an orphan; if the parent is already gone, nothing starts.
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+parent = int(sys.argv[1])
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != parent:
+    sys.exit(75)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def die_with_parent(argv: Sequence[str]) -> list[str]:
+    """`argv` so that it receives SIGTERM when this process dies (Linux; elsewhere `argv` unchanged)."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
+
+
 def subprocess_runner(argv: Sequence[str], env: Mapping[str, str], cwd: str) -> int:
-    """Run and wait; SIGTERM/SIGINT go to the child (it saves a checkpoint, exits 75) and we keep waiting."""
+    """Run and wait; SIGTERM/SIGINT go to the child (it saves a checkpoint, exits 75) and we keep waiting.
+
+    The child inherits the run directory's lock (`rundir.held_fds`), so it holds the lock itself for as
+    long as it lives, and it receives SIGTERM if this process dies (`die_with_parent`). A child that
+    fails after this process forwarded it a signal was interrupted: 75.
+    """
     import signal
     import threading
 
+    from finetune import rundir
+
+    if shutil.which(argv[0]) is None:  # checked here: behind the guard, exec would fail in the child
+        raise LaunchError(
+            f"{argv[0]}: not found; install the project's environment there (or set launch.python=PATH)"
+        )
+    fds = rundir.held_fds()
+    lock_env = {rundir.LOCK_FDS_ENV: ",".join(map(str, fds))} if fds else {}
     try:
-        proc = subprocess.Popen(list(argv), env={**os.environ, **env}, cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(
+            die_with_parent(argv),
+            env={**os.environ, **env, **lock_env},
+            cwd=cwd,
+            start_new_session=True,
+            pass_fds=fds,
+        )
     except FileNotFoundError:
         raise LaunchError(
             f"{argv[0]}: not found; install the project's environment there (or set launch.python=PATH)"
         ) from None
+    forwarded: list[int] = []
 
     def forward(signum: int, frame: object) -> None:
+        forwarded.append(signum)
         if proc.poll() is None:
             proc.send_signal(signum)
 
@@ -42,10 +89,13 @@ def subprocess_runner(argv: Sequence[str], env: Mapping[str, str], cwd: str) -> 
     if threading.current_thread() is threading.main_thread():
         previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return proc.wait()
+        code = proc.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    if forwarded and code != 0:  # torchrun reports its stopped ranks as a failure (1): still a stop by signal
+        return 75
+    return code
 
 
 def tcp_reachable(host: str, port: int, timeout: float) -> bool:

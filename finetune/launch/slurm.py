@@ -11,9 +11,11 @@ import shlex
 from pathlib import Path
 from typing import Optional
 
+from finetune.errors import LaunchError
 from finetune.launch.commands import python_of, tool, worker_args
 from finetune.launch.config import LaunchConfig
 from finetune.launch.engines import EngineFiles, Layout
+from finetune.rundir import export_line, shell_comment
 
 SBATCH_FILE = "slurm.sbatch"
 
@@ -43,6 +45,9 @@ def sbatch_script(
     if launch.slurm_account:
         directives.append(f"--account={launch.slurm_account}")
     directives += [f"--output={run_dir}/slurm-%j.out", f"--error={run_dir}/slurm-%j.err"]
+    for d in directives:  # sbatch reads these lines itself: a newline would start a command of the script
+        if re.search(r"[\x00-\x1f\x7f]", d):
+            raise LaunchError(f"#SBATCH {d!r}: control characters in a SLURM option")
 
     worker = " ".join(q(a) for a in worker_args(run_dir))
     if launch.launcher == "accelerate" and files.accelerate_config is not None:
@@ -61,10 +66,13 @@ def sbatch_script(
         )
     lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives)]
     lines += [
-        f"# {run_name}: {lay.engine} on {lay.nnodes} node(s) x {lay.nproc_per_node} process(es); submit: sbatch {run_dir / SBATCH_FILE}",
+        shell_comment(
+            f"{run_name}: {lay.engine} on {lay.nnodes} node(s) x {lay.nproc_per_node} process(es); "
+            f"submit: sbatch {run_dir / SBATCH_FILE}"
+        ),
         "set -euo pipefail",
         f"cd {q(cwd)}",
-        *(f"export {k}={q(v)}" for k, v in env.items()),
+        *(export_line(k, v) for k, v in env.items()),
         'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"',
         run_line,
     ]

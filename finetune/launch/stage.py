@@ -44,7 +44,6 @@ from finetune.launch.slurm import SBATCH_FILE, sbatch_script
 from finetune.machine import Machine
 from finetune.planner import Plan
 from finetune.preflight import MachineCheck, check_machine
-from finetune.secrets import is_secret_name
 
 LAUNCH_SCRIPT = "launch.sh"
 LAUNCH_LOG = "launch.log"
@@ -142,11 +141,12 @@ def run(
     rundir.atomic_write_text(
         script, launch_script(script_cmd if lay.nnodes > 1 else cmd, lay, launch, header)
     )
-    script.chmod(0o755)
+    # Only the owner may read a script that names where its secrets come from.
+    script.chmod(0o700 if rundir.references_secrets(cmd.env) else 0o755)
 
     print("command:")
     for key, value in cmd.env.items():
-        print(f"  export {key}={'${' + key + '}' if is_secret_name(key) else value}")
+        print(f"  {rundir.export_line(key, value)}")
     print(f"  {cmd.shell()}")
     print(f"script: {script}")
     if lay.nnodes > 1:
@@ -195,6 +195,7 @@ def _slurm(
     vcpus = plan.hardware.vcpus if isinstance(plan, Plan) else cfg.hardware.vcpus
     text = sbatch_script(launch, lay, files, run_dir, cfg.name, env, os.getcwd(), vcpus=vcpus)
     rundir.atomic_write_text(path, text)
+    path.chmod(0o700 if rundir.references_secrets(env) else 0o644)
     print(f"sbatch script: {path}")
     print(text, end="")
     if launch.dry_run:

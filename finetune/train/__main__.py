@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import sys
 
-from finetune.errors import FinetuneError
+from finetune.errors import (
+    INTERRUPTED_EXIT_CODE,
+    DiskFullError,
+    FinetuneError,
+    interrupt_on_signals,
+    is_disk_full,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,20 +25,60 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1 or args[0].startswith("-"):
         print("usage: python -m finetune.train RUN_DIR", file=sys.stderr)
         return 2
-    from finetune.train.stage import run_worker
-
+    # From the first line on a signal stops the worker (exit 75): at once while it loads or evaluates,
+    # at the next step boundary with a checkpoint while it trains (the trainer's own handler).
+    restore = interrupt_on_signals()
     try:
+        from finetune.train.stage import run_worker
+
         run_worker(args[0])
     except FinetuneError as exc:
         print(f"finetune.train: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print(
-            "finetune.train: stopped at once (second signal); the last complete checkpoint is the resume point",
-            file=sys.stderr,
-        )
-        return 130
+    except KeyboardInterrupt as exc:  # Interrupted, or the trainer's second signal
+        from finetune.train.stage import interrupted_message
+
+        name = getattr(exc, "signal_name", None) or (str(exc.args[0]) if exc.args else "SIGINT")
+        print(f"finetune.train: {interrupted_message(name, args[0])}", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
+    except (OSError, RuntimeError) as exc:
+        full = disk_full(exc, args[0])
+        if full is None:
+            raise
+        print(f"finetune.train: {full}", file=sys.stderr)
+        return full.exit_code
+    finally:
+        restore()
     return 0
+
+
+# What PyTorch's C++ writers and the OS say when a write fails for want of space.
+_WRITE_FAILED = ("iostream error", "PytorchStreamWriter failed", "file write failed", "No space left")
+
+
+def disk_full(exc: BaseException, run_dir: str) -> DiskFullError | None:
+    """A DiskFullError for a failed write when the disk holding `run_dir` lacks the space a checkpoint needs
+    (plan.json's size); None when this failure is something else."""
+    import json
+    from pathlib import Path
+
+    from finetune.rundir import PLAN_FILE, free_bytes
+
+    if isinstance(exc, OSError) and not is_disk_full(exc):
+        return None
+    if isinstance(exc, RuntimeError) and not any(s in str(exc) for s in _WRITE_FAILED):
+        return None
+    folder = Path(run_dir) / "checkpoints"
+    needed = None
+    try:
+        plan = json.loads((Path(run_dir) / PLAN_FILE).read_text())
+        needed = int(float(plan["disk_gb"]["checkpoint"]) * 1e9)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    free = free_bytes(folder)
+    if isinstance(exc, RuntimeError) and (free is None or needed is None or free >= needed):
+        return None  # a C++ write error with room to spare: not a full disk, show it as it is
+    return DiskFullError(getattr(exc, "filename", None) or folder, needed, free)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,12 @@ Several ranks: rank 0 alone logs, evaluates and writes files; under ZeRO-3/FSDP 
 across ranks) the in-worker evaluation is skipped and left to the eval stage (mode=eval).
 
 When a run dies: re-running resumes from the newest complete checkpoint (`resume`,
-`finetune.checkpoints`); SIGTERM/SIGINT saves one at the next step and exits 75
-(`Preempted`); disk and RAM are checked first (`finetune.preflight`); rank 0 holds the
-run directory's lock (`rundir.lock`).
+`finetune.checkpoints`); SIGTERM/SIGINT during training saves one at the next step and
+exits 75 (`Preempted`); before and after the training loop (data and model loading, the
+base and final evaluations) it stops at once, saves nothing and exits 75 too
+(`interrupted_message` says where it stood); disk and RAM are checked first
+(`finetune.preflight`); rank 0 holds the run directory's lock (`rundir.lock`), inherited
+from the pipeline that launched it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from finetune.planner import Plan
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.json"
+# What the worker is doing now, for the one line a signal leaves (`interrupted_message`).
+phase = "starting"
 # A run stopped by SIGTERM/SIGINT after saving its checkpoint exits with this (EX_TEMPFAIL,
 # "try again later"); running the same command again resumes.
 PREEMPTED_EXIT_CODE = 75
@@ -195,6 +200,7 @@ def run(
     from finetune.train.models import load_for_training, load_tokenizer, trainable_parameters
     from finetune.train.trainer import build_trainer, engine_record, save_output
 
+    global phase
     run_dir = Path(run_dir)
     rank0 = is_rank_zero()
     mismatch = None  # what launch.allow_mismatch=true let through (metrics.json)
@@ -214,12 +220,14 @@ def run(
     transformers.utils.logging.disable_progress_bar()
     t0 = time.perf_counter()
     baseline_gb = _rss_gb()
+    phase = "loading the data"
     if datasets is None:
         from finetune.data.stage import load_prepared
 
         datasets = load_prepared(run_dir)
     train_ds, eval_ds = datasets
 
+    phase = "loading the model"
     tokenizer = load_tokenizer(cfg.model)
     transformers.set_seed(cfg.train.seed)  # the adapters' random init is part of the run's seed
     model, compute_dtype = load_for_training(cfg)
@@ -241,7 +249,7 @@ def run(
 
     monitor = cb.RunMonitor(cfg.hardware.device, plan.gpu_memory.total, baseline_gb=baseline_gb)
     early = cb.EarlyStop(cfg.train.loss_spike_factor, cfg.train.eval_rise_patience)
-    preemption = cb.Preemption().install()
+    preemption = cb.Preemption()
     trainer = build_trainer(
         cfg,
         plan,
@@ -260,21 +268,31 @@ def run(
             return _already_trained(run_dir, resumed_from, rank0)
         base = None
         if in_worker_eval:
+            # A signal here stops at once (the process's own handler): evaluation saves nothing.
+            phase = "the base evaluation"
             base = evaluate(model, tokenizer, eval_ds, max_generate=max_generate)
             release_memory()
         t_train = time.perf_counter()
         if resumed_from:
             log.info("resuming from %s", resumed_from)
             early.restore(resumed_from)
-        if preemption.received is None:
-            trainer.train(resume_from_checkpoint=resumed_from)
+        # From here a signal finishes the step and saves a checkpoint (`Preemption`).
+        phase = "training"
+        preemption.install()
+        trainer.train(resume_from_checkpoint=resumed_from)
         if preemption.received is not None:
-            saved = trainer.last_checkpoint or (Path(resumed_from) if resumed_from else None)
-            raise Preempted(preemption.received, trainer.state.global_step, saved, run_dir)
+            raise Preempted(
+                preemption.received,
+                trainer.state.global_step,
+                getattr(trainer, "last_checkpoint", None),
+                run_dir,
+                resume_point=Path(resumed_from) if resumed_from else None,
+            )
         train_seconds = time.perf_counter() - t_train
     finally:
         preemption.uninstall()
 
+    phase = "saving the trained output"
     out_dir = run_dir / (ADAPTER_DIR if cfg.method.uses_adapters else MODEL_DIR)
     engine = engine_record(trainer)  # every rank takes part (it gathers)
     save_output(
@@ -283,6 +301,7 @@ def run(
     if rank0:
         tokenizer.save_pretrained(str(out_dir))
 
+    phase = "the final evaluation"
     trained = (
         evaluate(model, tokenizer, eval_ds, max_generate=max_generate, examples=5) if in_worker_eval else None
     )
@@ -398,13 +417,50 @@ class Preempted(FinetuneError):
 
     exit_code = PREEMPTED_EXIT_CODE
 
-    def __init__(self, signal_name: str, step: int, checkpoint: Optional[Path], run_dir: Path):
+    def __init__(
+        self,
+        signal_name: str,
+        step: int,
+        checkpoint: Optional[Path],
+        run_dir: Path,
+        resume_point: Optional[Path] = None,
+    ):
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
-        where = f"checkpoint saved: {checkpoint}" if checkpoint else "nothing trained yet, nothing saved"
+        if checkpoint:  # saved by this attempt
+            where = f"checkpoint saved: {checkpoint}"
+        elif resume_point:
+            where = f"nothing new saved; the resume point is still {resume_point}"
+        else:
+            where = "nothing trained yet, nothing saved"
         super().__init__(
             f"stopped by {signal_name} at step {step}; {where}. To resume, run the same command again "
             f"(or: python -m finetune.train {run_dir}); resume=false starts over"
         )
+
+
+def newest_checkpoint(run_dir: Path) -> Optional[Path]:
+    """The newest checkpoint whose files all have their recorded sizes (no checksums: a signal's grace
+    period is short); what `resume=true` will pick unless a file's content was damaged."""
+    from finetune.train.trainer import CHECKPOINT_DIR
+
+    for path in reversed(checkpoints.listing(Path(run_dir) / CHECKPOINT_DIR)):
+        if checkpoints.verify(path, checksums=False) is None:
+            return path
+    return None
+
+
+def interrupted_message(signal_name: str, run_dir: Union[str, Path]) -> str:
+    """The one true line for a worker stopped at once by a signal (outside the training loop's save)."""
+    last = newest_checkpoint(Path(run_dir))
+    where = (
+        f"the newest complete checkpoint is {last}"
+        if last
+        else "no checkpoint was saved yet, so the next run starts from the beginning"
+    )
+    return (
+        f"stopped by {signal_name} during {phase}, at once (nothing was saved by this stop); {where}. "
+        f"To resume, run the same command again (or: python -m finetune.train {run_dir})"
+    )
 
 
 def configure_rank_logging(rank0: bool) -> None:
