@@ -193,6 +193,10 @@ def model_dir(model_cfg: ModelConfig) -> Path:
     def build(out: Path) -> None:
         import torch
         from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if is_deepspeed_zero3_enabled():  # from_config would partition it, and the cache keep empty weights
+            raise RuntimeError("the tiny model must be built before a DeepSpeed ZeRO-3 config is live")
 
         config = hf_config(
             model_cfg,

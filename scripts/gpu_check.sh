@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# GPU check: peak memory against the plan, tokens/s and MFU on one GPU, in under 8 minutes.
+# GPU check, one GPU, in under 8 minutes:
+#   1. the real pipeline (scripts/gpu_pipeline.py): `python -m finetune` for LoRA, QLoRA and full
+#      fine-tuning (8-bit AdamW) in bf16 on the 8B layer shapes, chunked loss on and off,
+#      checkpointing on and off, and the tiny recipe's whole pipeline; each run's peak against its plan;
+#   2. the bare training loop (scripts/gpu_check.py): peak memory term by term, tokens/s and MFU.
 #
 #   bash scripts/gpu_check.sh OUT_DIR            # e.g. bash scripts/gpu_check.sh gpu-results
-#   bash scripts/gpu_check.sh OUT_DIR --cpu      # the same code path on tiny shapes, no GPU needed
+#   bash scripts/gpu_check.sh OUT_DIR --cpu      # the same code paths on tiny shapes, no GPU needed
 #
-# Installs nothing: it uses the Python environment it finds ($PYTHON, else the
-# active venv's python, else python3) and stops if torch, transformers, peft or
-# bitsandbytes is missing. Prints nvidia-smi, then runs scripts/gpu_check.py
-# under a hard timeout. Feed OUT_DIR/results.json to scripts/calibrate.py.
+# Installs nothing: it uses the Python environment it finds ($PYTHON, else the active venv's
+# python, else python3) and stops if a package is missing (scripts/gpu_wheels.sh prepares wheels for
+# the device tool's machine). Exits non-zero when a pipeline case fails. Feed OUT_DIR/results.json
+# to scripts/calibrate.py.
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
@@ -18,11 +22,14 @@ OUT_DIR=$1
 shift
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 PY=${PYTHON:-$(command -v python || command -v python3)}
-LIMIT_S=${GPU_CHECK_TIMEOUT_S:-475}   # gpu_check.py budgets 420 s of cases; this is the hard stop (< 8 min)
+PIPELINE_S=${GPU_PIPELINE_BUDGET_S:-270}   # gpu_pipeline.py's cases
+LOOP_S=${GPU_LOOP_BUDGET_S:-130}           # gpu_check.py's cases
+# each stage has its own hard stop: 300 + 170 s at most (< 8 min)
 
 "$PY" - <<'EOF'
 import importlib.util, sys
-missing = [m for m in ("torch", "transformers", "peft", "bitsandbytes") if importlib.util.find_spec(m) is None]
+wanted = ("torch", "transformers", "peft", "bitsandbytes", "trl", "datasets", "hydra", "antlr4", "datasketch")
+missing = [m for m in wanted if importlib.util.find_spec(m) is None]
 if missing:
     sys.exit(f"gpu_check: missing {', '.join(missing)} in this environment (nothing is installed by this script)")
 EOF
@@ -35,5 +42,13 @@ fi
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
 
 mkdir -p "$OUT_DIR"
-timeout --signal=TERM --kill-after=15 "$LIMIT_S" "$PY" "$HERE/gpu_check.py" "$OUT_DIR" "$@"
-echo "results: $OUT_DIR/results.md, $OUT_DIR/results.json"
+CPU=""
+for arg in "$@"; do [[ $arg == --cpu ]] && CPU=--cpu; done
+status=0
+# shellcheck disable=SC2086  # $CPU is empty or one word
+timeout --signal=TERM --kill-after=15 "$((PIPELINE_S + 30))" "$PY" "$HERE/gpu_pipeline.py" "$OUT_DIR" \
+    --budget-s "$PIPELINE_S" $CPU || status=$?
+timeout --signal=TERM --kill-after=15 "$((LOOP_S + 40))" "$PY" "$HERE/gpu_check.py" "$OUT_DIR" --budget-s "$LOOP_S" "$@" \
+    || status=$((status ? status : $?))
+echo "results: $OUT_DIR/pipeline.md, $OUT_DIR/results.md (and .json of each)"
+exit "$status"

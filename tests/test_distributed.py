@@ -169,6 +169,7 @@ def test_deepspeed_zero3_two_processes_train_like_one(root, reference, offload):
     engine = run["metrics"]["train"]["engine"]
     assert_two_ranks(engine)
     assert engine["wrapper"] == "DeepSpeedEngine" and engine["zero_stage"] == 3
+    assert engine["loaded_partitioned"]  # zero.Init: no rank ever held the whole model
     assert engine["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
     if offload:
         assert engine["offload_optimizer"] == "cpu" and engine["base_optimizer"] == "DeepSpeedCPUAdam"
@@ -193,6 +194,7 @@ def test_fsdp2_trainer_two_processes_train_like_one(root, reference):
     assert_two_ranks(engine)
     assert engine["wrapper"].startswith("FSDP") and engine["zero_stage"] is None
     assert engine["loss"] == "chunked" and engine["optimizer_kind"] == "adamw"
+    assert not engine["loaded_partitioned"]
     for r in engine["ranks"]:  # each rank holds its DTensor shard: half of every parameter
         assert r["parameters_held"] < 0.6 * r["parameters"]
     # The adapter gathered from the shards equals one process's (Trainer.save_model wrote nothing here).

@@ -292,7 +292,9 @@ def test_the_command_line_refuses_gpu_plans_on_this_cpu_machine(tmp_path):
         assert "this machine has no CUDA GPU" in lines[0] and "hardware=local" in lines[0]
     for run in (tmp_path / "one", tmp_path / "eight"):
         left = {p.name for p in run.iterdir()}
-        assert left <= {"config.yaml", "plan.json", ".lock"}, left  # no launch.sh, checkpoints or metrics
+        assert left <= {"config.yaml", "plan.json", ".lock", rundir.OWNER_FILE}, (
+            left
+        )  # no launch.sh, checkpoints, metrics
     dry = _cli(
         "+recipe=tiny", "hardware=h100x8", "mode=launch", "launch.dry_run=true", f"run_dir={tmp_path / 'dry'}",
         cwd=tmp_path,

@@ -99,6 +99,7 @@ def test_recipe_strategy_runs_as_planned_on_the_tiny_model(recipe, tmp_path, tin
     if wrapper:
         assert engine["wrapper"].startswith(wrapper), engine["wrapper"]
     assert engine["zero_stage"] == (3 if s.sharding == "zero3" else None)
+    assert engine["loaded_partitioned"] is (s.sharding == "zero3")  # ZeRO-3 loads under zero.Init
     offloads = s.sharding in ("zero3", "fsdp")  # the one-process and DDP engines offload nothing
     assert (engine["offload_optimizer"] == "cpu") is (s.offload_optimizer and offloads)
     # FSDP2's CPUOffloadPolicy moves parameters with the optimizer state

@@ -163,13 +163,23 @@ def check_weight_safety(model: ModelConfig, source: str) -> None:
     log.warning("model.allow_pickle_weights=true: loading pickle weights %s from %s", pickles[0], source)
 
 
+def training_dtype(cfg: Config) -> torch.dtype:
+    """The compute dtype (bf16 or fp32) the run trains in."""
+    return resolve_dtype(cfg.method.dtype_on(cfg.hardware.device), cfg.hardware.device)
+
+
 def load_for_training(cfg: Config) -> tuple[Any, torch.dtype]:
-    """The model ready to train with `cfg.method`, and the compute dtype (bf16 or fp32) to train it in."""
+    """The model ready to train with `cfg.method`, and the compute dtype (bf16 or fp32) to train it in.
+
+    Under DeepSpeed ZeRO-3, build the trainer's arguments first (`build_sft_config`) and keep them
+    alive: their DeepSpeed config makes `from_pretrained` load each rank's partition only
+    (`deepspeed.zero.Init`) instead of the whole model on every rank.
+    """
     from transformers import AutoModelForCausalLM
 
     method = cfg.method
     device = cfg.hardware.device
-    compute_dtype = resolve_dtype(method.dtype_on(device), device)
+    compute_dtype = training_dtype(cfg)
     kwargs: dict[str, Any] = dict(
         trust_remote_code=cfg.model.trust_remote_code,
         use_safetensors=None if cfg.model.allow_pickle_weights else True,
@@ -236,7 +246,7 @@ def trainable_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts (4-bit weights counted as their unpacked size)."""
     trainable = total = 0
     for param in model.parameters():
-        n = param.numel()
+        n = getattr(param, "ds_numel", None) or param.numel()  # ZeRO-3 partitioned at load: the full count
         quant_state = getattr(param, "quant_state", None)
         if quant_state is not None:  # packed 4-bit storage: count the weight's own shape
             n = quant_state.shape.numel()

@@ -197,8 +197,14 @@ def run(
     from finetune import preflight
     from finetune.train import callbacks as cb
     from finetune.train.evaluate import evaluate
-    from finetune.train.models import load_for_training, load_tokenizer, trainable_parameters
-    from finetune.train.trainer import build_trainer, engine_record, save_output
+    from finetune.train.models import (
+        load_for_training,
+        load_tokenizer,
+        model_source,
+        trainable_parameters,
+        training_dtype,
+    )
+    from finetune.train.trainer import build_sft_config, build_trainer, engine_record, save_output
 
     global phase
     run_dir = Path(run_dir)
@@ -230,7 +236,19 @@ def run(
     phase = "loading the model"
     tokenizer = load_tokenizer(cfg.model)
     transformers.set_seed(cfg.train.seed)  # the adapters' random init is part of the run's seed
+    # The trainer's arguments before the model: under ZeRO-3 their live DeepSpeed config makes
+    # from_pretrained load this rank's partition only (zero.Init), not the whole model per rank.
+    # The tiny model is built (first use) before that: built under zero.Init it would be saved partitioned.
+    model_source(cfg.model)
+    args = build_sft_config(cfg, plan, run_dir, training_dtype(cfg))
+    _ = args.device  # joins the process group now: zero.Init partitions over it while loading
+    if args.deepspeed:
+        import deepspeed
+
+        # deepspeed.comm over that group (accelerate sets it up itself on GPUs, not on CPU ranks)
+        deepspeed.init_distributed(dist_backend="gloo" if cfg.hardware.device == "cpu" else "nccl")
     model, compute_dtype = load_for_training(cfg)
+    loaded_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
     trainable, total = trainable_parameters(model)
     if cfg.hardware.device == "cpu":
         cpu_threads(total)
@@ -261,7 +279,9 @@ def run(
         compute_dtype,
         callbacks=[monitor, early, preemption, cb.RichProgress(monitor)],
         monitor=monitor,
+        args=args,
     )
+    trainer.loaded_partitioned = loaded_partitioned
     try:
         resumed_from, complete = _agreed_resume_point(trainer, cfg, run_dir, rank0)
         if complete:

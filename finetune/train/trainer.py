@@ -143,6 +143,7 @@ class FinetuneTrainer(SFTTrainer):
         self.chunked_loss = chunked_loss
         self.monitor = monitor
         self.last_checkpoint: Optional[Path] = None
+        self.loaded_partitioned = False  # set by the stage: the model came from zero.Init
         # After TRL's fused LM head (SFTTrainer.__init__): ours wraps it, and runs only when asked.
         add_chunked_loss_head(self.model, loss_chunk_size)
 
@@ -297,6 +298,7 @@ def engine_record(trainer: Any) -> dict[str, Any]:
     else:
         basic = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     record["optimizer_kind"] = optimizer_kind(basic)
+    record["loaded_partitioned"] = bool(getattr(trainer, "loaded_partitioned", False))  # zero.Init
     rank = int(os.environ.get("RANK", "0"))
     record["ranks"] = gather_object(
         [{"rank": rank, "pid": os.getpid(), "parameters_held": local, "parameters": full}]
@@ -366,11 +368,13 @@ def build_trainer(
     compute_dtype: torch.dtype,
     callbacks: list[Any],
     monitor: Optional[RunMonitor] = None,
+    args: Optional[SFTConfig] = None,
 ) -> FinetuneTrainer:
+    """The trainer for `model`; `args` when built before loading the model (ZeRO-3: see load_for_training)."""
     from transformers.integrations import TensorBoardCallback
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    args = build_sft_config(cfg, plan, run_dir, compute_dtype)
+    args = args or build_sft_config(cfg, plan, run_dir, compute_dtype)
     callbacks = list(callbacks)
     if "tensorboard" in cfg.train.report_to and args.process_index == 0:  # one writer: rank 0's events file
         from torch.utils.tensorboard import SummaryWriter
