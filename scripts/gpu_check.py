@@ -84,47 +84,65 @@ def hardware(case: dict[str, Any]) -> Any:
     return load_profiles()[hw]
 
 
-def plan_terms(case: dict[str, Any], calibration: Any = None) -> dict[str, float]:
-    """The planner's per-GPU terms (GB) for the case's exact shape and strategy, and their total.
+def plan_terms(case: dict[str, Any], calibration: Any = None) -> Optional[dict[str, float]]:
+    """The planner's per-GPU terms (GB) for the case's exact shape, strategy and runtime, and their total.
 
-    `tensors`: what max_memory_allocated should show, the four terms plus the overhead's working set
-    (one layer's backward, the layer being recomputed, QLoRA's dequantized projection) without the CUDA
-    context and the allocator's share.
+    The runtime is the trainer's for the case (finetune.planner.runtime), with the case's own `autocast`
+    and `packed` (what its harness ran). `tensors`: what max_memory_allocated should show, the four terms
+    plus the overhead's working set above the loss peak, without the fixed share and the allocator's.
+    None for a loss path no plan takes (`loss: transformers`, the plain loss of the first GPU check).
     """
     from finetune.config import MethodConfig, TrainConfig
-    from finetune.planner import core
-    from finetune.planner.params import count_params, lora_params
+    from finetune.planner import Strategy, make_job, memory, runtime, tensors_gb
 
+    if case.get("loss") == "transformers":
+        return None
     m = model_config(case)
     method = MethodConfig(
-        name=case["method"], precision="bf16", optimizer=case.get("optimizer", "adamw"), adapter_dtype="fp32"
+        name=case["method"],
+        precision="bf16",
+        optimizer=case.get("optimizer", "adamw"),
+        adapter_dtype=case.get("adapter_dtype", "fp32" if case["method"] == "lora" else "bf16"),
+        lora_dropout=case.get("lora_dropout", 0.05),
     )
     train = TrainConfig(seq_len=case["seq_len"], loss_chunk_size=case.get("chunk_size", 1024))
-    adapter = lora_params(m, method) if method.uses_adapters else 0
-    cal = calibration or core.Calibration.default()
-    job = core._Job(m, method, hardware(case), train, case["seq_len"], count_params(m), adapter, cal)
-    s = core.Strategy(
+    job = make_job(m, method, hardware(case), train, case["seq_len"], calibration)
+    s = Strategy(
         optimizer=case.get("optimizer", "adamw"),
         activation_checkpointing=case["checkpointing"],
         chunked_loss=case["chunked_loss"],
-        micro_batch_size=1,
+        micro_batch_size=case.get("micro_batch_size", 1),
     )
-    mem, _ = core._memory(job, s)
+    rt = runtime(job, s)
+    autocast = case.get("autocast", rt.autocast)
+    rt = replace(
+        rt, autocast=autocast, fp32_residual=rt.fp32_residual and autocast, packed=case.get("packed", True)
+    )
+    mem, _ = memory(job, s, rt)
     out = {t: getattr(mem, t) for t in TERMS}
     out["total"] = mem.total
-    four = mem.total - mem.overhead
-    out["tensors"] = four + core._working_set_bytes(job, s, mem.logits * core.GB) / core.GB
+    out["tensors"] = tensors_gb(job, s, rt)
     return out
 
 
-def model_flops_per_token(case: dict[str, Any]) -> float:
-    """6N (full) or 4N (frozen weights) plus causal attention; recomputation is not model FLOPs."""
-    from finetune.planner.params import count_params
+def executed_flops(case: dict[str, Any], calibration: Any = None) -> float:
+    """The FLOPs a token executes in the case (recomputation, TRL's extra), as the planner's time estimate counts."""
+    from finetune.config import MethodConfig, TrainConfig
+    from finetune.planner import Strategy, executed_flops_per_token, make_job
 
     m = model_config(case)
-    n = count_params(m).total
-    flops = (6.0 if case["method"] == "full" else 4.0) * n
-    return flops + 6.0 * m.num_layers * case["seq_len"] * m.num_heads * m.head_dim
+    method = MethodConfig(name=case["method"], precision="bf16", optimizer=case.get("optimizer", "adamw"))
+    train = TrainConfig(seq_len=case["seq_len"])
+    job = make_job(m, method, hardware(case), train, case["seq_len"], calibration)
+    s = Strategy(activation_checkpointing=case["checkpointing"], chunked_loss=case["chunked_loss"])
+    return executed_flops_per_token(job, s)
+
+
+def model_flops_per_token(case: dict[str, Any]) -> float:
+    """Model FLOPs a token (MFU's numerator): 6 a weight (full) or 4 (frozen), attention; no recomputation."""
+    from finetune.planner import model_flops_per_token as flops
+
+    return flops(model_config(case), case["method"], case["seq_len"])
 
 
 # ---------------------------------------------------------------- one case, in its own process
@@ -317,7 +335,8 @@ def detect_gpu() -> dict[str, Any]:
 
 
 def estimate_fits(case: dict[str, Any], device_gb: float) -> bool:
-    return plan_terms(case)["total"] <= device_gb
+    terms = plan_terms(case)
+    return terms is None or terms["total"] <= device_gb
 
 
 def versions() -> dict[str, str]:
