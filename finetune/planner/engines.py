@@ -75,10 +75,11 @@ def why_not(s: Strategy, method: str, gpus: Optional[int] = None) -> Optional[st
             "stay whole on every GPU; use one GPU or ddp"
         )
     if (s.offload_optimizer, s.offload_params) not in e.offloads:
-        asked = "train.offload_params=true" if s.offload_params else "train.offload_optimizer=true"
         if not e.shards:
+            asked = "train.offload_params=true" if s.offload_params else "train.offload_optimizer=true"
             return f"{asked} needs train.sharding=zero3 or fsdp: {e.note}"
-        return f"{asked} with train.offload_optimizer={str(s.offload_optimizer).lower()}: {e.note}"
+        asked = f"train.offload_optimizer={str(s.offload_optimizer).lower()}"
+        return f"{asked} with train.offload_params={str(s.offload_params).lower()}: {e.note}"
     if s.offload_optimizer and s.optimizer != "adamw":
         return (
             f"method.optimizer={s.optimizer} with optimizer offload: ZeRO-3 offloads only its own fp32 CPU Adam "
