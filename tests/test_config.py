@@ -192,7 +192,10 @@ def test_every_gpu_profile_plans(name: str):
         (["model.num_kv_heads=3"], "model.num_heads=4 must be a multiple of model.num_kv_heads=3"),
         (["train.max_steps=0"], "train.max_steps=0"),
         (["train.sharding=ddp", "train.offload_params=true"], "train.offload_params=true needs"),
-        (["model.architecture=phi3"], "model.architecture='phi3' is not one of llama, mistral, qwen2, gemma, mixtral"),
+        (
+            ["model.architecture=phi3"],
+            "model.architecture='phi3' is not one of llama, mistral, qwen2, gemma, mixtral",
+        ),
         (["model.num_experts=8"], "model.num_experts_per_token=0 must be in 1..8 (model.num_experts)"),
         (["plan.mfu=0"], "plan.mfu=0"),
     ],

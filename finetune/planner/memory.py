@@ -303,15 +303,24 @@ def loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
         casts = (c * tokens * h if hidden != c else 0) + (c * vocab * h if head != c else 0)
         rows_bytes = 2 * c * rows * h  # a chunk's rows of hidden states and of their gradient
         accumulator = 4 * vocab * h if trainable else 0
+        if trainable and c == 2 and rt.device == "cpu":
+            # no fp32-output matmul on the CPU: the chunk's logits gradient and rows are copied to fp32 to add
+            # their product into the fp32 accumulator (chunked_loss._addmm_fp32)
+            rows_bytes += 4 * rows * (vocab + h)
         during = chunk + casts + rows_bytes + accumulator
         after = accumulator + (head * vocab * h if trainable and head != 4 else 0)  # the head gradient's cast
         return gathered + kept + max(during, after)
     tile_tokens, tile_vocab = min(tokens, TRL_TILE_TOKENS), min(vocab, TRL_TILE_VOCAB)
     tile = tile_tokens * tile_vocab
     kept = hidden * tokens * h + 24 * tokens  # the hidden states, and fp32 per-token statistics and outputs
-    cpu_tiles = job.device.trl_tile_fp32_copies * 4 * tile if rt.device == "cpu" else 0
+    cpu_tiles = 0.0
+    if rt.device == "cpu":
+        cpu_tiles = job.device.trl_tile_fp32_copies * 4 * tile
+        if c == 2:  # no fp32-output matmul on the CPU: the head's chunk (and a trained head's rows) go fp32
+            cpu_tiles += 4 * tile_vocab * h + (4 * tile_tokens * h if trainable else 0)
     tile_casts = (c * tile_tokens * h if hidden != c else 0) + (c * tile_vocab * h if head != c else 0)
-    forward = c * tile + tile_casts + cpu_tiles
+    buffer = c * tile_tokens * TRL_TILE_VOCAB  # the tile buffer is 32,768 wide whatever the vocabulary
+    forward = buffer + tile_casts + cpu_tiles
     grads = 4 * tokens * h + (4 * vocab * h if trainable else 0)  # fp32 accumulators
     backward = grads + forward
     end = (
