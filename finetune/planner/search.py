@@ -201,7 +201,12 @@ def _plan_on(
         if not savings and s.micro_batch_size == start:
             reasons.append(f"fits as configured: {mem.total:,.1f} GB of {usable:,.1f} GB usable per GPU")
         else:
-            reasons.append(f"fastest of {len(fitting)} strategies that fit with the headroom")
+            n = len(fitting)
+            reasons.append(
+                f"fastest of {n} strategies that fit with the headroom"
+                if n > 1
+                else "the one strategy that fits"
+            )
         for what, without in savings:
             if why_not(without, method.name, hw.total_gpus) is None:
                 other, _ = memory(job, _with_accumulation(job, without))
