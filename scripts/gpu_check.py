@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -91,15 +92,21 @@ def model_config(case: dict[str, Any]) -> Any:
     return replace(m, **dims) if dims else m
 
 
+@functools.lru_cache(maxsize=1)
+def _profiles() -> dict[str, Any]:
+    from finetune.cli import load_profiles
+
+    return load_profiles()
+
+
 def hardware(case: dict[str, Any]) -> Any:
     """The profile the case ran on: a named GPU profile, or the CPU with its RAM as 'GPU memory'."""
-    from finetune.cli import load_profiles
     from finetune.config import HardwareConfig
 
     hw = case["hardware"]
     if hw == "cpu":
         return HardwareConfig(name="cpu", device="cpu", gpu_memory_gb=case.get("host_memory_gb") or 1e3)
-    return load_profiles()[hw]
+    return _profiles()[hw]
 
 
 def plan_terms(case: dict[str, Any], calibration: Any = None) -> Optional[dict[str, float]]:

@@ -158,9 +158,8 @@ def _describe(s: Strategy, gpus: int) -> list[tuple[str, Strategy]]:
         out.append(("activation checkpointing", replace(s, activation_checkpointing=False)))
     if s.sharding in ("fsdp", "zero3"):
         engine = "ZeRO-3" if s.sharding == "zero3" else "FSDP2"
-        out.append(
-            (f"{engine} full shard across {gpus} GPUs", replace(s, sharding="ddp", offload_params=False))
-        )
+        whole = replace(s, sharding="ddp", offload_optimizer=False, offload_params=False)
+        out.append((f"{engine} full shard across {gpus} GPUs", whole))
     if s.optimizer != "adamw" and not s.offload_optimizer:
         out.append(("8-bit optimizer states", replace(s, optimizer="adamw")))
     if s.offload_optimizer and s.sharding == "zero3":
