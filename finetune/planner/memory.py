@@ -155,17 +155,19 @@ def trainable_state(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
     n, shards = job.trainable, _shards(job, s)
     full = job.method.name == "full"
     if rt.engine == "zero3":
-        weight = 0 if full else rt.compute
+        weight = 0 if full else rt.compute  # adapters' partitions (full fine-tuning's are the weights term)
         grad = rt.compute
         master = 4 if rt.compute == 2 else 0
         moments = _moment_bytes(s.optimizer, 4)
+        bucket = 2 * job.model.hidden_size**2  # the reduce bucket (reduce_bucket_size h x h), on the GPU
         if s.offload_optimizer:
             # on the host: master, moments, the fp32 gradients of each sub-group and the gradient partitions
-            return weight * n / shards, (master + moments + 4 + grad) * n / shards
-        buffers = (
-            4 * min(ZERO3_SUB_GROUP, n / shards) + 2 * job.model.hidden_size**2
-        )  # sub-group grads, bucket
-        return (weight + grad + master + moments) * n / shards + buffers, 0.0
+            host = (master + moments + 4 + grad) * n / shards
+            if s.offload_params:
+                return bucket, host + weight * n / shards
+            return weight * n / shards + bucket, host
+        sub_group = 4 * min(ZERO3_SUB_GROUP, n / shards)  # fp32 gradients of one optimizer sub-group
+        return (weight + grad + master + moments) * n / shards + sub_group + bucket, 0.0
     if rt.engine == "fsdp":
         weight = 0 if full else 4
         per = weight + 4 + _moment_bytes(s.optimizer, 4)
