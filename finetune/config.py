@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from finetune.architectures import ARCHITECTURES
 from finetune.data.config import DataConfig
 from finetune.errors import ConfigError
 from finetune.evaluation.config import EvalConfig
@@ -75,12 +76,15 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 
 @dataclass
 class ModelConfig:
-    """Architecture facts, so the planner works offline. `config_path` reads a local config.json instead."""
+    """Architecture facts, so the planner works offline. `config_path` reads a local config.json instead
+    (through transformers' AutoConfig: the model class's own defaults fill what the file leaves out)."""
 
     name: str = "tiny"
     hub_id: Optional[str] = None
     config_path: Optional[str] = None
-    architecture: str = "llama"  # llama | qwen2
+    architecture: str = (
+        "llama"  # llama | mistral | qwen2 | gemma (finetune/architectures.py); mixtral is refused
+    )
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
@@ -93,12 +97,16 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     rope_theta: float = 500000.0
     rms_norm_eps: float = 1e-5
+    # Mixture of experts (0: dense): experts per layer, how many run per token, each expert's MLP width.
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    moe_intermediate_size: int = 0
     # Weights: safetensors only unless this is set (pickle files can run code).
     allow_pickle_weights: bool = False
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
-        _check_choice("model.architecture", self.architecture, ("llama", "qwen2"))
+        _check_choice("model.architecture", self.architecture, tuple(ARCHITECTURES))
         for key in (
             "hidden_size",
             "num_layers",
@@ -113,6 +121,11 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}"
+            )
+        if self.num_experts and not 0 < self.num_experts_per_token <= self.num_experts:
+            raise ConfigError(
+                f"model.num_experts_per_token={self.num_experts_per_token} must be in 1..{self.num_experts} "
+                "(model.num_experts)"
             )
 
 
@@ -289,13 +302,14 @@ class PlanConfig:
     out: Optional[str] = None  # also write plan.json here
     # Fraction of each GPU kept free (allocator fragmentation, spikes) when judging fit.
     headroom: float = 0.10
-    # Fraction of the profile's dense bf16 peak the estimate assumes (model FLOPs utilisation).
-    mfu: float = 0.40
+    # Fraction of the profile's dense bf16 peak reached on the FLOPs a step executes (recomputation
+    # included). null: the per-method figure fitted to GPU measurements (finetune/planner/calibration.json).
+    mfu: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.headroom < 0.9:
             raise ConfigError(f"plan.headroom={self.headroom} must be in [0, 0.9)")
-        if not 0.0 < self.mfu <= 1.0:
+        if self.mfu is not None and not 0.0 < self.mfu <= 1.0:
             raise ConfigError(f"plan.mfu={self.mfu} must be in (0, 1]")
 
 

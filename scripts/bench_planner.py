@@ -1,47 +1,50 @@
 """Planner accuracy on CPU: the memory of a real training step, term by term, against the plan.
 
-    /tmp/venv/bin/python scripts/bench_planner.py                # tiny + one decoder layer at 8B and 70B dims (minutes)
-    /tmp/venv/bin/python scripts/bench_planner.py --quick        # tiny model only (~1 min), used by the tests
-    /tmp/venv/bin/python scripts/bench_planner.py --json out.json
+    python scripts/bench_planner.py                # tiny + one decoder layer at 8B and 70B dims (minutes)
+    python scripts/bench_planner.py --quick        # tiny model only (~2 min), used by the tests
+    python scripts/bench_planner.py --json out.json
 
-For each case a Llama-architecture model is built from a model config (random
-init: configs/model/tiny.yaml as it is; Llama-3.1-8B and -70B with one decoder
-layer and a 8,192-token vocabulary, the planner given the same shape), prepared
-as DESIGN.md's memory model has it (full: bf16 weights and gradients, an fp32
-master copy and fp32 AdamW moments, 16 bytes a parameter; LoRA: frozen bf16
-base, PEFT adapters in fp32, dropout 0.05; QLoRA: the same on a bitsandbytes
-NF4 base, quantized on the CPU, embeddings/head/norms in bf16). Two rows show
-finetune/train/models.py's own preparation ("trainer path"): QLoRA through
-`prepare_kbit_model` (PEFT's `prepare_model_for_kbit_training` with its fp32
-upcast undone); full fine-tuning with fp32 weights under bf16 autocast, which
-the planner models for runs without DeepSpeed or FSDP (the DESIGN.md rows are
-planned as DeepSpeed's layout). Every row counts for the targets. Zero gradients and one optimizer step on them
+Every row runs what the trainer runs (finetune/train), on the CPU in bf16 (the
+dtypes a GPU run has): full fine-tuning with fp32 weights under accelerate's
+bf16 autocast; LoRA r16 on all seven projections, a frozen bf16 base with fp32
+PEFT adapters under autocast, dropout 0.05; QLoRA, the same on a bitsandbytes
+NF4 base (double quantization, `prepare_kbit_model`) with bf16 adapters
+(qlora.yaml). Rows are packed as the collator packs them (position_ids
+restarting mid-row: transformers builds a block-diagonal mask for SDPA). The
+loss is one of the trainer's two paths: the project's chunked loss inside the
+model's forward (`add_chunked_loss_head`), or TRL's fused LM head
+(`add_fused_lm_head`, SFTTrainer's outputs). For each case a model is built
+from a model config (random init: configs/model/tiny.yaml as it is; Llama-3.1-8B
+and -70B with one or two decoder layers and a 8,192-token vocabulary, the
+planner given the same shape). Zero gradients and one optimizer step on them
 create the state a step in progress holds (gradients kept, as under gradient
-accumulation; Adam moments; master weights); then one real forward and
-backward is measured, and the optimizer steps:
+accumulation; Adam moments); then one real forward and backward is measured,
+and the optimizer steps:
 
 - weights, trainable state: bytes of the distinct storages of the parameters
   (4-bit data and quantization constants included), gradients and optimizer
-  state (AdamW moments and the fp32 master copy), held across steps;
-- activations: storages autograd saves during the forward
-  (`saved_tensors_hooks`, each storage once, parameters excluded); with
-  checkpointing, each layer's input (the layer being recomputed, measured by
-  running layer 0 without checkpointing on its real input, is transient: the
-  planner counts it in the overhead's working set, and it shows in the total);
-- logits: the peak of live tensor bytes above the start of the loss step
-  (LM head + loss, forward and backward, from the final hidden states), plain
-  transformers loss or our chunked loss;
+  state, held across steps;
+- activations: storages autograd saves from the first decoder layer to the
+  final norm (`saved_tensors_hooks`, each storage once, parameters excluded);
+  with checkpointing, each layer's input (the layer being recomputed is
+  transient: the planner counts it in the overhead's working set, and it shows
+  in the total);
+- logits (the loss's peak): live tensor bytes of the loss alone, forward and
+  backward, from the final hidden states, as the trainer runs it (under
+  autocast), plus the hidden states TRL's function keeps (a view of its input
+  here, a copy on CUDA);
 - total: the bytes held before the step plus the peak of live tensor bytes
   during its forward and backward (a TorchDispatchMode tracks every storage an
-  op creates and frees), gradients kept between steps (as under gradient
-  accumulation).
+  op creates and frees).
 
 The planned total is the four terms plus the overhead term's backward working
-set (one layer's activation gradients, and with checkpointing the layer being
-recomputed, beyond the loss peak); it leaves out the
-overhead's fixed CUDA context and allocator share, which a CPU cannot measure
-(scripts/gpu_check.py measures them on a GPU). Targets: each term within 10%,
-the total within 5%.
+set above the loss peak; it leaves out the overhead's fixed share and the
+allocator's, which a CPU cannot measure (scripts/gpu_check.py measures them on
+a GPU). The plan is the CPU's (hardware device cpu, method.precision=bf16):
+CUDA differs in dropout masks (a bool, not a noise tensor) and TRL's tile
+folding (a Triton kernel in place). A last measurement times TRL's tile
+folding alone at a full [4096, 32768] tile: the CPU calibration's
+`trl_tile_fp32_copies`. Targets: each term within 10%, the total within 5%.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 MB = 1e6
+GB = 1e9
 TERMS = ("weights", "trainable_state", "activations", "logits")
 TERM_TARGET, TOTAL_TARGET = 0.10, 0.05
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -71,24 +75,21 @@ class Case:
     shape: str  # tiny | llama3_1_8b | llama3_1_70b
     method: str  # full | lora | qlora
     checkpointing: bool
-    chunked_loss: bool
+    chunked_loss: bool  # the project's chunked loss, else TRL's fused LM head
     tokens: int
     chunk_size: int
     num_layers: Optional[int] = None  # None: the model config's own
     vocab_size: Optional[int] = None
-    # True: as finetune/train/models.py prepares it (QLoRA: `prepare_kbit_model`; full: fp32 weights under
-    # bf16 autocast, planned as such, see finetune.planner.core._fp32_autocast).
-    trainer_path: bool = False
 
     @property
     def name(self) -> str:
-        parts = [
-            self.method,
-            "ckpt" if self.checkpointing else "",
-            "chunked" if self.chunked_loss else "plain",
-        ]
-        name = " ".join(p for p in parts if p)
-        return name + (" (trainer path)" if self.trainer_path else "")
+        parts = [self.method, "ckpt" if self.checkpointing else "", "chunked" if self.chunked_loss else "trl"]
+        return " ".join(p for p in parts if p)
+
+    @property
+    def adapter_dtype(self) -> str:
+        """The method's default (configs/method): fp32 LoRA adapters, bf16 QLoRA ones."""
+        return "bf16" if self.method == "qlora" else "fp32"
 
 
 def model_config(case: Case) -> Any:
@@ -111,25 +112,23 @@ def cases(quick: bool) -> list[Case]:
     out = []
     for method in ("full", "lora", "qlora"):
         for ckpt in (False, True):
-            for chunked in (False, True):
+            for chunked in (True, False):
                 out.append(Case("tiny", method, ckpt, chunked, tokens=256, chunk_size=64))
-    out.append(Case("tiny", "qlora", False, False, tokens=256, chunk_size=64, trainer_path=True))
-    for ckpt, chunked in ((False, False), (False, True), (True, False), (True, True)):
-        out.append(Case("tiny", "full", ckpt, chunked, tokens=256, chunk_size=64, trainer_path=True))
     if quick:
         return out
-    # One decoder layer (two without checkpointing) and a 8,192-token vocabulary (the planner gets the same shape), few tokens: without
-    # AVX512-BF16 the bf16 backward matmuls are pathologically slow (83 s for the input gradient of one 8B MLP
-    # projection at 64 tokens on the 2 shared cores here; the per-token figures do not depend on the token
-    # count). Adapter methods only: full fine-tuning also needs the base's weight gradients (as slow), and 70B's
-    # one layer would hold 16 GB of training state; the tiny model covers it.
+    # One decoder layer (two without checkpointing) and a 8,192-token vocabulary (the planner gets the same shape), few
+    # tokens: without AVX512-BF16 the bf16 backward matmuls are pathologically slow (83 s for the input gradient of one
+    # 8B MLP projection at 64 tokens on the 2 shared cores here; the per-token figures do not depend on the token
+    # count). Adapter methods only: full fine-tuning also needs the base's weight gradients (as slow), and 70B's one
+    # layer would hold 16 GB of training state; the tiny model covers it.
     big = dict(num_layers=1, vocab_size=8192)
-    # two layers without checkpointing: the first layer's input needs no gradient and it keeps ~14% less
-    # than the planner's per-layer figure (exact for every later layer)
+    # two layers without checkpointing: the first layer's input needs no gradient and it keeps ~14% less than the
+    # planner's per-layer figure (exact for every later layer)
     out.append(
-        Case("llama3_1_8b", "lora", False, False, tokens=16, chunk_size=8, num_layers=2, vocab_size=8192)
+        Case("llama3_1_8b", "lora", False, True, tokens=16, chunk_size=8, num_layers=2, vocab_size=8192)
     )
     out.append(Case("llama3_1_8b", "lora", True, True, tokens=16, chunk_size=8, **big))
+    out.append(Case("llama3_1_8b", "lora", True, False, tokens=16, chunk_size=8, **big))
     out.append(Case("llama3_1_8b", "qlora", True, True, tokens=16, chunk_size=8, **big))
     out.append(Case("llama3_1_70b", "lora", True, True, tokens=8, chunk_size=4, **big))
     return out
@@ -211,55 +210,22 @@ def quant_state_tensors(model: Any) -> list[Any]:
     return out
 
 
-class MasterAdamW:
-    """bf16 weights and gradients, an fp32 master copy and fp32 AdamW moments (DESIGN.md's 2+2+4+8 bytes)."""
-
-    def __init__(self, params: list[Any], lr: float = 1e-5) -> None:
-        import torch
-
-        self.params = params
-        self.master = [p.detach().float() for p in params]
-        self.inner = torch.optim.AdamW(self.master, lr=lr, foreach=False)
-
-    def step(self) -> None:
-        for p, m in zip(self.params, self.master):
-            if p.grad is None:
-                continue
-            m.grad = p.grad.float()  # one parameter's fp32 gradient at a time
-            self.inner.step()
-            m.grad = None
-            p.data.copy_(m)
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.zero_() if not set_to_none else setattr(p, "grad", None)
-
-    def state_tensors(self) -> list[Any]:
-        return self.master + [v for s in self.inner.state.values() for v in s.values()]
-
-
 def optimizer_state_tensors(opt: Any) -> list[Any]:
     import torch
 
-    if isinstance(opt, MasterAdamW):
-        return opt.state_tensors()
     return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
-def build_model(
-    m: Any, method: str, checkpointing: bool, trainer_path: bool = False, dropout: float = 0.05
-) -> Any:
-    """A random-init LlamaForCausalLM of `m`'s dimensions, bf16, prepared for `method` as DESIGN.md models it.
-
-    `trainer_path`: as finetune/train/models.py prepares it instead (see `Case.trainer_path`).
-    """
+def build_model(m: Any, case: Case, dropout: float = 0.05) -> Any:
+    """A random-init LlamaForCausalLM of `m`'s dimensions prepared as finetune/train prepares `case.method`, its
+    loss path patched in, and bf16 autocast around its forward (accelerate's mixed precision)."""
     import torch
     from measure_activations import _init_, _to_qlora
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     from finetune.tiny import hf_config
+    from finetune.train.chunked_loss import add_chunked_loss_head
 
     cfg = hf_config(m)
     cfg._attn_implementation = "sdpa"
@@ -272,22 +238,22 @@ def build_model(
         torch.set_default_dtype(old)
     model = model.to_empty(device="cpu")
     _init_(model)
-    if trainer_path and method == "full":
-        model = model.float()  # fp32 weights; bf16 autocast around the forward, as accelerate applies it
-        model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
     model.model.rotary_emb = LlamaRotaryEmbedding(cfg)  # buffers are not initialised by to_empty
     model.train()
-    if method == "full":
+    if not case.chunked_loss:
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))  # as SFTTrainer, before PEFT
+    if case.method == "full":
+        model = model.float()  # finetune/train/models.py: fp32 weights, bf16 autocast in the trainer
         model.requires_grad_(True)
     else:
-        if method == "qlora":
+        if case.method == "qlora":
+            from finetune.train.models import prepare_kbit_model
+
             for layer in model.model.layers:
                 _to_qlora(layer)
-            if trainer_path:
-                from finetune.train.models import prepare_kbit_model
-
-                # the trainer's own preparation (PEFT's, with its fp32 upcast of the 16-bit weights undone)
-                model = prepare_kbit_model(model, torch.bfloat16)
+            model = prepare_kbit_model(model, torch.bfloat16)  # PEFT's preparation, its fp32 upcast undone
         from peft import LoraConfig, get_peft_model
 
         model.requires_grad_(False)
@@ -299,9 +265,15 @@ def build_model(
             bias="none",
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, lcfg, autocast_adapter_dtype=True)  # fp32 adapters: PEFT's default
-    if checkpointing:
+        model = get_peft_model(model, lcfg, autocast_adapter_dtype=case.adapter_dtype == "fp32")
+        if case.adapter_dtype == "bf16":
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)
+    if case.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    add_chunked_loss_head(model, case.chunk_size)
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
     return model
 
 
@@ -310,54 +282,63 @@ def _decoder_layers(model: Any) -> Any:
     return base.model.layers, base.model, base.lm_head
 
 
-def loss_step(model: Any, ids: Any, labels: Any, case: Case) -> Any:
-    """Forward to the loss as the trainer does (finetune/train/trainer.py), returning (loss, final hidden states)."""
+def packed_position_ids(tokens: int) -> Any:
+    """Two samples in one row, as the collator packs them: position ids restart mid-row."""
     import torch
 
-    from finetune.train.chunked_loss import chunked_causal_lm_loss
+    half = tokens // 2
+    return torch.cat([torch.arange(half), torch.arange(tokens - half)])[None]
+
+
+def loss_step(model: Any, ids: Any, labels: Any, case: Case, position_ids: Any = None) -> Any:
+    """The trainer's forward to the loss (finetune/train/trainer.py): the chunked loss inside the model's forward, or
+    TRL's fused head as SFTTrainer.compute_loss calls it."""
+    kwargs = dict(input_ids=ids, labels=labels, use_cache=False)
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    if case.chunked_loss:
+        return model(**kwargs, chunked_loss=True).loss
+    out = model(**kwargs, fused_lm_head=True)
+    return -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
+
+
+def loss_alone(hidden: Any, head: Any, labels: Any, case: Case) -> Any:
+    """The loss from the final hidden states, as each path runs it inside the autocast forward."""
+    import torch
 
     if case.chunked_loss:
-        out = model(
-            input_ids=ids,
-            use_cache=False,
-            output_hidden_states=True,
-            logits_to_keep=torch.empty(0, dtype=torch.long),
-        )
-        hidden = out.hidden_states[-1]
-        head = model.get_output_embeddings()
-        return chunked_causal_lm_loss(hidden, head.weight, labels, chunk_size=case.chunk_size), hidden
-    captured: dict[str, Any] = {}
-    _, _, head = _decoder_layers(model)
-    handle = head.register_forward_pre_hook(lambda mod, args: captured.__setitem__("hidden", args[0]))
-    try:
-        out = model(input_ids=ids, labels=labels, use_cache=False)
-    finally:
-        handle.remove()
-    return out.loss, captured["hidden"]
+        from finetune.train.chunked_loss import chunked_causal_lm_loss
+
+        return chunked_causal_lm_loss(hidden, head.weight, labels, chunk_size=case.chunk_size)
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # the CPU path: every position scored (no Triton)
+    target = labels[:, 1:].clamp(min=0).reshape(-1)
+    out = ChunkedLogProbFunction.apply(
+        h, head.weight, None, target, 1.0, 32768, None, 1.0, ("log_probs", "entropy", "is_top1")
+    )
+    return -out[0].sum() / torch.tensor(target.numel())
 
 
 def measure(case: Case) -> dict[str, Any]:
     """One measured training step of `case` with its state already held (bytes per term, and the total peak)."""
     import torch
     from measure_activations import SavedBytes
-    from transformers.loss.loss_utils import ForCausalLMLoss
 
     m = model_config(case)
     torch.manual_seed(0)
     t0 = time.time()
-    model = build_model(m, case.method, case.checkpointing, case.trainer_path)
+    model = build_model(m, case)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    if case.method == "full" and not case.trainer_path:
-        opt: Any = MasterAdamW(trainable)
-    else:
-        opt = torch.optim.AdamW(trainable, foreach=False)
+    opt = torch.optim.AdamW(trainable, foreach=False)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, m.vocab_size, (1, case.tokens), generator=g)
     labels = ids.clone()
+    position_ids = packed_position_ids(case.tokens)
 
     # Zero gradients and one optimizer step on them create the held state of a step in progress (gradients kept,
-    # as under gradient accumulation; Adam moments and master weights) without a second, unmeasured backward:
-    # bf16 backward matmuls are very slow on CPUs without AVX512-BF16.
+    # as under gradient accumulation; Adam moments) without a second, unmeasured backward: bf16 backward matmuls
+    # are very slow on CPUs without AVX512-BF16.
     for p in trainable:
         p.grad = torch.zeros_like(p)
     opt.step()
@@ -371,64 +352,41 @@ def measure(case: Case) -> dict[str, Any]:
     trainable_state = storage_bytes((trainable if case.method != "full" else []) + grads + state)
     held = storage_bytes(params + quant_state_tensors(model) + grads + state + list(model.buffers()))
 
-    # step 2, measured: saved tensors from the first decoder layer to the LM head, live bytes throughout
+    # step 2, measured: saved tensors from the first decoder layer to the final norm, live bytes throughout
     layers, backbone, head = _decoder_layers(model)
     exclude = params + quant_state_tensors(model)
     saved = SavedBytes(exclude)
-    layer0_input: dict[str, Any] = {}
+    final: dict[str, Any] = {}
     hooks = [
         backbone.register_forward_pre_hook(lambda mod, args: (saved.__enter__(), None)[1]),
-        head.register_forward_hook(lambda mod, args, out: saved.__exit__(None, None, None)),
+        backbone.norm.register_forward_hook(
+            lambda mod, args, out: (saved.__exit__(None, None, None), final.update(hidden=out))[1]
+        ),
+        layers[0].register_forward_pre_hook(
+            lambda mod, args, kwargs: final.update(mask=kwargs.get("attention_mask")), with_kwargs=True
+        ),
     ]
-    if case.checkpointing:
-        hooks.append(
-            layers[0].register_forward_pre_hook(
-                lambda mod, args, kwargs: layer0_input.update(args=args, kwargs=kwargs), with_kwargs=True
-            )
-        )
     with LiveBytes() as live:
-        loss, hidden = loss_step(model, ids, labels, case)
+        loss = loss_step(model, ids, labels, case, position_ids)
         loss.backward()
     for h in hooks:
         h.remove()
     activations = saved.total
+    mask = final.pop("mask", None)
+    if case.checkpointing and mask is not None:
+        # every checkpointed layer holds the packed rows' boolean mask as an input (by reference, not saved)
+        activations += mask.numel() * mask.element_size()
     step_peak = live.peak
     del loss
 
-    recomputed = 0
-    if case.checkpointing:
-        # the layer being recomputed in backward holds its full saved tensors meanwhile (part of the total)
-        layer = layers[0]
-        layer.gradient_checkpointing = False
-        with SavedBytes(exclude) as one:
-            out = layer(*layer0_input["args"], **layer0_input["kwargs"])
-        layer.gradient_checkpointing = True
-        recomputed = one.total
-        del out, layer0_input
-
-    # the loss step alone: LM head + loss, forward and backward, from the final hidden states
-    from finetune.train.chunked_loss import chunked_causal_lm_loss
-
-    h = hidden.detach().requires_grad_(True)
-    del hidden
-    autocast = torch.autocast(
-        "cpu", dtype=torch.bfloat16, enabled=case.trainer_path and case.method == "full"
-    )
-    with autocast:
-        if not case.chunked_loss:
-            # Under autocast the head's bf16 weight copy exists from the model's forward on (an activation,
-            # measured above); fill autocast's cast cache first so the loss step below reuses it.
-            head(h[:, :1]).sum()
-        with LiveBytes() as loss_live:
-            if case.chunked_loss:
-                with torch.autocast("cpu", enabled=False):  # the trainer runs it outside autocast
-                    loss = chunked_causal_lm_loss(h, head.weight, labels, chunk_size=case.chunk_size)
-            else:
-                logits = head(h)  # the plain loss runs inside the model's (autocast) forward
-                loss = ForCausalLMLoss(logits, labels, vocab_size=m.vocab_size)
-                del logits  # the model's output is dropped before backward, as in the trainer
-            loss.backward()
-    logits = loss_live.peak
+    # the loss alone: from the final hidden states, forward and backward, under autocast as in the model's forward
+    h = final.pop("hidden").detach().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), LiveBytes() as loss_live:
+        loss = loss_alone(h, head, labels, case)
+        loss.backward()
+    # TRL's function keeps the hidden states for its backward: a view of its input on the CPU (counted here), a
+    # masked copy on CUDA
+    logits = loss_live.peak + (0 if case.chunked_loss else h.numel() * h.element_size())
     del loss, h
     opt.step()
 
@@ -455,46 +413,60 @@ def measure(case: Case) -> dict[str, Any]:
             optimizer_state=storage_bytes(state),
             held_before_step=held,
             step_peak_above_held=step_peak,
-            recomputed_layer=recomputed,
         ),
         planned=planned(case),
         seconds=round(time.time() - t0, 1),
     )
 
 
+def measure_trl_tile(tokens: int = 4096, hidden: int = 64, vocab: int = 32768) -> dict[str, Any]:
+    """TRL's fused head alone at a full [4096, 32768] tile on the CPU: its peak beyond the tile (compute dtype)
+    and the fp32 gradient accumulators, in fp32 copies of the tile (calibration.json's cpu.trl_tile_fp32_copies)."""
+    import torch
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    out: dict[str, Any] = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        torch.manual_seed(0)
+        h = torch.randn(tokens, hidden, dtype=dtype).requires_grad_(True)
+        w = torch.randn(vocab, hidden, dtype=dtype) * 0.02
+        labels = torch.randint(0, vocab, (tokens,))
+        with LiveBytes() as live:
+            res = ChunkedLogProbFunction.apply(
+                h, w, None, labels, 1.0, 32768, None, 1.0, ("log_probs", "entropy", "is_top1")
+            )
+            (-res[0].sum() / tokens).backward()
+        c = h.element_size()
+        tile = tokens * vocab
+        beyond = live.peak - c * tile - 4 * tokens * hidden - (c * tokens * hidden if c != 4 else 0)
+        out[name] = round(beyond / (4 * tile), 3)
+    return out
+
+
 # ---------------------------------------------------------------- the plan for the same shape
 
 
 def planned(case: Case) -> dict[str, float]:
-    """The planner's terms (bytes) for the case's exact shape, strategy and tokens; overhead left out of the total."""
+    """The planner's terms (bytes) for the case's exact shape, strategy and tokens, on the CPU in bf16; the total
+    is the four terms and the working set above the loss peak (the overhead's fixed and allocator shares left out)."""
     from finetune.config import HardwareConfig, MethodConfig, TrainConfig
-    from finetune.planner import core
-    from finetune.planner.params import count_params, lora_params
+    from finetune.planner import Strategy, make_job, memory, tensors_gb
 
     m = model_config(case)
-    method = MethodConfig(name=case.method, precision="bf16", lora_dropout=0.05, adapter_dtype="fp32")
-    hw = HardwareConfig(name="bench", device="cuda", gpu_memory_gb=1e6)
-    train = TrainConfig(seq_len=case.tokens, loss_chunk_size=case.chunk_size)
-    adapter = lora_params(m, method) if method.uses_adapters else 0
-    job = core._Job(m, method, hw, train, case.tokens, count_params(m), adapter, core.Calibration.default())
-    s = core.Strategy(
-        # full fine-tuning: DESIGN.md's layout (bf16 working weights, fp32 master) is DeepSpeed's, here on
-        # one GPU; the trainer path (no engine) is fp32 weights under autocast (core._fp32_autocast)
-        sharding="zero3" if case.method == "full" and not case.trainer_path else "none",
-        optimizer="adamw",
-        activation_checkpointing=case.checkpointing,
-        chunked_loss=case.chunked_loss,
-        micro_batch_size=1,
+    method = MethodConfig(
+        name=case.method, precision="bf16", lora_dropout=0.05, adapter_dtype=case.adapter_dtype
     )
-    mem, _ = core._memory(job, s)
-    terms = {t: getattr(mem, t) * core.GB for t in TERMS}
-    fixed = job.cal.cuda_context_gb * core.GB
-    allocator = job.cal.allocator_fraction * sum(terms.values())
-    # the overhead's backward working set is live tensor bytes, measured here; the CUDA context and the
-    # allocator's share are not (see the docstring)
-    terms["working_set"] = mem.overhead * core.GB - fixed - allocator
-    terms["total"] = sum(terms.values())
-    terms["overhead"] = mem.overhead * core.GB
+    hw = HardwareConfig(name="bench", device="cpu", gpu_memory_gb=1e6)
+    train = TrainConfig(seq_len=case.tokens, loss_chunk_size=case.chunk_size)
+    job = make_job(m, method, hw, train, case.tokens)
+    s = Strategy(
+        activation_checkpointing=case.checkpointing, chunked_loss=case.chunked_loss, micro_batch_size=1
+    )
+    mem, _ = memory(job, s)
+    terms = {t: getattr(mem, t) * GB for t in TERMS}
+    terms["total"] = tensors_gb(job, s) * GB
+    terms["working_set"] = terms["total"] - sum(terms[t] for t in TERMS)
+    terms["overhead"] = mem.overhead * GB
     return terms
 
 
@@ -615,8 +587,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             flush=True,
         )
     report(environment(), rows)
+    trl_tile = None
+    if not args.quick and not args.only:
+        trl_tile = measure_trl_tile()
+        print(f"\nTRL's tile folding on the CPU, beyond the tile and the accumulators: {trl_tile} fp32 tiles")
     if args.json:
-        args.json.write_text(json.dumps(dict(environment=environment(), rows=rows), indent=1, default=str))
+        payload = dict(environment=environment(), rows=rows, trl_tile_fp32_copies=trl_tile)
+        args.json.write_text(json.dumps(payload, indent=1, default=str))
     return 0
 
 

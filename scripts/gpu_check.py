@@ -5,11 +5,15 @@
     python scripts/gpu_check.py OUT_DIR --budget-s 420 --steps 4
 
 No model hub: every model is random-init from its architecture config
-(configs/model/*.yaml), built as finetune/train/models.py prepares it (full:
-fp32 weights under bf16 autocast with bitsandbytes AdamW8bit; LoRA: frozen bf16
-base and fp32 PEFT adapters; QLoRA: NF4 base through
-`prepare_model_for_kbit_training`), trained with the trainer's loss path (the
-chunked loss when the case uses it). Each case runs in its own process (a clean
+(configs/model/*.yaml), built and run as finetune/train runs it (full: fp32
+weights, here with bitsandbytes AdamW8bit; LoRA: frozen bf16 base and fp32 PEFT
+adapters; QLoRA: NF4 base through `prepare_kbit_model` and bf16 adapters; bf16
+autocast around the forward, as accelerate applies it; packed rows, whose
+position_ids make transformers build a block-diagonal mask), with one of the
+trainer's loss paths: the project's chunked loss inside the model's forward or
+TRL's fused LM head. Each case names what it ran (`autocast`, `packed`,
+`adapter_dtype`, `lora_dropout`, `harness`), and the planner is evaluated for
+exactly that. Each case runs in its own process (a clean
 CUDA context, its own peak) for a few steps; the first is warm-up. Recorded per
 case: torch.cuda.max_memory_allocated and max_memory_reserved, the device
 memory in use (reserved + CUDA context), the planner's terms for the same
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -44,19 +49,33 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 # Each case: model config (and dims overridden), method, optimizer, seq_len, strategy, and est_s, the
 # expected wall time (process start, build, steps); a case is skipped when less than that is left.
+HARNESS = "gpu_check-v2"  # trainer paths; v1 (issue 13's rows) ran no autocast, no packing, plain loss
 GPU_CASES: list[dict[str, Any]] = [
     dict(name="8b-lora-2k", model="llama3_1_8b", method="lora", seq_len=2048, checkpointing=False, chunked_loss=True, est_s=45),
     dict(name="8b-lora-8k", model="llama3_1_8b", method="lora", seq_len=8192, checkpointing=True, chunked_loss=True, est_s=50),
+    dict(name="8b-lora-8k-trl", model="llama3_1_8b", method="lora", seq_len=8192, checkpointing=True, chunked_loss=False, est_s=55),
     dict(name="8b-qlora-8k", model="llama3_1_8b", method="qlora", seq_len=8192, checkpointing=True, chunked_loss=True, est_s=60),
     dict(name="8b-full-8bit-2k", model="llama3_1_8b", method="full", optimizer="adamw_8bit", seq_len=2048, checkpointing=True, chunked_loss=True, est_s=75),
     dict(name="70b-4layers-lora-4k", model="llama3_1_70b", num_layers=4, method="lora", seq_len=4096, checkpointing=False, chunked_loss=True, est_s=50),
-    dict(name="8b-lora-8k-plain-loss", model="llama3_1_8b", method="lora", seq_len=8192, checkpointing=True, chunked_loss=False, est_s=50),
 ]  # fmt: skip
 CPU_CASES: list[dict[str, Any]] = [
     dict(name="tiny-lora", model="tiny", method="lora", seq_len=128, checkpointing=False, chunked_loss=False, est_s=60),
     dict(name="tiny-qlora-ckpt", model="tiny", method="qlora", seq_len=128, checkpointing=True, chunked_loss=True, est_s=60),
     dict(name="tiny-full-8bit", model="tiny", method="full", optimizer="adamw_8bit", seq_len=128, checkpointing=True, chunked_loss=True, est_s=60),
 ]  # fmt: skip
+
+
+def trainer_case(case: dict[str, Any]) -> dict[str, Any]:
+    """The case with what the trainer runs spelled out (what results.json records and the plan is evaluated for)."""
+    defaults = dict(
+        harness=HARNESS,
+        autocast=True,
+        packed=True,
+        adapter_dtype="bf16" if case["method"] == "qlora" else "fp32",
+        lora_dropout=0.05,
+        micro_batch_size=1,
+    )
+    return {**defaults, **case}
 
 
 # ---------------------------------------------------------------- the plan for a case
@@ -73,58 +92,82 @@ def model_config(case: dict[str, Any]) -> Any:
     return replace(m, **dims) if dims else m
 
 
+@functools.lru_cache(maxsize=1)
+def _profiles() -> dict[str, Any]:
+    from finetune.cli import load_profiles
+
+    return load_profiles()
+
+
 def hardware(case: dict[str, Any]) -> Any:
     """The profile the case ran on: a named GPU profile, or the CPU with its RAM as 'GPU memory'."""
-    from finetune.cli import load_profiles
     from finetune.config import HardwareConfig
 
     hw = case["hardware"]
     if hw == "cpu":
         return HardwareConfig(name="cpu", device="cpu", gpu_memory_gb=case.get("host_memory_gb") or 1e3)
-    return load_profiles()[hw]
+    return _profiles()[hw]
 
 
-def plan_terms(case: dict[str, Any], calibration: Any = None) -> dict[str, float]:
-    """The planner's per-GPU terms (GB) for the case's exact shape and strategy, and their total.
+def plan_terms(case: dict[str, Any], calibration: Any = None) -> Optional[dict[str, float]]:
+    """The planner's per-GPU terms (GB) for the case's exact shape, strategy and runtime, and their total.
 
-    `tensors`: what max_memory_allocated should show, the four terms plus the overhead's working set
-    (one layer's backward, the layer being recomputed, QLoRA's dequantized projection) without the CUDA
-    context and the allocator's share.
+    The runtime is the trainer's for the case (finetune.planner.runtime), with the case's own `autocast`
+    and `packed` (what its harness ran). `tensors`: what max_memory_allocated should show, the four terms
+    plus the overhead's working set above the loss peak, without the fixed share and the allocator's.
+    None for a loss path no plan takes (`loss: transformers`, the plain loss of the first GPU check).
     """
     from finetune.config import MethodConfig, TrainConfig
-    from finetune.planner import core
-    from finetune.planner.params import count_params, lora_params
+    from finetune.planner import Strategy, make_job, memory, runtime, tensors_gb
 
+    if case.get("loss") == "transformers":
+        return None
     m = model_config(case)
     method = MethodConfig(
-        name=case["method"], precision="bf16", optimizer=case.get("optimizer", "adamw"), adapter_dtype="fp32"
+        name=case["method"],
+        precision="bf16",
+        optimizer=case.get("optimizer", "adamw"),
+        adapter_dtype=case.get("adapter_dtype", "fp32" if case["method"] == "lora" else "bf16"),
+        lora_dropout=case.get("lora_dropout", 0.05),
     )
     train = TrainConfig(seq_len=case["seq_len"], loss_chunk_size=case.get("chunk_size", 1024))
-    adapter = lora_params(m, method) if method.uses_adapters else 0
-    cal = calibration or core.Calibration.default()
-    job = core._Job(m, method, hardware(case), train, case["seq_len"], count_params(m), adapter, cal)
-    s = core.Strategy(
+    job = make_job(m, method, hardware(case), train, case["seq_len"], calibration)
+    s = Strategy(
         optimizer=case.get("optimizer", "adamw"),
         activation_checkpointing=case["checkpointing"],
         chunked_loss=case["chunked_loss"],
-        micro_batch_size=1,
+        micro_batch_size=case.get("micro_batch_size", 1),
     )
-    mem, _ = core._memory(job, s)
+    rt = runtime(job, s)
+    autocast = case.get("autocast", rt.autocast)
+    rt = replace(
+        rt, autocast=autocast, fp32_residual=rt.fp32_residual and autocast, packed=case.get("packed", True)
+    )
+    mem, _ = memory(job, s, rt)
     out = {t: getattr(mem, t) for t in TERMS}
     out["total"] = mem.total
-    four = mem.total - mem.overhead
-    out["tensors"] = four + core._working_set_bytes(job, s, mem.logits * core.GB) / core.GB
+    out["tensors"] = tensors_gb(job, s, rt)
     return out
 
 
-def model_flops_per_token(case: dict[str, Any]) -> float:
-    """6N (full) or 4N (frozen weights) plus causal attention; recomputation is not model FLOPs."""
-    from finetune.planner.params import count_params
+def executed_flops(case: dict[str, Any], calibration: Any = None) -> float:
+    """The FLOPs a token executes in the case (recomputation, TRL's extra), as the planner's time estimate counts."""
+    from finetune.config import MethodConfig, TrainConfig
+    from finetune.planner import Strategy, executed_flops_per_token, make_job
 
     m = model_config(case)
-    n = count_params(m).total
-    flops = (6.0 if case["method"] == "full" else 4.0) * n
-    return flops + 6.0 * m.num_layers * case["seq_len"] * m.num_heads * m.head_dim
+    method = MethodConfig(name=case["method"], precision="bf16", optimizer=case.get("optimizer", "adamw"))
+    train = TrainConfig(seq_len=case["seq_len"])
+    job = make_job(m, method, hardware(case), train, case["seq_len"], calibration)
+    s = Strategy(activation_checkpointing=case["checkpointing"], chunked_loss=case["chunked_loss"])
+    return executed_flops_per_token(job, s)
+
+
+def model_flops_per_token(case: dict[str, Any]) -> float:
+    """Model FLOPs a token (MFU's numerator): 6 a weight (full) or 4 (frozen), attention; no recomputation."""
+    from finetune.planner import model_flops_per_token as flops
+
+    return flops(model_config(case), case["method"], case["seq_len"])
 
 
 # ---------------------------------------------------------------- one case, in its own process
@@ -137,12 +180,13 @@ def _rss_peak_bytes() -> int:
 
 
 def build(case: dict[str, Any], device: str) -> tuple[Any, Any]:
-    """The model and optimizer for the case, random-init on `device`, prepared as the trainer prepares them."""
+    """The model and optimizer for the case, random-init on `device`, prepared and patched as the trainer does."""
     import torch
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     from finetune.tiny import hf_config
+    from finetune.train.chunked_loss import add_chunked_loss_head
 
     m = model_config(case)
     cfg = hf_config(m, max_position_embeddings=max(m.max_position_embeddings, case["seq_len"]))
@@ -163,6 +207,10 @@ def build(case: dict[str, Any], device: str) -> tuple[Any, Any]:
             p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02, generator=g)
     model.model.rotary_emb = LlamaRotaryEmbedding(cfg).to(device)
     model.train()
+    if not case["chunked_loss"]:
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))  # as SFTTrainer, before PEFT
     if case["method"] == "qlora":
         _quantize_linears(model, device)
         from finetune.train.models import prepare_kbit_model
@@ -175,18 +223,22 @@ def build(case: dict[str, Any], device: str) -> tuple[Any, Any]:
         lcfg = LoraConfig(
             r=16,
             lora_alpha=32,
-            lora_dropout=0.05,
+            lora_dropout=case["lora_dropout"],
             target_modules=LORA_TARGETS,
             bias="none",
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, lcfg, autocast_adapter_dtype=True)
-    if full:
-        # bf16 autocast around the model's forward only, as accelerate applies it under the Trainer (bf16=True);
-        # the chunked loss runs outside it, on the fp32 hidden states.
-        model.forward = torch.autocast(device_type=device, dtype=torch.bfloat16)(model.forward)
+        model = get_peft_model(model, lcfg, autocast_adapter_dtype=case["adapter_dtype"] == "fp32")
+        if case["adapter_dtype"] == "bf16":
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)
     if case["checkpointing"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    add_chunked_loss_head(model, case.get("chunk_size", 1024))
+    if case["autocast"]:
+        # bf16 autocast around the model's forward, as accelerate applies it under the Trainer (bf16=True)
+        model.forward = torch.autocast(device_type=device, dtype=torch.bfloat16)(model.forward)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if case.get("optimizer") == "adamw_8bit":
         import bitsandbytes as bnb
@@ -232,7 +284,7 @@ def _quantize_linears(model: Any, device: str) -> None:
 def run_case(case: dict[str, Any], steps: int) -> dict[str, Any]:
     """Build, train `steps` steps, and measure; runs in a fresh process (see main)."""
     import torch
-    from bench_planner import Case, loss_step
+    from bench_planner import Case, loss_step, packed_position_ids
 
     device = "cpu" if case["hardware"] == "cpu" else "cuda"
     cuda = device == "cuda"
@@ -247,6 +299,7 @@ def run_case(case: dict[str, Any], steps: int) -> dict[str, Any]:
     )  # fmt: skip
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, m.vocab_size, (1, case["seq_len"]), generator=g).to(device)
+    position_ids = packed_position_ids(case["seq_len"]).to(device) if case["packed"] else None
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the build's freed blocks (bf16 weights before quantization) are not the step's
@@ -256,7 +309,7 @@ def run_case(case: dict[str, Any], steps: int) -> dict[str, Any]:
     done = 0
     for i in range(steps):
         t = time.time()
-        loss, _ = loss_step(model, ids, ids, spec)
+        loss = loss_step(model, ids, ids, spec, position_ids)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -317,7 +370,8 @@ def detect_gpu() -> dict[str, Any]:
 
 
 def estimate_fits(case: dict[str, Any], device_gb: float) -> bool:
-    return plan_terms(case)["total"] <= device_gb
+    terms = plan_terms(case)
+    return terms is None or terms["total"] <= device_gb
 
 
 def versions() -> dict[str, str]:
@@ -338,8 +392,10 @@ def _error(plan: float, measured: Optional[float]) -> Optional[float]:
 
 def summarize(case: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
     plan = plan_terms(case)
-    row = dict(case=case, result=res, plan_gb={k: round(v, 4) for k, v in plan.items()})
-    if res.get("status") == "ok":
+    row = dict(
+        case=case, result=res, plan_gb=None if plan is None else {k: round(v, 4) for k, v in plan.items()}
+    )
+    if res.get("status") == "ok" and plan is not None:
         if "max_allocated_gb" in res:
             row["error_allocated_vs_terms"] = _error(plan["tensors"], res["max_allocated_gb"])
         row["error_device_vs_total"] = _error(plan["total"], res["device_peak_gb"])
@@ -371,7 +427,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         return "-" if x is None else fmt.format(x)
 
     for row in rows:
-        c, r, p = row["case"], row["result"], row["plan_gb"]
+        c, r, p = row["case"], row["result"], row["plan_gb"] or {}
         status = r.get("status", "?") + (f": {r['reason']}" if r.get("reason") else "")
         lines.append(
             "| "
@@ -383,11 +439,11 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                     f(r.get("max_allocated_gb")),
                     f(r.get("max_reserved_gb")),
                     f(r.get("device_peak_gb")),
-                    f(p["tensors"]),
-                    f(p["total"]),
+                    f(p.get("tensors")),
+                    f(p.get("total")),
                     f(row.get("error_allocated_vs_terms"), "{:+.1%}"),
                     f(row.get("error_device_vs_total"), "{:+.1%}"),
-                    *(f(p[t]) for t in TERMS),
+                    *(f(p.get(t)) for t in TERMS),
                     f(r.get("tokens_per_s"), "{:,.0f}"),
                     f(r.get("mfu"), "{:.1%}"),
                 ]
@@ -431,7 +487,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for base in cases:
         if args.only and args.only not in base["name"]:
             continue
-        case = dict(base, hardware=profile, host_memory_gb=host_gb)
+        case = trainer_case(dict(base, hardware=profile, host_memory_gb=host_gb))
         if gpu:
             case["peak_bf16_tflops"] = gpu["peak_bf16_tflops"]
         left = args.budget_s - (time.time() - start)

@@ -11,6 +11,10 @@ requires grad, as it does for every layer but the first in a real model.
 
 Cases: full fine-tuning; LoRA r=16 on all seven projections with fp32 adapters
 (PEFT's default upcast) or bf16 adapters, without dropout or with dropout 0.05;
+fp32 adapters under bf16 autocast (what the trainer runs: accelerate's mixed
+precision); everything in fp32 (method.precision=fp32); packed rows (a
+block-diagonal boolean mask, two samples per row: per layer the measurement is
+then a per-token figure plus the mask's [T, T] bias, `attention_mask_bytes`);
 non-reentrant activation checkpointing around the layer (full and LoRA); QLoRA
 (bitsandbytes NF4 Linear4bit + bf16 LoRA) where bitsandbytes runs on the CPU.
 Also the once-per-model term: final RMSNorm + lm_head + transformers' plain
@@ -22,8 +26,9 @@ measured vs formula. Takes about 11 minutes on 2 CPU cores (the 70B layer has
 1.7 GB of bf16 weights); needs about 8 GB of RAM.
 
 Usage:
-    /tmp/venv/bin/python scripts/measure_activations.py            # measure all, write the json
-    /tmp/venv/bin/python scripts/measure_activations.py --check    # only compare the stored json with the formula
+    python scripts/measure_activations.py                       # measure all, write the json
+    python scripts/measure_activations.py --cases lora_fp32_autocast,full_fp32   # re-measure some, keep the rest
+    python scripts/measure_activations.py --check               # only compare the stored json with the formula
 """
 
 from __future__ import annotations
@@ -66,9 +71,25 @@ CASES: dict[str, dict[str, Any]] = {
     "qlora": dict(method="qlora", adapter_bytes=2),
     "qlora_dropout": dict(method="qlora", adapter_bytes=2, lora_dropout=True),
     "lora_bf16_r64": dict(method="lora", adapter_bytes=2, lora_rank=64),
+    # what the trainer runs: accelerate's bf16 autocast around a bf16 base with fp32 adapters
+    "lora_fp32_autocast": dict(method="lora", adapter_bytes=4, autocast=True),
+    "lora_fp32_autocast_dropout": dict(method="lora", adapter_bytes=4, autocast=True, lora_dropout=True),
+    # method.precision=fp32: every weight and activation fp32
+    "full_fp32": dict(method="full", dtype_bytes=4),
+    "lora_fp32_base": dict(method="lora", adapter_bytes=4, dtype_bytes=4),
+    "lora_fp32_base_dropout": dict(method="lora", adapter_bytes=4, dtype_bytes=4, lora_dropout=True),
+    # bf16 adapters on an fp32 base (QLoRA's bf16 default where the precision is fp32, as on the CPU)
+    "lora_bf16_fp32_base": dict(method="lora", adapter_bytes=2, dtype_bytes=4),
+    # packed rows: a block-diagonal boolean mask (two samples per row), as transformers builds from position_ids
+    "full_packed": dict(method="full", packed=True),
+    "lora_bf16_packed": dict(method="lora", adapter_bytes=2, packed=True),
+    "full_fp32_packed": dict(method="full", dtype_bytes=4, packed=True),
 }
 # too slow to quantize or not informative at the big shapes (the small ones cover them)
-SMALL_ONLY = ("qlora", "qlora_dropout", "lora_bf16_r64")
+SMALL_ONLY = (
+    "qlora", "qlora_dropout", "lora_bf16_r64", "lora_fp32_autocast_dropout", "full_fp32", "lora_fp32_base",
+    "lora_fp32_base_dropout", "full_packed", "lora_bf16_packed", "full_fp32_packed", "lora_bf16_fp32_base",
+)  # fmt: skip
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 HEAD_VOCABS = (1000, 8192, 32000)
 HEAD_HIDDENS = (256, 1024, 4096)
@@ -204,6 +225,18 @@ def build_layer(shape: tuple[int, int, int, int, int, bool], case: str, base: An
     return get_peft_model(layer, lcfg, autocast_adapter_dtype=kw.get("adapter_bytes", 2) == 4)
 
 
+def packed_mask(tokens: int) -> Any:
+    """A block-diagonal causal boolean mask [1, 1, T, T]: two samples packed in one row."""
+    import torch
+
+    mask = torch.zeros(1, 1, tokens, tokens, dtype=torch.bool)
+    half = tokens // 2
+    for start, end in ((0, half), (half, tokens)):
+        n = end - start
+        mask[..., start:end, start:end] = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    return mask
+
+
 def measure_layer(
     shape: tuple[int, int, int, int, int, bool],
     case: str,
@@ -213,20 +246,30 @@ def measure_layer(
 ) -> int:
     """Bytes saved for backward by one decoder layer over `tokens` tokens (batch 1).
 
-    `autocast` (full fine-tuning cases): fp32 weights and an fp32 residual stream under bf16 autocast,
-    as the trainer runs full fine-tuning without DeepSpeed; autocast's bf16 weight copies are saved
-    too, a constant per layer (the formula's per-token figure is the slope over two token counts).
+    The case's `autocast` (or `autocast=True` here, for full fine-tuning): bf16 autocast around the
+    forward, as accelerate runs it; full fine-tuning then has fp32 weights and an fp32 residual stream,
+    LoRA a bf16 base with fp32 adapters. Autocast's bf16 weight copies are saved too, a constant per
+    layer (the formula's per-token figure is the slope over two token counts). `dtype_bytes=4`: the layer
+    (adapters included) and its input in fp32. `packed`: a two-sample block-diagonal mask, whose bias
+    each layer saves (`attention_mask_bytes`, not per token).
     """
     import contextlib
 
     import torch
     from torch.utils.checkpoint import checkpoint
 
+    kw = CASES[case]
+    autocast = autocast or kw.get("autocast", False)
     hidden, head_dim = shape[0], shape[4]
     layer = layer if layer is not None else build_layer(shape, case)
-    dtype = torch.float32 if autocast else torch.bfloat16
-    if autocast:
+    fp32 = kw.get("dtype_bytes", 2) == 4 or (autocast and kw["method"] == "full")
+    dtype = torch.float32 if fp32 else torch.bfloat16
+    if fp32:
         layer = layer.float()
+        if kw.get("adapter_bytes") == 2 and kw["method"] != "full":
+            for p in layer.parameters():  # finetune/train/models.py's cast of bf16 adapters
+                if p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)
     layer.train()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, tokens, hidden, generator=g).to(dtype).requires_grad_(True)
@@ -235,12 +278,13 @@ def measure_layer(
     freqs = position_ids[..., None].float() * inv_freq  # as LlamaRotaryEmbedding.forward
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-    kwargs = dict(attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin))
-    # the layer's parameters, and cos/sin, which the model computes once and shares across its layers
-    exclude = [p for p in layer.parameters()] + [cos, sin]
+    mask = packed_mask(tokens) if kw.get("packed") else None
+    kwargs = dict(attention_mask=mask, position_ids=position_ids, position_embeddings=(cos, sin))
+    # the layer's parameters, and cos/sin and the boolean mask, which the model makes once for all its layers
+    exclude = [p for p in layer.parameters()] + [cos, sin] + ([mask] if mask is not None else [])
     amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with amp, SavedBytes(exclude) as saved:
-        if CASES[case].get("checkpointing"):
+        if kw.get("checkpointing"):
             out = checkpoint(layer, x, use_reentrant=False, **kwargs)
         else:
             out = layer(x, **kwargs)
@@ -295,6 +339,24 @@ def formula(shape: tuple[int, int, int, int, int, bool], case: str) -> int:
     )
 
 
+def formula_bytes(row: dict[str, Any]) -> int:
+    """The formula's bytes for a stored layer row: per token x tokens, plus the packed mask's bias and, under
+    autocast, the bf16 copies of the adapters' fp32 weights (constants per layer)."""
+    from finetune.planner._activations import attention_mask_bytes, autocast_weight_copy_bytes
+
+    kw = CASES[row["case"]]
+    tokens = row["tokens"]
+    out = formula(tuple(row["dims"]), row["case"]) * tokens  # type: ignore[arg-type]
+    if kw.get("packed"):
+        out += attention_mask_bytes(tokens=tokens, rows=1, dtype_bytes=kw.get("dtype_bytes", 2))
+    if kw.get("autocast") and kw["method"] != "full":
+        hidden, inter, heads, kv, head_dim, _ = row["dims"]
+        per_rank = hidden + heads * head_dim + 2 * (hidden + kv * head_dim) + heads * head_dim + hidden
+        per_rank += 2 * (hidden + inter) + inter + hidden
+        out += autocast_weight_copy_bytes(kw.get("lora_rank", 16) * per_rank)
+    return out
+
+
 def qlora_works() -> bool:
     try:
         m = measure_layer(SHAPES["small_mha"], "qlora", 16)
@@ -313,18 +375,24 @@ def _token_counts(shape: tuple[int, int, int, int, int, bool], case: str, name: 
     return (64,)  # a bf16 matmul runs at ~5 GFLOP/s on 2 CPU cores: a 70B layer is 12 s for 64 tokens
 
 
-def measure_all() -> list[dict[str, Any]]:
-    """Every shape x case (layer) and hidden x vocab (head); two token counts each, one for most big-shape cases."""
+def measure_all(only: Any = None) -> list[dict[str, Any]]:
+    """Every shape x case (layer) and hidden x vocab (head); two token counts each, one for most big-shape cases.
+
+    `only`: a set of case names to measure (the head rows are then skipped).
+    """
     rows: list[dict[str, Any]] = []
-    cases = list(CASES)
-    if not qlora_works():
+    cases = [c for c in CASES if only is None or c in only]
+    if any(c.startswith("qlora") for c in cases) and not qlora_works():
         cases = [c for c in cases if not c.startswith("qlora")]
     for name, shape in SHAPES.items():
         big = name in BIG
+        todo = [
+            c for c in cases if not (big and c in SMALL_ONLY and not (name == "llama3_1_8b" and c == "qlora"))
+        ]
+        if not todo:
+            continue
         base = base_layer(shape)
-        for case in cases:
-            if big and case in SMALL_ONLY and not (name == "llama3_1_8b" and case == "qlora"):
-                continue
+        for case in todo:
             t0 = time.time()
             layer = build_layer(shape, case, base)
             for tokens in _token_counts(shape, case, name):
@@ -341,10 +409,12 @@ def measure_all() -> list[dict[str, Any]]:
                 )
             del layer
             print(
-                f"  {name:14s} {case:18s} {rows[-1]['bytes_per_token']:>12,.1f}  ({time.time() - t0:.1f}s)",
+                f"  {name:14s} {case:26s} {rows[-1]['bytes_per_token']:>12,.1f}  ({time.time() - t0:.1f}s)",
                 flush=True,
             )
         del base
+    if only is not None:
+        return rows
     for trainable in (True, False):
         case = "head_trainable" if trainable else "head_frozen"
         for hidden in HEAD_HIDDENS:
@@ -371,19 +441,19 @@ def report(rows: list[dict[str, Any]]) -> float:
     from finetune.planner._activations import model_bytes_per_token
 
     worst = 0.0
-    print(f"{'shape':16s} {'case':18s} {'tokens':>6s} {'measured':>12s} {'formula':>12s} {'error':>8s}")
+    print(f"{'shape':16s} {'case':26s} {'tokens':>6s} {'measured':>14s} {'formula':>14s} {'error':>8s}")
     for r in rows:
         if r["case"].startswith("head"):
             hidden, vocab = r["dims"]
-            f = model_bytes_per_token(
+            f = r["tokens"] * model_bytes_per_token(
                 hidden=hidden, vocab=vocab, trainable_head=r["case"] == "head_trainable"
             )
         else:
-            f = formula(tuple(r["dims"]), r["case"])  # type: ignore[arg-type]
-        m = r["bytes_per_token"]
+            f = formula_bytes(r)
+        m = r["bytes"]
         err = (f - m) / m
         worst = max(worst, abs(err))
-        print(f"{r['shape']:16s} {r['case']:18s} {r['tokens']:>6d} {m:>12,.1f} {f:>12,d} {err:>+8.3%}")
+        print(f"{r['shape']:16s} {r['case']:26s} {r['tokens']:>6d} {m:>14,d} {f:>14,d} {err:>+8.3%}")
     print(f"worst relative error: {worst:.4%}")
     return worst
 
@@ -391,6 +461,9 @@ def report(rows: list[dict[str, Any]]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only compare the stored json with the formula")
+    parser.add_argument(
+        "--cases", help="comma-separated cases to (re)measure; the json keeps every other row"
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     if args.check:
@@ -399,12 +472,22 @@ def main() -> None:
         import torch
         import transformers
 
+        only = None
+        if args.cases:
+            only = set(args.cases.split(","))
+            unknown = sorted(only - set(CASES))
+            if unknown:
+                parser.error(f"unknown cases: {', '.join(unknown)}")
         torch.manual_seed(0)
         t0 = time.time()
-        rows = measure_all()
+        rows = measure_all(only)
+        if only is not None:
+            kept = [r for r in json.loads(JSON_PATH.read_text())["measurements"] if r["case"] not in only]
+            rows = kept + rows
         meta = dict(
-            description="bytes saved for backward per token: per decoder layer (layer cases) or once per model "
-            "(head_*), distinct storages, parameters and rotary cos/sin excluded; bf16 weights, batch 1, SDPA, CPU",
+            description="bytes saved for backward: per decoder layer (layer cases) or once per model (head_*), "
+            "distinct storages, parameters, rotary cos/sin and the boolean mask excluded; batch 1, SDPA, CPU; "
+            "bytes_per_token = bytes / tokens (packed and autocast-LoRA rows also hold a per-layer constant)",
             script="scripts/measure_activations.py",
             torch=torch.__version__,
             transformers=transformers.__version__,

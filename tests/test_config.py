@@ -105,7 +105,8 @@ def test_method_defaults():
         "down_proj",
     ]
     q = compose(["model=tiny", "method=qlora"]).method
-    assert (q.quant_type, q.double_quant, q.compute_dtype) == ("nf4", True, "auto")
+    assert (q.quant_type, q.double_quant, q.compute_dtype, q.adapter_dtype) == ("nf4", True, "auto", "bf16")
+    assert compose(["model=tiny"]).plan.mfu is None  # the planner's per-method figure, fitted to GPU runs
     assert q.quant_compute_dtype_on("cuda") == "bf16" and q.quant_compute_dtype_on("cpu") == "fp32"
     assert compose(["model=tiny", "method=full"]).method.optimizer is None
 
@@ -191,6 +192,12 @@ def test_every_gpu_profile_plans(name: str):
         (["model.num_kv_heads=3"], "model.num_heads=4 must be a multiple of model.num_kv_heads=3"),
         (["train.max_steps=0"], "train.max_steps=0"),
         (["train.sharding=ddp", "train.offload_params=true"], "train.offload_params=true needs"),
+        (
+            ["model.architecture=phi3"],
+            "model.architecture='phi3' is not one of llama, mistral, qwen2, gemma, mixtral",
+        ),
+        (["model.num_experts=8"], "model.num_experts_per_token=0 must be in 1..8 (model.num_experts)"),
+        (["plan.mfu=0"], "plan.mfu=0"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -259,3 +259,111 @@ def test_engine_files_from_the_run_dir_match_the_plan_object(tmp_path, llama70b_
         (tmp_path / "deepspeed.json").resolve()
     )
     assert (tmp_path / "deepspeed.json").read_text() == text  # idempotent: every rank may call it
+
+
+# ---------------------------------------------------------------- every rung on every profile
+
+
+def _rungs(overrides: list[str], profile: str) -> tuple[Config, list]:
+    """Every strategy the planner may emit for the job on the profile (finetune.planner.candidates)."""
+    from finetune.planner import candidates, make_job
+
+    cfg = compose([*overrides, f"hardware={profile}", "method.optimizer=null"])
+    job = make_job(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.train.seq_len)
+    found, _ = candidates(job)
+    return cfg, found
+
+
+JOBS = [
+    ["+recipe=llama70b_full", "train.engine=deepspeed"],
+    ["+recipe=llama70b_full", "train.engine=fsdp"],
+    ["+recipe=llama70b_lora", "train.engine=fsdp"],
+    ["+recipe=llama70b_lora", "train.engine=deepspeed"],
+    ["+recipe=llama8b_qlora"],
+]
+GPU_PROFILES = sorted(
+    name for name, p in load_profiles().items() if p.device == "cuda" and p.gpu_memory_gb is not None
+)
+
+
+@pytest.mark.parametrize("profile", GPU_PROFILES)
+def test_every_rung_on_every_profile_gets_the_engine_settings_it_plans(tmp_path, profile):
+    """The planner's candidates (every strategy it may emit) written as engine files: the engine, its offload,
+    optimizer, checkpointing and batch numbers are the plan's, one for one; nothing is substituted."""
+    from transformers.training_args import OptimizerNames
+
+    from finetune.train.trainer import optimizer_name
+
+    engines = {"none": "single", "ddp": "ddp", "fsdp": "fsdp", "zero3": "deepspeed"}
+    seen = set()
+    for overrides in JOBS:
+        cfg, rungs = _rungs(overrides, profile)
+        assert rungs, (overrides, profile)
+        gpus = cfg.hardware.total_gpus
+        for s in rungs:
+            plan = {"strategy": asdict(s), "hardware": {"gpus": gpus}}
+            files = write_engine_files(cfg, plan, tmp_path)
+            kw = files.trainer_kwargs
+            engine = engines[s.sharding] if s.sharding != "none" or gpus == 1 else "ddp"
+            assert files.engine == engine, s
+            seen.add((files.engine, s.offload_optimizer, s.offload_params, s.optimizer))
+            assert kw["per_device_train_batch_size"] == s.micro_batch_size
+            assert kw["gradient_accumulation_steps"] == s.grad_accum_steps
+            if files.engine == "deepspeed":
+                ds = json.loads(files.deepspeed.read_text())
+                zero = ds["zero_optimization"]
+                assert ("offload_optimizer" in zero) is s.offload_optimizer
+                assert ("offload_param" in zero) is s.offload_params
+                # DeepSpeed's own CPU Adam exactly when the plan offloads the optimizer (the plan's adamw);
+                # otherwise the Trainer's optimizer, the plan's, runs inside ZeRO-3
+                assert ("optimizer" in ds) is s.offload_optimizer
+                assert not s.offload_optimizer or s.optimizer == "adamw"
+                assert kw["activation_checkpointing"] is s.activation_checkpointing
+            elif files.engine == "fsdp":
+                fc = kw["fsdp_config"]
+                assert fc["cpu_offload"] is s.offload_params is s.offload_optimizer  # CPUOffloadPolicy: both
+                assert fc["activation_checkpointing"] is s.activation_checkpointing
+                assert kw["activation_checkpointing"] is False
+                assert s.optimizer == "adamw"  # no 8-bit states under FSDP2
+            else:
+                assert not (s.offload_optimizer or s.offload_params)  # these engines offload nothing
+                assert kw["activation_checkpointing"] is s.activation_checkpointing
+                assert "deepspeed" not in kw and "fsdp" not in kw
+            if not s.offload_optimizer:
+                assert optimizer_name(s.optimizer, "cuda") in {o.value for o in OptimizerNames}
+    assert any(e in ("deepspeed", "fsdp") for e, *_ in seen) or gpus == 1
+
+
+@pytest.mark.parametrize(
+    "sharding,changes,needle",
+    [
+        ("fsdp", dict(optimizer="adamw_8bit"), "does not run under train.sharding=fsdp"),
+        (
+            "fsdp",
+            dict(offload_optimizer=True),
+            "FSDP2 offloads parameters, gradients and optimizer state together",
+        ),
+        (
+            "zero3",
+            dict(offload_optimizer=True, optimizer="adamw_8bit"),
+            "ZeRO-3 offloads only its own fp32 CPU Adam",
+        ),
+        ("ddp", dict(offload_optimizer=True), "data parallel replicates the whole state"),
+    ],
+)
+def test_a_hand_edited_plan_the_engine_cannot_run_is_refused(
+    tmp_path, llama70b_full, sharding, changes, needle
+):
+    from finetune.errors import LaunchError
+
+    cfg, plan = llama70b_full
+    edited = replace(
+        plan,
+        strategy=replace(
+            plan.strategy,
+            **{"sharding": sharding, "offload_optimizer": False, "offload_params": False, **changes},
+        ),
+    )
+    with pytest.raises(LaunchError, match=needle):
+        write_engine_files(cfg, edited, tmp_path)
+    assert not (tmp_path / "deepspeed.json").exists() and not (tmp_path / "accelerate_fsdp.yaml").exists()

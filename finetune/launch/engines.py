@@ -6,7 +6,10 @@ already chose between the two sharded engines when the plan was made. Every
 number DeepSpeed needs is filled in (no "auto"), and the same numbers are
 returned as `trainer_kwargs` so SFTConfig agrees with the files (HF's DeepSpeed
 integration refuses a config whose batch sizes, clipping or learning rate
-differ from the TrainingArguments).
+differ from the TrainingArguments). The settings are the plan's, one for one:
+a strategy the engine cannot run (finetune/planner/engines.py's table; the
+planner never emits one, a hand-edited plan.json might) is refused, never
+replaced by something else.
 
 The trainer (each rank) calls `engine_files(plan, run_dir)`.
 """
@@ -22,10 +25,11 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from finetune.architectures import ARCHITECTURES
 from finetune.config import Config
 from finetune.errors import LaunchError
 from finetune.launch.config import LaunchConfig
-from finetune.planner import Plan, Strategy
+from finetune.planner import Plan, Strategy, why_not
 
 DEEPSPEED_FILE = "deepspeed.json"
 ACCELERATE_FSDP_FILE = "accelerate_fsdp.yaml"
@@ -34,7 +38,6 @@ ACCELERATE_FILE = "accelerate.yaml"  # launcher=accelerate with a DDP or ZeRO-3 
 # in trainer_kwargs so both sides agree.
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPSILON = 1e-8
-DECODER_LAYERS = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer"}
 
 PlanLike = Union[Plan, Mapping[str, Any]]
 
@@ -133,7 +136,8 @@ def deepspeed_config(cfg: Config, lay: Layout) -> dict[str, Any]:
         "wall_clock_breakdown": False,
     }
     if s.offload_optimizer:
-        # ZeRO-Offload runs DeepSpeed's CPU Adam; a torch or bitsandbytes optimizer is refused with offload.
+        # ZeRO-Offload runs DeepSpeed's CPU Adam (the plan's adamw, fp32 moments on the host); without offload
+        # the Trainer's optimizer (torch AdamW or bitsandbytes' 8-bit one) runs inside ZeRO-3.
         ds["optimizer"] = {
             "type": "AdamW",
             "params": {
@@ -151,7 +155,7 @@ def deepspeed_config(cfg: Config, lay: Layout) -> dict[str, Any]:
 
 def decoder_layer_class(cfg: Config) -> str:
     try:
-        return DECODER_LAYERS[cfg.model.architecture]
+        return ARCHITECTURES[cfg.model.architecture].decoder_layer
     except KeyError:
         raise LaunchError(
             f"model.architecture={cfg.model.architecture!r}: no decoder layer class known for FSDP auto-wrap"
@@ -159,9 +163,16 @@ def decoder_layer_class(cfg: Config) -> str:
 
 
 def _fsdp_offload(s: Strategy) -> bool:
-    """FSDP2 offloads parameters, gradients and optimizer state together (CPUOffloadPolicy):
-    a plan that offloads only the optimizer gets the whole offload."""
-    return s.offload_optimizer or s.offload_params
+    """FSDP2 offloads parameters, gradients and optimizer state together (CPUOffloadPolicy): the plan says so
+    with both flags (`check_runnable` refuses one without the other)."""
+    return s.offload_params
+
+
+def check_runnable(cfg: Config, lay: Layout) -> None:
+    """Refuse a strategy the engine would not run as planned (finetune/planner/engines.py's table)."""
+    reason = why_not(lay.strategy, cfg.method.name)
+    if reason is not None:
+        raise LaunchError(f"plan.json asks for what {lay.engine} cannot run: {reason}; re-run mode=plan")
 
 
 def accelerate_config(
@@ -274,6 +285,7 @@ def write_engine_files(
     """Write deepspeed.json / accelerate_fsdp.yaml (as the plan needs) into the run dir and describe them."""
     launch = launch or launch_of(cfg)
     lay = layout(cfg, plan, launch)
+    check_runnable(cfg, lay)
     run_dir = Path(run_dir).resolve()
     s = lay.strategy
     bf16 = _bf16(cfg, lay)
@@ -291,18 +303,12 @@ def write_engine_files(
         "ddp_timeout": launch.nccl_timeout_s,
         "activation_checkpointing": s.activation_checkpointing,
     }
-    notes: list[str] = []
     ds_path: Optional[Path] = None
     acc_path: Optional[Path] = None
     if lay.engine == "deepspeed":
         ds_path = run_dir / DEEPSPEED_FILE
         _write_if_changed(ds_path, json.dumps(deepspeed_config(cfg, lay), indent=2) + "\n")
         kwargs["deepspeed"] = str(ds_path)
-        if s.offload_optimizer and s.optimizer != "adamw":
-            notes.append(
-                f"plan optimizer {s.optimizer} is replaced by DeepSpeed's CPU AdamW (fp32 moments on the host): "
-                "ZeRO-Offload does not run 8-bit optimizers"
-            )
     elif lay.engine == "fsdp":
         acc_path = run_dir / ACCELERATE_FSDP_FILE
         _write_if_changed(acc_path, yaml.safe_dump(accelerate_config(cfg, lay, launch), sort_keys=False))
@@ -310,10 +316,6 @@ def write_engine_files(
         kwargs["fsdp_config"] = fsdp_trainer_config(cfg, lay)
         # FSDP checkpoints each wrapped layer itself; the Trainer's own checkpointing would add an all-gather.
         kwargs["activation_checkpointing"] = False
-        if s.offload_optimizer and not s.offload_params:
-            notes.append(
-                "FSDP2 offloads parameters with the optimizer state (CPUOffloadPolicy): both go to host RAM"
-            )
     if launch.launcher == "accelerate" and acc_path is None:
         acc_path = run_dir / ACCELERATE_FILE
         _write_if_changed(
@@ -325,7 +327,6 @@ def write_engine_files(
         deepspeed=ds_path,
         accelerate_config=acc_path,
         trainer_kwargs=kwargs,
-        notes=tuple(notes),
     )
 
 

@@ -1,17 +1,41 @@
-"""Pre-flight planner: will the job fit, how should it run, what does it cost. Pure: no torch."""
+"""Pre-flight planner: will the job fit, how should it run, what does it cost. Pure: no torch.
 
-from finetune.planner.core import Alternative, Calibration, Estimate, Memory, Plan, Strategy, make_plan
+contract (the Plan and its parts), params (exact counts), memory (the memory model, as the
+trainer runs it), engines (which engine runs which strategy), timing (step time, cost, disk),
+search (the fastest strategy that fits; `make_plan`), calibration (per-device constants).
+"""
+
+from finetune.planner.calibration import Calibration, DeviceCalibration
+from finetune.planner.contract import Alternative, Estimate, Memory, Plan, Strategy
+from finetune.planner.engines import ENGINES, why_not
+from finetune.planner.memory import Job, Runtime, make_job, memory, runtime, tensors_gb
 from finetune.planner.params import ParamCounts, count_params, lora_params
+from finetune.planner.search import DEFAULT_CHUNKED_LOSS, candidates, make_plan
+from finetune.planner.timing import estimate, executed_flops_per_token, model_flops_per_token
 
 __all__ = [
+    "DEFAULT_CHUNKED_LOSS",
+    "ENGINES",
     "Alternative",
     "Calibration",
+    "DeviceCalibration",
     "Estimate",
+    "Job",
     "Memory",
     "ParamCounts",
     "Plan",
+    "Runtime",
     "Strategy",
+    "candidates",
     "count_params",
+    "estimate",
+    "executed_flops_per_token",
     "lora_params",
+    "make_job",
     "make_plan",
+    "memory",
+    "model_flops_per_token",
+    "runtime",
+    "tensors_gb",
+    "why_not",
 ]

@@ -3,32 +3,42 @@
 Where the coefficients come from: scripts/measure_activations.py counts, under
 `torch.autograd.graph.saved_tensors_hooks`, the distinct storages autograd keeps
 (parameters and the shared rotary cos/sin excluded) for transformers 5.24's
-LlamaDecoderLayer / Qwen2DecoderLayer with bf16 weights, batch 1, SDPA, on CPU
-(torch 2.13, peft 0.21, bitsandbytes 0.50), over 10 layer shapes from hidden 256
-to 8192; the measurements are in activations.json next to this file. Every term
-below is an integer count of saved tensors and reproduces every measurement to
-the byte (tests/test_activations.py checks it). Rerun the script after upgrading
+LlamaDecoderLayer / Qwen2DecoderLayer, batch 1, SDPA, on CPU (torch 2.13,
+peft 0.21, bitsandbytes 0.50), over 10 layer shapes from hidden 256 to 8192;
+the measurements are in activations.json next to this file. Every term below
+is an integer count of saved tensors and reproduces every measurement to the
+byte (tests/test_activations.py checks it). Rerun the script after upgrading
 torch, transformers or peft.
 
 Symbols: h hidden, I intermediate, H heads, KV kv heads, d head dim, r LoRA rank,
-a adapter bytes (2 bf16, 4 fp32). Per layer, without checkpointing:
+c the compute dtype's bytes (2 bf16, 4 fp32). Per layer, without checkpointing:
 
-    full FT           16h +  8I +  4Hd + 4KVd + 4H + 8
-    LoRA/QLoRA a=2    12h +  8I +  4Hd + 4KVd + 4H + 8 + 7ra
-    LoRA/QLoRA a=4    28h + 10I +  8Hd + 4KVd + 4H + 8 + 7ra
-    dropout > 0       (8h + 8) + (4Hd + 4KVd + 4H) + 6I + 2a(5h + Hd + I) + 7ra
+    full FT, bf16                16h +  8I + 4Hd + 4KVd + 4H + 8
+    full FT, fp32 under autocast 26h +  8I + 4Hd + 4KVd + 4H + 8   (the trainer on one GPU / DDP)
+    full FT, fp32                24h + 16I + 8Hd + 8KVd + 4H + 8
+    LoRA, bf16 adapters          12h +  8I + 4Hd + 4KVd + 4H + 8 + 14r
+    LoRA, fp32 adapters          28h + 10I + 8Hd + 4KVd + 4H + 8 + 28r   (PEFT's upcast, no autocast)
+    LoRA, fp32 adapters, autocast 18h + 8I + 6Hd + 4KVd + 4H + 8 + 14r   (the trainer's bf16 LoRA)
+    LoRA, fp32 base and adapters 16h + 16I + 8Hd + 8KVd + 4H + 8 + 28r
 
-Caveats: measured on CPU. There, dropout keeps an a-byte noise tensor per
-adapted input; CUDA's fused dropout keeps a 1-byte mask instead, so with dropout
-this over-counts by (a - 1)(5h + Hd + I) on a GPU (conservative). CUDA's flash /
-memory-efficient SDPA keep the same output and fp32 logsumexp (4H, possibly
-padded to a multiple of 32-128 tokens) plus a few bytes of RNG state. Eager
-attention would add a term growing with sequence length; it is not modelled.
+LoRA dropout > 0 replaces the shared adapter inputs by, per adapted input (q, k,
+v, gate, up: h; o: H*d; down: I), the dropout's output (the adapter's bytes, or
+bf16 under autocast) and its mask: an a-byte noise tensor on the CPU, a 1-byte
+bool mask on CUDA (`device`). QLoRA measures the same as LoRA (the NF4 base
+keeps nothing per token).
+
+Packed rows (the collator's position_ids restart per sample; transformers then
+builds a block-diagonal mask for SDPA): repeat_kv copies k and v to every head,
+2c(Hd - KVd) more per token, and SDPA converts the boolean mask to an additive
+c-byte [T, T] bias per row that each layer saves (`attention_mask_bytes`): 134 MB a
+layer at 8,192 tokens. Measured on the CPU; CUDA's memory-efficient kernel takes
+the same bias (the flash kernel takes no mask).
 """
 
 from __future__ import annotations
 
 METHODS = ("full", "lora", "qlora")
+DEVICES = ("cpu", "cuda")
 
 
 def layer_bytes_per_token(
@@ -45,55 +55,82 @@ def layer_bytes_per_token(
     attention_bias: bool = False,
     lora_rank: int = 16,
     autocast: bool = False,
+    dtype_bytes: int = 2,
+    device: str = "cpu",
+    packed: bool = False,
+    fp32_norm_product: bool = False,
 ) -> int:
-    """Bytes one decoder layer keeps for backward per token (bf16 weights, SDPA).
+    """Bytes one decoder layer keeps for backward per token (SDPA, batch rows of one sequence each).
 
-    `autocast` (full fine-tuning only): fp32 weights under bf16 autocast, as the trainer runs full
-    fine-tuning without DeepSpeed. The residual stream is then fp32: 10 x hidden more a layer, and
-    with checkpointing the kept input is fp32 (4 x hidden). Autocast's bf16 copy of every weight is
-    saved too, a constant per layer, not per token (`autocast_weight_copy_bytes`).
-
-    `method` is "full", "lora" or "qlora" (LoRA on all seven projections; QLoRA
-    measures the same as LoRA: the NF4 base keeps nothing per token). With
-    `checkpointing` this is what each checkpointed layer keeps, its bf16 input
-    (2 x hidden); the planner must add ONE layer's non-checkpointed figure for
-    the layer being recomputed during backward. `attention_bias` (Qwen2's q/k/v
-    biases) changes nothing: measured, the bias add keeps no tensor.
+    `method` is "full", "lora" or "qlora" (LoRA on all seven projections). `dtype_bytes` is the
+    compute dtype: 2 (bf16 weights) or 4 (everything fp32). `autocast` is accelerate's bf16 autocast
+    around the forward: for full fine-tuning, fp32 weights under it (the residual stream is then fp32:
+    10 x hidden more a layer, and autocast's bf16 copy of every weight is saved too, a constant per
+    layer: `autocast_weight_copy_bytes`); for LoRA on a bf16 base, PEFT's fp32 cast of each adapter
+    input is cast back to bf16 (fp32 adapters keep 2 bytes a value instead of 4; bf16 adapters are
+    unchanged, measured). With `checkpointing` this is what each checkpointed layer keeps, its input
+    (2 x hidden, 4 x hidden when the residual stream is fp32); the planner adds ONE layer's
+    non-checkpointed figure for the layer being recomputed during backward. `attention_bias` (Qwen2's
+    q/k/v biases) changes nothing: measured, the bias add keeps no tensor. `fp32_norm_product`: Gemma's
+    RMSNorm multiplies by (1 + weight) in fp32, so a trainable norm keeps its normalized input in fp32
+    (2 x hidden more a norm; measured, as is everything else of Gemma's layer equal to Llama's).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if adapter_bytes not in (2, 4):
         raise ValueError(f"adapter_bytes must be 2 (bf16) or 4 (fp32), got {adapter_bytes!r}")
+    if dtype_bytes not in (2, 4):
+        raise ValueError(f"dtype_bytes must be 2 (bf16) or 4 (fp32), got {dtype_bytes!r}")
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    if autocast and dtype_bytes == 4 and method != "full":
+        raise ValueError("autocast: bf16 autocast runs on a bf16 base (dtype_bytes=2) for LoRA")
     h, inter, q_dim, kv_dim = hidden, intermediate, heads * head_dim, kv_heads * head_dim
-    if autocast and method != "full":
-        raise ValueError("autocast applies to full fine-tuning (adapters train on a 16-bit base)")
+    c = dtype_bytes
+    fp32_residual = c == 4 or (autocast and method == "full")
     if checkpointing:
-        return (4 if autocast else 2) * h  # the layer input, saved by torch.utils.checkpoint
-    # attention: q and k after rotary, v (all bf16), SDPA's output (bf16) and fp32 logsumexp per head;
-    # o_proj's input is a view of SDPA's output.
-    attention = 2 * q_dim + 2 * kv_dim + 2 * kv_dim + 2 * q_dim + 4 * heads
-    # each RMSNorm: its fp32 upcast of the input, and the fp32 rsqrt per token
+        return (4 if fp32_residual else 2) * h  # the layer input, saved by torch.utils.checkpoint
+    # attention: q and k after rotary, v, SDPA's output and its fp32 logsumexp per head; o_proj's input is
+    # a view of SDPA's output. Packed rows: repeat_kv's copies of k and v for every head.
+    attention = c * (2 * q_dim + 2 * kv_dim) + 4 * heads
+    if packed:
+        attention += 2 * c * (q_dim - kv_dim)
+    # each RMSNorm: its fp32 upcast of the input (the input itself when it is fp32), and the fp32 rsqrt
     norms = 2 * (4 * h + 4)
-    # gate, up and silu(gate) outputs, bf16
-    mlp = 3 * 2 * inter
+    # gate, up and silu(gate) outputs
+    mlp = 3 * c * inter
     if method == "full":
-        # each RMSNorm also keeps its bf16 normalized input to the weight product (for the norm weight's
-        # grad) and its output (for the projections' weight grads); down_proj keeps act*up.
-        # under autocast, the fp32 residual stream: the norms' inputs and normalized outputs are fp32 and
-        # each projection saves its own bf16 cast of its input (measured: exactly 10 x hidden more)
-        return norms + 2 * (2 * h + 2 * h) + attention + mlp + 2 * inter + (10 * h if autocast else 0)
+        # each RMSNorm also keeps its normalized input to the weight product (for the norm weight's grad)
+        # and its output (for the projections' weight grads); down_proj keeps act*up. Under autocast the
+        # residual stream is fp32: the norms' inputs and normalized outputs are fp32 and each projection
+        # saves its own bf16 cast of its input (measured: exactly 10 x hidden more than bf16).
+        wider = 4 * h if fp32_norm_product and not fp32_residual else 0
+        return norms + 2 * c * (2 * h) + attention + mlp + c * inter + (10 * h if autocast else 0) + wider
     a = adapter_bytes
-    lora_a_outputs = 7 * lora_rank * a  # kept by each lora_B
+    adapted = 5 * h + q_dim + inter  # the inputs of the seven adapters (q, k, v, gate, up share h)
+    kept = 2 if autocast and a == 4 else a  # what each adapter's lora_A keeps of its input
+    lora_a_outputs = 7 * lora_rank * kept  # kept by each lora_B
     if lora_dropout:
-        # per adapted input (q, k, v, gate, up: h; o: H*d; down: I): the dropout noise and its output, a bytes each
-        adapter_inputs = 2 * a * (5 * h + q_dim + inter)
-    elif a == 4:
-        # PEFT casts each adapter's input to fp32 separately: five copies of h, one of H*d, one of I
-        adapter_inputs = a * (5 * h + q_dim + inter)
+        # the dropout's output (kept by lora_A) and its mask: CUDA's fused dropout keeps a bool, the CPU's a
+        # noise tensor in the dtype it ran in (fp32 under autocast: it drops out PEFT's fp32 copy)
+        mask = 1 if device == "cuda" else a
+        adapter_inputs = (kept + mask) * adapted
+    elif a != c:
+        # PEFT casts each adapter's input to the adapter dtype separately (under autocast, and cast back)
+        adapter_inputs = kept * adapted
     else:
-        # bf16 adapters keep the base layers' own inputs: the two norm outputs and act*up (o's is SDPA's)
-        adapter_inputs = 2 * h + 2 * h + 2 * inter
+        # same-dtype adapters keep the base layers' own inputs: the two norm outputs and act*up (o's is SDPA's)
+        adapter_inputs = c * (2 * h + inter)
     return norms + attention + mlp + adapter_inputs + lora_a_outputs
+
+
+def attention_mask_bytes(*, tokens: int, rows: int, dtype_bytes: int = 2) -> int:
+    """The additive [T, T] bias SDPA makes from a packed row's boolean mask, per layer (each layer saves its own).
+
+    Per micro-batch of `rows` rows of `tokens` tokens, in the compute dtype (bf16 under autocast too:
+    the query is bf16). Measured to the byte on the CPU (scripts/measure_activations.py, packed cases).
+    """
+    return rows * tokens * tokens * dtype_bytes
 
 
 def model_bytes_per_token(
@@ -102,27 +139,28 @@ def model_bytes_per_token(
     vocab: int,
     plain_loss: bool = True,
     trainable_head: bool = True,
-    chunked_loss: bool = False,
+    head_in_model: bool = True,
     autocast: bool = False,
+    dtype_bytes: int = 2,
+    fp32_norm_product: bool = False,
 ) -> int:
-    """Bytes kept once per model per token: final RMSNorm, lm_head input, plain cross-entropy.
+    """Bytes kept once per model per token: final RMSNorm, and (when the model runs it) the LM head's input.
 
-    Measured with transformers' ForCausalLMLoss (fp32 upcast of the logits): the fp32
-    log-softmax (4 x vocab) and the int64 labels (8). `plain_loss=False` leaves out both
-    (the planner counts the loss's peak in its own term). A frozen head and norm (LoRA,
-    QLoRA: `trainable_head=False`) keep 4 x hidden less. With `chunked_loss` the model
-    never runs its head, so a trainable head's input is not saved there (the chunked
-    loss returns the hidden states' gradient instead, counted with the loss). Under `autocast` (full
-    fine-tuning with fp32 weights) the final norm's normalized input is fp32: 2 x hidden more.
+    Measured with transformers' ForCausalLMLoss (fp32 upcast of the logits): the fp32 log-softmax
+    (4 x vocab) and the int64 labels (8): `plain_loss`. The trainer takes neither: both its loss paths
+    (the project's chunked loss and TRL's fused head) run the head themselves on the backbone's last
+    hidden state (`head_in_model=False`), and the planner counts what they keep in its loss term. A
+    frozen norm and head (LoRA, QLoRA: `trainable_head=False`) keep neither the normalized input nor the
+    head's input. Under `autocast` (full
+    fine-tuning with fp32 weights) or with fp32 weights (`dtype_bytes=4`) the normalized input is fp32.
     """
     h = hidden
-    kept = 4 * h + 4  # the norm's fp32 upcast and rsqrt
+    wide = 4 if autocast or dtype_bytes == 4 or fp32_norm_product else 2
+    kept = 4 * h + 4  # the norm's fp32 upcast (or fp32 input) and rsqrt
     if trainable_head:
-        kept += 2 * h  # normalized bf16 input of the norm weight
-        if autocast:
-            kept += 2 * h  # ... in fp32
-        if not chunked_loss:
-            kept += 2 * h  # lm_head's input
+        kept += wide * h  # normalized input of the norm weight
+        if head_in_model:
+            kept += (2 if autocast else dtype_bytes) * h  # lm_head's input, for its weight's gradient
     if plain_loss:
         kept += 4 * vocab + 8
     return kept
@@ -131,7 +169,7 @@ def model_bytes_per_token(
 def autocast_weight_copy_bytes(linear_params: int) -> int:
     """Autocast's bf16 copies of fp32 weights, saved for backward: 2 bytes a weight of every linear that ran.
 
-    Measured per layer (and for the LM head under a plain loss), whatever the token count; with
-    checkpointing only the layer being recomputed holds its copies.
+    Measured per layer whatever the token count (full fine-tuning's fp32 weights; LoRA's fp32 adapters);
+    with checkpointing only the layer being recomputed holds its copies.
     """
     return 2 * linear_params

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from finetune.architectures import ARCHITECTURES, LLAMA_PROJECTIONS
 from finetune.config import MethodConfig, ModelConfig
-
-# (d_in, d_out) of each projection a LoRA adapter can target, per decoder layer.
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from finetune.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class ParamCounts:
     embedding: int  # input embedding (V x h)
     lm_head: int  # 0 when tied to the embedding
-    linear_per_layer: int  # the seven projections of one decoder layer (weights only)
+    linear_per_layer: (
+        int  # the linear weights of one decoder layer (a MoE layer: every expert and the router)
+    )
     other_per_layer: int  # norms and biases of one decoder layer
     final_norm: int
     num_layers: int
@@ -37,10 +38,19 @@ class ParamCounts:
         """What QLoRA keeps in 16 bits: embeddings, the output layer, norms and biases."""
         return self.total - self.linear
 
+    @property
+    def head(self) -> int:
+        """The LM head's weights (the embedding's, when tied): V x h, a matmul every token runs."""
+        return self.lm_head or self.embedding
+
 
 def projection_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(d_in, d_out) of each Llama-style projection of one decoder layer (one expert's for a MoE MLP)."""
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    h, i = m.hidden_size, m.intermediate_size
+    h = m.hidden_size
+    i = m.intermediate_size
+    if m.num_experts and m.moe_intermediate_size:
+        i = m.moe_intermediate_size
     return {
         "q_proj": (h, q),
         "k_proj": (h, kv),
@@ -54,26 +64,39 @@ def projection_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def count_params(m: ModelConfig) -> ParamCounts:
     shapes = projection_shapes(m)
-    linear = sum(d_in * d_out for d_in, d_out in shapes.values())
+    attention = sum(d_in * d_out for name, (d_in, d_out) in shapes.items() if name[0] in "qkvo")
+    mlp = sum(d_in * d_out for name, (d_in, d_out) in shapes.items() if name[0] not in "qkvo")
+    if m.num_experts:
+        mlp = m.num_experts * mlp + m.hidden_size * m.num_experts  # every expert, and the router
     bias = (shapes["q_proj"][1] + shapes["k_proj"][1] + shapes["v_proj"][1]) if m.attention_bias else 0
     embedding = m.vocab_size * m.hidden_size
     return ParamCounts(
         embedding=embedding,
         lm_head=0 if m.tie_embeddings else embedding,
-        linear_per_layer=linear,
+        linear_per_layer=attention + mlp,
         other_per_layer=2 * m.hidden_size + bias,
         final_norm=m.hidden_size,
         num_layers=m.num_layers,
     )
 
 
+def check_target_modules(m: ModelConfig, method: MethodConfig) -> None:
+    """Every `method.target_modules` name must be a linear module of the architecture's decoder layers."""
+    valid = ARCHITECTURES[m.architecture].projections
+    unknown = [name for name in method.target_modules if name not in valid]
+    if unknown:
+        raise ConfigError(
+            f"method.target_modules has {', '.join(unknown)}, which {m.architecture} layers do not have "
+            f"(its linear modules: {', '.join(valid)})"
+        )
+
+
 def lora_params(m: ModelConfig, method: MethodConfig) -> int:
     """r x (d_in + d_out) per targeted projection, over all decoder layers."""
+    check_target_modules(m, method)
     shapes = projection_shapes(m)
-    unknown = sorted(set(method.target_modules) - set(_PROJECTIONS))
-    if unknown:
-        from finetune.errors import ConfigError
-
-        raise ConfigError(f"method.target_modules has {', '.join(unknown)}; valid: {', '.join(_PROJECTIONS)}")
     per_layer = sum(method.lora_rank * sum(shapes[name]) for name in method.target_modules)
     return per_layer * m.num_layers
+
+
+__all__ = ["LLAMA_PROJECTIONS", "ParamCounts", "check_target_modules", "count_params", "lora_params"]

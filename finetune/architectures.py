@@ -1,0 +1,63 @@
+"""The decoder architectures the planner models, and what each one is made of (pure: stdlib only).
+
+One table for every consumer: the config's validation (`model.architecture`),
+the planner's parameter counts and LoRA targets, the config.json reader
+(finetune/stages.py, through transformers' AutoConfig) and FSDP's auto-wrap
+class (finetune/launch/engines.py). A family is planned only where its decoder
+layer is the Llama layer the activation formulas were measured on
+(finetune/planner/_activations.py): RMSNorm, rotary attention through SDPA,
+separate q/k/v/o projections, a gated MLP of gate/up/down projections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+# The seven linear layers of a Llama-style decoder layer, as PEFT names them.
+LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # transformers' model_type
+    decoder_layer: str  # the class FSDP wraps, one unit per layer
+    projections: tuple[str, ...]  # a decoder layer's linear modules (PEFT's target_modules)
+    attention_bias: bool  # q/k/v biases (Qwen2 has them, its config does not say so)
+    mixture_of_experts: bool = False
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture("llama", "LlamaDecoderLayer", LLAMA_PROJECTIONS, attention_bias=False),
+    "mistral": Architecture("mistral", "MistralDecoderLayer", LLAMA_PROJECTIONS, attention_bias=False),
+    "qwen2": Architecture("qwen2", "Qwen2DecoderLayer", LLAMA_PROJECTIONS, attention_bias=True),
+    "gemma": Architecture("gemma", "GemmaDecoderLayer", LLAMA_PROJECTIONS, attention_bias=False),
+    # Counted exactly (the plan refuses it with its real size): Llama attention, and in each layer a router
+    # and `num_experts` gate/up/down experts of which `num_experts_per_token` run per token.
+    "mixtral": Architecture(
+        "mixtral", "MixtralDecoderLayer", ("q_proj", "k_proj", "v_proj", "o_proj"), False, True
+    ),
+}
+PLANNED = tuple(name for name, a in ARCHITECTURES.items() if not a.mixture_of_experts)
+
+# Families a config.json may name that the planner refuses, and why (one line each).
+REFUSED: dict[str, str] = {
+    "phi3": "fuses its projections (qkv_proj, gate_up_proj), which the planner's counts and activation "
+    "formulas (separate q/k/v and gate/up projections) do not model",
+    "qwen2_moe": "is a mixture of experts with shared experts, which the planner does not model",
+    "qwen3_moe": "is a mixture of experts, which the planner does not model",
+    "deepseek_v3": "is a mixture of experts with latent attention, which the planner does not model",
+    "deepseek_v2": "is a mixture of experts with latent attention, which the planner does not model",
+    "gemma2": "has four norms a layer and logit soft-capping, which the activation formulas do not model",
+    "gemma3": "has four norms a layer and q/k norms, which the activation formulas do not model",
+    "qwen3": "has q/k norms in every layer, which the activation formulas do not model",
+}
+
+
+def refusal(model_type: str) -> Optional[str]:
+    """Why a config.json's `model_type` cannot be planned, or None when it can be read."""
+    if model_type in ARCHITECTURES:
+        return None
+    if model_type in REFUSED:
+        return f"{model_type} {REFUSED[model_type]}"
+    return f"model_type {model_type!r} is not one the planner models ({', '.join(PLANNED)})"

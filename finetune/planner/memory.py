@@ -1,0 +1,388 @@
+"""The memory model: per-GPU bytes of a job under a strategy, term by term, as the trainer really runs it.
+
+`Runtime` says what runs (the engine, the dtypes, autocast), derived from the
+job and strategy by `runtime()` exactly as finetune/train sets the run up;
+measurement scripts may describe what their own harness ran instead. `memory()`
+returns the contract's terms (decimal GB) and the bytes offloaded to host RAM.
+
+What runs, per engine (finetune/train/models.py, accelerate 1.15, DeepSpeed 0.19):
+
+- one process / DDP: accelerate's bf16 autocast around the forward. Full
+  fine-tuning holds fp32 weights (their own master copy), fp32 gradients and the
+  moments: 4 + 4 + 8 bytes a parameter; the residual stream is fp32 and autocast
+  saves a bf16 copy of each weight. Adapters in `method.adapter_dtype`: fp32
+  ones 4 + 4 + 8 (PEFT casts each adapter input to fp32, autocast casts it
+  back); bf16 ones keep no fp32 master copy with torch's AdamW and bf16
+  moments: 2 + 2 + 4. DDP adds its gradient buckets.
+- FSDP2: accelerate upcasts every trainable parameter to fp32 and shards it;
+  MixedPrecisionPolicy gathers each layer in bf16 for compute (so activations
+  are bf16's, adapters compute in bf16): 4 + 4 + 8 a trainable parameter over
+  the shards, the frozen base in its dtype over the shards, two gathered layers,
+  and the tail unit (final norm and LM head; with tied weights the embedding)
+  held unsharded from the end of the forward to the start of the backward.
+- ZeRO-3 (bf16): every parameter bf16, adapters too; fp32 master and moments in
+  the optimizer's partitions: 2 + 2 + 4 + 8 over the shards, one fp32 gradient
+  buffer for an optimizer sub-group, a reduce bucket, two gathered layers, and
+  the LM head gathered whole for the loss. Optimizer offload puts the master
+  weights, moments and gradient partitions in host RAM (18 bytes a trainable
+  parameter: stage3.py's fp32 sub-group gradients and bf16 gradient partitions
+  live there too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from finetune.config import HardwareConfig, MethodConfig, ModelConfig, TrainConfig
+from finetune.planner._activations import (
+    attention_mask_bytes,
+    autocast_weight_copy_bytes,
+    layer_bytes_per_token,
+    model_bytes_per_token,
+)
+from finetune.planner.calibration import Calibration, DeviceCalibration
+from finetune.planner.contract import GB, Memory, Strategy
+from finetune.planner.params import ParamCounts, count_params, lora_params, projection_shapes
+
+# TRL's fused LM head (trl/kernels/chunked_logprob.py): tiles of this many tokens x vocabulary entries.
+TRL_TILE_TOKENS = 4096
+TRL_TILE_VOCAB = 32768
+# ZeRO-3's optimizer sub-group (our DeepSpeed JSON's sub_group_size): one fp32 gradient buffer of this size.
+ZERO3_SUB_GROUP = 1_000_000_000
+
+
+def quant_constant_bits(double_quant: bool) -> float:
+    """bitsandbytes' NF4 quantization constants per weight: an fp32 absmax per block of 64 (0.5 bits), or with
+    double quantization an 8-bit absmax per block plus an fp32 one per 256 blocks (0.127 bits)."""
+    return 8 / 64 + 32 / (64 * 256) if double_quant else 32 / 64
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything the memory terms depend on, resolved."""
+
+    model: ModelConfig
+    method: MethodConfig
+    hw: HardwareConfig
+    train: TrainConfig
+    seq_len: int
+    counts: ParamCounts
+    adapter: int  # LoRA parameters (0 for full fine-tuning)
+    cal: Calibration
+
+    @property
+    def trainable(self) -> int:
+        return self.counts.total if self.method.name == "full" else self.adapter
+
+    @property
+    def device(self) -> DeviceCalibration:
+        return self.cal.device(self.hw.device)
+
+
+def make_job(
+    model: ModelConfig,
+    method: MethodConfig,
+    hw: HardwareConfig,
+    train: TrainConfig,
+    seq_len: int,
+    cal: Optional[Calibration] = None,
+) -> Job:
+    adapter = lora_params(model, method) if method.uses_adapters else 0
+    return Job(model, method, hw, train, seq_len, count_params(model), adapter, cal or Calibration.default())
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What runs: the engine and the dtypes (bytes per value) of each kind of tensor."""
+
+    engine: str  # none | ddp | fsdp | zero3 (the plan's sharding)
+    device: str  # cpu | cuda: dropout masks and TRL's tile folding differ
+    compute: int  # 2 bf16, 4 fp32: what the matmuls run in
+    autocast: bool  # accelerate's bf16 autocast around the forward
+    full_weights: int  # full fine-tuning: bytes of a stored parameter (4 fp32, 2 under ZeRO-3's bf16)
+    adapter_storage: int  # adapters as stored and updated (2 or 4)
+    adapter_compute: int  # adapters as they multiply (the gathered dtype under FSDP2 / ZeRO-3)
+    fp32_residual: bool  # full fine-tuning's fp32 weights under autocast: the residual stream stays fp32
+    packed: bool = True  # rows carry position_ids: transformers builds a block-diagonal mask for SDPA
+
+
+def runtime(job: Job, s: Strategy) -> Runtime:
+    """What the trainer runs for this job and strategy (see the module docstring)."""
+    compute = 2 if job.method.dtype_on(job.hw.device) == "bf16" else 4
+    engine = s.sharding
+    autocast = compute == 2 and engine != "zero3"
+    full_weights = 2 if engine == "zero3" and compute == 2 else 4
+    stored = 4 if job.method.adapter_dtype == "fp32" else 2
+    if engine == "fsdp":
+        stored, adapter_compute = 4, compute  # accelerate upcasts trainable parameters; gathered in bf16
+    elif engine == "zero3":
+        stored = adapter_compute = compute  # DeepSpeed's bf16 casts every parameter
+    else:
+        adapter_compute = stored
+    fp32_residual = job.method.name == "full" and full_weights == 4 and autocast and engine in ("none", "ddp")
+    return Runtime(
+        engine, job.hw.device, compute, autocast, full_weights, stored, adapter_compute, fp32_residual
+    )
+
+
+def _shards(job: Job, s: Strategy) -> int:
+    return job.hw.total_gpus if s.sharding in ("fsdp", "zero3") else 1
+
+
+def _base_bytes(job: Job, rt: Runtime) -> float:
+    """The frozen base (adapters) or the stored weights (full fine-tuning), whole."""
+    c = job.counts
+    if job.method.name == "full":
+        return rt.full_weights * c.total
+    if job.method.name == "qlora":
+        kept = 2 if job.method.quant_compute_dtype_on(job.hw.device) == "bf16" else 4
+        return c.linear * (4 + quant_constant_bits(job.method.double_quant)) / 8 + kept * c.kept_16bit
+    return rt.compute * c.total
+
+
+def _moment_bytes(optimizer: str, param_bytes: int) -> int:
+    """Adam's two moments a parameter: in the parameter's dtype with torch's AdamW, 8-bit with bitsandbytes."""
+    return 2 if optimizer != "adamw" else 2 * param_bytes
+
+
+def trainable_state(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
+    """(on each GPU, offloaded to host per GPU) bytes of the trainable parameters' training state.
+
+    Full fine-tuning: gradients, master copy and moments (the stored weights are the `weights` term).
+    Adapters: their weights too (the base is frozen).
+    """
+    n, shards = job.trainable, _shards(job, s)
+    full = job.method.name == "full"
+    if rt.engine == "zero3":
+        weight = 0 if full else rt.compute  # adapters' partitions (full fine-tuning's are the weights term)
+        grad = rt.compute
+        master = 4 if rt.compute == 2 else 0
+        moments = _moment_bytes(s.optimizer, 4)
+        bucket = 2 * job.model.hidden_size**2  # the reduce bucket (reduce_bucket_size h x h), on the GPU
+        if s.offload_optimizer:
+            # on the host: master, moments, the fp32 gradients of each sub-group and the gradient partitions
+            host = (master + moments + 4 + grad) * n / shards
+            if s.offload_params:
+                return bucket, host + weight * n / shards
+            return weight * n / shards + bucket, host
+        sub_group = 4 * min(ZERO3_SUB_GROUP, n / shards)  # fp32 gradients of one optimizer sub-group
+        return (weight + grad + master + moments) * n / shards + sub_group + bucket, 0.0
+    if rt.engine == "fsdp":
+        weight = 0 if full else 4
+        per = weight + 4 + _moment_bytes(s.optimizer, 4)
+        if s.offload_optimizer:  # CPUOffloadPolicy: parameters, gradients and optimizer state together
+            return 0.0, per * n / shards
+        return per * n / shards, 0.0
+    param = rt.full_weights if full else rt.adapter_storage
+    weight = 0 if full else param
+    on_gpu = (weight + param + _moment_bytes(s.optimizer, param)) * n
+    if rt.engine == "ddp":
+        on_gpu += param * n  # DDP's gradient buckets hold a second copy of the gradients
+    return on_gpu, 0.0
+
+
+def _one_layer_params(c: ParamCounts) -> int:
+    return c.per_layer
+
+
+def weights(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
+    """(on each GPU, offloaded per GPU) bytes of the weights: sharded ones, and what the engine gathers."""
+    base, shards = _base_bytes(job, rt), _shards(job, s)
+    if shards == 1:
+        return base, 0.0
+    on_gpu, host = (0.0, base / shards) if s.offload_params else (base / shards, 0.0)
+    # the layer being computed and the next one (prefetch), gathered in the compute dtype
+    on_gpu += 2 * rt.compute * _one_layer_params(job.counts)
+    if rt.engine == "fsdp":
+        # the tail unit (final norm and LM head; the embedding too when tied) stays gathered across the loss
+        on_gpu += rt.compute * (job.counts.head + job.counts.final_norm)
+    return on_gpu, host
+
+
+def _layer(job: Job, rt: Runtime, checkpointing: bool) -> int:
+    """Saved bytes of one decoder layer per token (the fitted formulas of `_activations`)."""
+    m, method = job.model, job.method
+    full = method.name == "full"
+    return layer_bytes_per_token(
+        hidden=m.hidden_size,
+        intermediate=m.intermediate_size,
+        heads=m.num_heads,
+        kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        method=method.name,
+        adapter_bytes=rt.adapter_compute if rt.engine in ("fsdp", "zero3") else rt.adapter_storage,
+        lora_dropout=method.uses_adapters and method.lora_dropout > 0,
+        attention_bias=m.attention_bias,
+        lora_rank=method.lora_rank,
+        checkpointing=checkpointing,
+        autocast=rt.fp32_residual if full else rt.autocast,
+        dtype_bytes=rt.compute,
+        device=rt.device,
+        packed=rt.packed,
+        fp32_norm_product=m.architecture == "gemma",
+    )
+
+
+def _once_per_token(job: Job, rt: Runtime) -> int:
+    """The final norm's saved bytes per token (both loss paths run the head themselves)."""
+    return model_bytes_per_token(
+        hidden=job.model.hidden_size,
+        vocab=job.model.vocab_size,
+        plain_loss=False,
+        trainable_head=job.method.name == "full",
+        head_in_model=False,
+        autocast=rt.fp32_residual,
+        dtype_bytes=rt.compute,
+        fp32_norm_product=job.model.architecture == "gemma",
+    )
+
+
+def _adapter_copies(job: Job, rt: Runtime) -> int:
+    """Autocast's bf16 copies of fp32 weights saved for backward, per decoder layer."""
+    if job.method.name == "full":
+        return autocast_weight_copy_bytes(job.counts.linear_per_layer) if rt.fp32_residual else 0
+    fp32_adapters = rt.autocast and rt.adapter_storage == 4 and rt.engine in ("none", "ddp")
+    return autocast_weight_copy_bytes(job.adapter // job.model.num_layers) if fp32_adapters else 0
+
+
+def activations(job: Job, s: Strategy, rt: Runtime) -> float:
+    """Activations saved for backward across the step (per GPU; sharding does not divide them).
+
+    With checkpointing, each layer's input (and the packed rows' boolean mask, a checkpoint input shared by
+    every layer); the layer being recomputed is transient and never coincides with the loss peak, so the
+    overhead's working set counts it (`working_set`). Without, every layer's saved tensors, its packed-mask
+    bias, and autocast's bf16 copies of fp32 weights.
+    """
+    m, tokens = job.model, s.micro_batch_size * job.seq_len
+    held = (_layer(job, rt, s.activation_checkpointing) * m.num_layers + _once_per_token(job, rt)) * tokens
+    if s.activation_checkpointing:
+        if rt.packed:
+            held += s.micro_batch_size * job.seq_len**2  # the boolean mask, one byte a pair
+        return held
+    if rt.packed:
+        held += m.num_layers * _mask_bias(job, s, rt)
+    return held + m.num_layers * _adapter_copies(job, rt)
+
+
+def _mask_bias(job: Job, s: Strategy, rt: Runtime) -> int:
+    dtype = 2 if rt.fp32_residual else rt.compute  # the query's dtype: bf16 under autocast
+    return attention_mask_bytes(tokens=job.seq_len, rows=s.micro_batch_size, dtype_bytes=dtype)
+
+
+def _head_dtype(job: Job, rt: Runtime) -> int:
+    """Bytes of a value of the LM head's weight as the loss sees it."""
+    if job.method.name == "full":
+        return rt.compute if rt.engine in ("fsdp", "zero3") else rt.full_weights
+    return rt.compute
+
+
+def loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
+    """Peak bytes of the loss (the contract's `logits` term), on top of the saved activations.
+
+    Neither path builds the whole logits. The project's chunked loss (finetune/train/chunked_loss.py, inside
+    the model's forward) makes every gradient in the forward: a [chunk, V] fp32 logits buffer (1.5x with a
+    16-bit compute dtype: the chunk in bf16, its fp32 copy, then the fp32 gradient and its bf16 cast), the
+    hidden-state gradient [N, h] kept until the backward, cast copies of the hidden states and the head where
+    their dtype is not the compute dtype, and for a trainable head an fp32 accumulator [V, h] (cast to the
+    head's dtype at the end). TRL's fused head (trl/kernels/chunked_logprob.py) keeps the hidden states
+    [N, h] for its backward, which recomputes each [4096, 32768] tile in the compute dtype and accumulates
+    fp32 gradients of the hidden states and of a trainable head, each then cast to its input's dtype; on the
+    CPU torch ops fold each tile through fp32 copies (`trl_tile_fp32_copies`), on CUDA a Triton kernel folds
+    it in place. ZeRO-3 gathers the head whole for either.
+    """
+    m = job.model
+    h, vocab, tokens = m.hidden_size, m.vocab_size, s.micro_batch_size * job.seq_len
+    hidden = 4 if rt.fp32_residual or rt.compute == 4 else 2  # the backbone's output dtype
+    head = _head_dtype(job, rt)
+    c = rt.compute
+    trainable = job.method.name == "full"
+    gathered = 2 * vocab * h if rt.engine == "zero3" else 0
+    if s.chunked_loss:
+        rows = min(tokens, job.train.loss_chunk_size)
+        chunk = (job.cal.chunked_loss_peak_factor if c == 2 else 1.0) * 4 * rows * vocab
+        kept = hidden * tokens * h  # the hidden-state gradient, made in the forward
+        casts = (c * tokens * h if hidden != c else 0) + (c * vocab * h if head != c else 0)
+        rows_bytes = 2 * c * rows * h  # a chunk's rows of hidden states and of their gradient
+        accumulator = 4 * vocab * h if trainable else 0
+        if trainable and c == 2 and rt.device == "cpu":
+            # no fp32-output matmul on the CPU: the chunk's logits gradient and rows are copied to fp32 to add
+            # their product into the fp32 accumulator (chunked_loss._addmm_fp32)
+            rows_bytes += 4 * rows * (vocab + h)
+        during = chunk + casts + rows_bytes + accumulator
+        after = accumulator + (head * vocab * h if trainable and head != 4 else 0)  # the head gradient's cast
+        return gathered + kept + max(during, after)
+    tile_tokens, tile_vocab = min(tokens, TRL_TILE_TOKENS), min(vocab, TRL_TILE_VOCAB)
+    tile = tile_tokens * tile_vocab
+    kept = hidden * tokens * h + 24 * tokens  # the hidden states, and fp32 per-token statistics and outputs
+    cpu_tiles = 0.0
+    if rt.device == "cpu":
+        cpu_tiles = job.device.trl_tile_fp32_copies * 4 * tile
+        if c == 2:  # no fp32-output matmul on the CPU: the head's chunk (and a trained head's rows) go fp32
+            cpu_tiles += 4 * tile_vocab * h + (4 * tile_tokens * h if trainable else 0)
+    tile_casts = (c * tile_tokens * h if hidden != c else 0) + (c * tile_vocab * h if head != c else 0)
+    buffer = c * tile_tokens * TRL_TILE_VOCAB  # the tile buffer is 32,768 wide whatever the vocabulary
+    forward = buffer + tile_casts + cpu_tiles
+    grads = 4 * tokens * h + (4 * vocab * h if trainable else 0)  # fp32 accumulators
+    backward = grads + forward
+    end = (
+        grads
+        + (hidden * tokens * h if hidden != 4 else 0)
+        + (head * vocab * h if trainable and head != 4 else 0)
+    )
+    return gathered + kept + max(forward, backward, end)
+
+
+def working_set(job: Job, s: Strategy, rt: Runtime) -> float:
+    """Transient bytes of a layer's backward (fitted per device: `backward_working_set_layers`).
+
+    The gradients of one layer's activations while its backward runs, as a fraction of what the layer saved
+    (measured: scripts/bench_planner.py on the CPU, the GPU check on CUDA). With activation checkpointing,
+    the layer being recomputed holds its full saved activations (and its packed-mask bias, and autocast's
+    weight copies) meanwhile. QLoRA adds one projection dequantized to the compute dtype. Sharded full
+    fine-tuning adds one layer's unsharded bf16 gradients before their reduce-scatter. None of these
+    coincides with the loss peak (the loss is done before the first layer's backward), so the overhead term
+    adds only the part above it.
+    """
+    tokens = s.micro_batch_size * job.seq_len
+    layer = _layer(job, rt, checkpointing=False) * tokens
+    if rt.packed:
+        layer += _mask_bias(job, s, rt)
+    working = job.device.backward_working_set_layers * (layer + _once_per_token(job, rt) * tokens)
+    if s.activation_checkpointing:
+        working += layer + _adapter_copies(job, rt)  # the layer being recomputed
+    if job.method.name == "qlora":
+        compute = 4 if job.method.quant_compute_dtype_on(job.hw.device) == "fp32" else 2
+        working += compute * max(d_in * d_out for d_in, d_out in projection_shapes(job.model).values())
+    if job.method.name == "full" and rt.engine in ("fsdp", "zero3"):
+        working += 2 * _one_layer_params(job.counts)
+    return working
+
+
+def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory, float]:
+    """Per-GPU memory terms (GB) and host memory offloaded per GPU (bytes)."""
+    rt = rt or runtime(job, s)
+    weights_gpu, weights_host = weights(job, s, rt)
+    state_gpu, state_host = trainable_state(job, s, rt)
+    acts = activations(job, s, rt)
+    loss = loss_peak(job, s, rt)
+    dev = job.device
+    four = weights_gpu + state_gpu + acts + loss
+    overhead = dev.fixed_gb * GB + max(0.0, working_set(job, s, rt) - loss) + dev.allocator_fraction * four
+    mem = Memory(
+        weights=weights_gpu / GB,
+        trainable_state=state_gpu / GB,
+        activations=acts / GB,
+        logits=loss / GB,
+        overhead=overhead / GB,
+    )
+    return mem, weights_host + state_host
+
+
+def tensors_gb(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> float:
+    """What the allocator should see at the peak (max_memory_allocated): the four terms and the working set
+    above the loss peak, without the fixed share and the allocator's."""
+    rt = rt or runtime(job, s)
+    mem, _ = memory(job, s, rt)
+    above = max(0.0, working_set(job, s, rt) - mem.logits * GB)
+    return mem.weights + mem.trainable_state + mem.activations + mem.logits + above / GB

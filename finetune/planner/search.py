@@ -1,0 +1,446 @@
+"""The strategy search: the fastest strategy that fits and that the chosen engine runs, and `make_plan`.
+
+Every combination of the settings the user left open (`None` in the config) is
+a candidate: activation checkpointing, micro-batch size (halving down to 1,
+gradient accumulation keeping the effective batch), data parallel or the
+sharded engine (`train.engine`), 8-bit optimizer states (CUDA), optimizer and
+parameter offload. Candidates the engine cannot run are never considered
+(finetune/planner/engines.py); a setting the user fixed is never changed, and
+fixed settings no engine can run are refused with one line. Among the
+candidates that fit with `plan.headroom` to spare, the one with the least
+estimated time per token wins (ties: no sharding, exact AdamW, the larger
+micro-batch). The loss path is `train.chunked_loss`, or `DEFAULT_CHUNKED_LOSS`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import replace
+from typing import Any, Optional
+
+from finetune.architectures import ARCHITECTURES
+from finetune.config import HardwareConfig, MethodConfig, ModelConfig, PlanConfig, TrainConfig
+from finetune.errors import ConfigError, PlanError
+from finetune.planner.calibration import Calibration
+from finetune.planner.contract import GB, Alternative, Memory, Plan, Strategy
+from finetune.planner.engines import why_not
+from finetune.planner.memory import Job, make_job, memory
+from finetune.planner.params import count_params
+from finetune.planner.timing import HOURS_PER_MONTH, disk, estimate, executed_flops_per_token
+
+# The loss when train.chunked_loss is unset: the project's chunked loss (True) or TRL's fused LM head (False).
+# Measured on an H200 (DESIGN.md, 8B shape, 4 layers, 8,192 tokens): ours 40,177 tokens/s and 13.55 GB, TRL's
+# 26,063 tokens/s and 13.16 GB. Flip here after scripts/bench_loss.py says otherwise.
+DEFAULT_CHUNKED_LOSS = True
+
+
+class Unrunnable(PlanError):
+    """The fixed settings leave no strategy the engine runs on this hardware (`reason` without the profile)."""
+
+    def __init__(self, reason: str, hw: HardwareConfig):
+        gpus = f"{hw.total_gpus} GPU{'s' if hw.total_gpus > 1 else ''}"
+        super().__init__(f"{reason} (hardware={hw.name}: {gpus})")
+        self.reason = reason
+
+
+def _start_micro_batch(job: Job) -> int:
+    t = job.train
+    if t.micro_batch_size is not None:
+        return t.micro_batch_size
+    per_rank = max(1, t.batch_size // job.hw.total_gpus)
+    target = max(1, job.cal.default_tokens_per_micro_batch // job.seq_len)
+    return max(1, min(per_rank, target))
+
+
+def _micro_batches(job: Job) -> list[int]:
+    if job.train.micro_batch_size is not None:
+        return [job.train.micro_batch_size]
+    out, mbs = [], _start_micro_batch(job)
+    while True:
+        out.append(mbs)
+        if mbs == 1:
+            return out
+        mbs //= 2
+
+
+def _choices(fixed: Optional[bool]) -> list[bool]:
+    return [fixed] if fixed is not None else [False, True]
+
+
+def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
+    """Every strategy the user's open settings allow and the engine runs; and, when none does, why."""
+    t, hw = job.train, job.hw
+    multi = hw.total_gpus > 1
+    sharded = "zero3" if t.engine == "deepspeed" else "fsdp"
+    shardings = [t.sharding] if t.sharding is not None else (["ddp", sharded] if multi else ["none"])
+    optimizers = (
+        [job.method.optimizer]
+        if job.method.optimizer is not None
+        else (["adamw", "adamw_8bit"] if hw.device == "cuda" else ["adamw"])
+    )
+    chunked = DEFAULT_CHUNKED_LOSS if t.chunked_loss is None else t.chunked_loss
+    out: list[Strategy] = []
+    refused: Optional[str] = None
+    for sharding, ckpt, mbs, optimizer, off_opt, off_params in itertools.product(
+        shardings,
+        _choices(t.activation_checkpointing),
+        _micro_batches(job),
+        optimizers,
+        _choices(t.offload_optimizer),
+        _choices(t.offload_params),
+    ):
+        s = Strategy(
+            sharding=sharding,
+            offload_optimizer=off_opt,
+            offload_params=off_params,
+            optimizer=optimizer,
+            activation_checkpointing=ckpt,
+            chunked_loss=chunked,
+            micro_batch_size=mbs,
+        )
+        reason = why_not(s, job.method.name, hw.total_gpus)
+        if reason is None:
+            out.append(_with_accumulation(job, s))
+        elif refused is None:
+            refused = reason
+    return out, refused
+
+
+def _with_accumulation(job: Job, s: Strategy) -> Strategy:
+    if job.train.grad_accum_steps is not None:
+        return replace(s, grad_accum_steps=job.train.grad_accum_steps)
+    ranks = job.hw.total_gpus
+    return replace(s, grad_accum_steps=max(1, math.ceil(job.train.batch_size / (s.micro_batch_size * ranks))))
+
+
+def _usable_gb(hw: HardwareConfig, headroom: float) -> float:
+    assert hw.gpu_memory_gb is not None
+    return hw.gpu_memory_gb * (1.0 - headroom)
+
+
+def _host_needed_gb(job: Job, host_offloaded_per_gpu: float) -> float:
+    """Host RAM per node: offloaded state of every local rank plus each rank's process."""
+    per_node = job.hw.gpus_per_node
+    return (host_offloaded_per_gpu * per_node) / GB + job.cal.host_gb_per_rank * per_node
+
+
+def _fits(job: Job, s: Strategy, headroom: float) -> tuple[bool, Memory, float]:
+    mem, host = memory(job, s)
+    host_gb = _host_needed_gb(job, host)
+    ok = mem.total <= _usable_gb(job.hw, headroom)
+    if job.hw.host_memory_gb is not None and (s.offload_optimizer or s.offload_params):
+        ok = ok and host_gb <= job.hw.host_memory_gb
+    return ok, mem, host_gb
+
+
+def _seconds_per_token(job: Job, s: Strategy, mfu: Optional[float]) -> float:
+    """The search's yardstick: the estimate's time per token (without a peak FLOP/s, the FLOPs it executes)."""
+    e, _ = estimate(job, s, mfu)
+    if e.tokens_per_second:
+        return 1.0 / e.tokens_per_second
+    return executed_flops_per_token(job, s) * (4.0 if s.offload_optimizer else 1.0)
+
+
+def _preference(job: Job, s: Strategy, mfu: Optional[float]) -> tuple[Any, ...]:
+    return (
+        _seconds_per_token(job, s, mfu),
+        s.sharding in ("fsdp", "zero3"),
+        s.optimizer != "adamw",
+        -s.micro_batch_size,
+    )
+
+
+def _describe(s: Strategy, gpus: int) -> list[tuple[str, Strategy]]:
+    """Each memory saving a strategy uses, with the strategy that goes without it."""
+    out = []
+    if s.activation_checkpointing:
+        out.append(("activation checkpointing", replace(s, activation_checkpointing=False)))
+    if s.sharding in ("fsdp", "zero3"):
+        engine = "ZeRO-3" if s.sharding == "zero3" else "FSDP2"
+        whole = replace(s, sharding="ddp", offload_optimizer=False, offload_params=False)
+        out.append((f"{engine} full shard across {gpus} GPUs", whole))
+    if s.optimizer != "adamw" and not s.offload_optimizer:
+        out.append(("8-bit optimizer states", replace(s, optimizer="adamw")))
+    if s.offload_optimizer and s.sharding == "zero3":
+        out.append(("optimizer offload to CPU", replace(s, offload_optimizer=False, offload_params=False)))
+    if s.offload_params:
+        what = (
+            "parameter, gradient and optimizer offload to CPU"
+            if s.sharding == "fsdp"
+            else "parameter offload"
+        )
+        out.append((what, replace(s, offload_params=False, offload_optimizer=s.sharding == "zero3")))
+    return out
+
+
+def _plan_on(
+    model: ModelConfig,
+    method: MethodConfig,
+    hw: HardwareConfig,
+    train: TrainConfig,
+    plan_cfg: PlanConfig,
+    seq_len: int,
+    cal: Calibration,
+) -> Plan:
+    if hw.gpu_memory_gb is None:
+        raise PlanError(f"hardware.gpu_memory_gb is unknown for profile {hw.name!r}; set it")
+    job = make_job(model, method, hw, train, seq_len, cal)
+    usable = _usable_gb(hw, plan_cfg.headroom)
+    runnable, refused = candidates(job)
+    if not runnable:
+        raise Unrunnable(refused or "no strategy", hw)
+    judged = [(s, *_fits(job, s, plan_cfg.headroom)) for s in runnable]
+    fitting = [j for j in judged if j[1]]
+    reasons: list[str] = []
+    if fitting:
+        s, _, mem, host_gb = min(fitting, key=lambda j: _preference(job, j[0], plan_cfg.mfu))
+        savings = _describe(s, hw.total_gpus)
+        start = _start_micro_batch(job)
+        if not savings and s.micro_batch_size == start:
+            reasons.append(f"fits as configured: {mem.total:,.1f} GB of {usable:,.1f} GB usable per GPU")
+        else:
+            n = len(fitting)
+            reasons.append(
+                f"fastest of {n} strategies that fit with the headroom"
+                if n > 1
+                else "the one strategy that fits"
+            )
+        for what, without in savings:
+            if why_not(without, method.name, hw.total_gpus) is None:
+                other, _ = memory(job, _with_accumulation(job, without))
+                reasons.append(f"{what}: {other.total:,.1f} -> {mem.total:,.1f} GB per GPU")
+        if s.micro_batch_size < start:
+            bigger, _ = memory(job, _with_accumulation(job, replace(s, micro_batch_size=start)))
+            reasons.append(
+                f"micro-batch {s.micro_batch_size} with more gradient accumulation: "
+                f"{bigger.total:,.1f} -> {mem.total:,.1f} GB per GPU"
+            )
+    else:
+        s, _, mem, host_gb = min(judged, key=lambda j: j[2].total)
+        reasons.append(_biggest_term(mem, usable))
+        if hw.host_memory_gb is not None and host_gb > hw.host_memory_gb:
+            reasons.append(
+                f"host memory: offload needs {host_gb:,.0f} GB > {hw.host_memory_gb:,.0f} GB on {hw.name}"
+            )
+    loss = "the project's chunked loss" if s.chunked_loss else "TRL's fused LM head"
+    reasons.append(f"loss: {loss}" + (" (the default)" if train.chunked_loss is None else ""))
+    if (s.offload_optimizer or s.offload_params) and hw.host_memory_gb is None:
+        reasons.append(
+            f"host RAM of {hw.name} is not published: the {host_gb:,.0f} GB per node that offload needs "
+            "is not checked"
+        )
+    effective = s.micro_batch_size * s.grad_accum_steps * hw.total_gpus
+    if effective != train.batch_size:
+        reasons.append(f"effective batch {effective} sequences (train.batch_size={train.batch_size})")
+    est, notes = estimate(job, s, plan_cfg.mfu)
+    reasons.extend(notes)
+    checkpoint_gb, export_gb = disk(job, s)
+    counts = job.counts
+    merge_host = (2.0 * counts.total) / GB + cal.host_gb_per_rank if method.uses_adapters else 0.0
+    if hw.host_memory_gb is not None and merge_host > hw.host_memory_gb:
+        reasons.append(
+            f"merging the adapter needs the bf16 base in host RAM ({merge_host:.0f} GB > {hw.host_memory_gb:.0f} GB): "
+            "merge on a larger host or serve the adapter"
+        )
+    return Plan(
+        fits=bool(fitting),
+        hardware=hw,
+        params_total=counts.total,
+        params_trainable=job.trainable,
+        strategy=s,
+        gpu_memory=mem,
+        host_memory_gb=host_gb,
+        disk_checkpoint_gb=checkpoint_gb,
+        disk_export_gb=export_gb,
+        estimate=est,
+        seq_len=seq_len,
+        reasons=tuple(reasons),
+        usable_gpu_memory_gb=usable,
+        merge_host_memory_gb=merge_host,
+    )
+
+
+def _biggest_term(mem: Memory, usable: float) -> str:
+    terms = {k: v for k, v in mem.as_dict().items() if k != "total"}
+    name, value = max(terms.items(), key=lambda kv: kv[1])
+    return (
+        f"does not fit even with every memory saving: {mem.total:.1f} GB per GPU > {usable:.1f} GB usable; "
+        f"largest term is {name} ({value:.1f} GB)"
+    )
+
+
+def _try(
+    model: ModelConfig,
+    method: MethodConfig,
+    hw: HardwareConfig,
+    train: TrainConfig,
+    plan_cfg: PlanConfig,
+    seq_len: int,
+    cal: Calibration,
+) -> Optional[Plan]:
+    try:
+        return _plan_on(model, method, hw, train, plan_cfg, seq_len, cal)
+    except (PlanError, ConfigError):
+        return None
+
+
+def _suggestions(
+    plan: Plan,
+    model: ModelConfig,
+    method: MethodConfig,
+    train: TrainConfig,
+    plan_cfg: PlanConfig,
+    alts: list[Plan],
+    cal: Calibration,
+) -> list[str]:
+    out: list[str] = []
+    fitting = sorted((a for a in alts if a.fits), key=lambda a: _monthly(a.hardware))
+    if fitting:
+        a = fitting[0]
+        usd = a.hardware.usd_per_month
+        price = "price unknown" if usd is None else f"{usd * a.hardware.nodes:,.0f} USD/month"
+        out.append(f"hardware={a.hardware.name} fits ({a.gpu_memory.total:.1f} GB per GPU, {price})")
+    hw = plan.hardware
+    if method.name == "lora":
+        q = _try(
+            model, replace(method, name="qlora", adapter_dtype="bf16"), hw, train, plan_cfg, plan.seq_len, cal
+        )
+        if q is not None and q.fits:
+            out.append(f"method=qlora fits on {hw.name} ({q.gpu_memory.total:.1f} GB per GPU)")
+    if method.name == "full":
+        lo = _try(model, replace(method, name="lora", optimizer=None), hw, train, plan_cfg, plan.seq_len, cal)
+        if lo is not None and lo.fits:
+            out.append(f"method=lora fits on {hw.name} ({lo.gpu_memory.total:.1f} GB per GPU)")
+    if (
+        train.engine == "fsdp"
+        and hw.total_gpus > 1
+        and method.optimizer in ("adamw_8bit", "paged_adamw_8bit")
+    ):
+        ds = _try(model, method, hw, replace(train, engine="deepspeed"), plan_cfg, plan.seq_len, cal)
+        if ds is not None and ds.fits:
+            out.append(f"train.engine=deepspeed fits on {hw.name} (ZeRO-3 runs {method.optimizer})")
+    seq = plan.seq_len // 2
+    while seq >= 256:
+        shorter = _try(model, method, hw, train, plan_cfg, seq, cal)
+        if shorter is not None and shorter.fits:
+            out.append(f"train.seq_len={seq} fits on {hw.name} ({shorter.gpu_memory.total:.1f} GB per GPU)")
+            break
+        seq //= 2
+    return out
+
+
+def _monthly(hw: HardwareConfig) -> float:
+    return math.inf if hw.usd_per_month is None else hw.usd_per_month * hw.nodes
+
+
+def _resolve_seq_len(model: ModelConfig, train: TrainConfig, seq_len: Optional[int]) -> int:
+    value = seq_len if seq_len is not None else train.seq_len
+    if value == "auto" or not isinstance(value, int):
+        raise PlanError("train.seq_len=auto needs the data stage: run mode=data (or mode=all) first")
+    if value > model.max_position_embeddings:
+        raise PlanError(
+            f"train.seq_len={value} exceeds model.max_position_embeddings={model.max_position_embeddings} of {model.name}"
+        )
+    return value
+
+
+def check_model(model: ModelConfig) -> None:
+    """Refuse, with one line, a model the memory model does not describe (a mixture of experts)."""
+    if model.num_experts or ARCHITECTURES[model.architecture].mixture_of_experts:
+        total = count_params(model).total
+        raise PlanError(
+            f"model {model.name}: a mixture of experts ({model.num_experts} experts, "
+            f"{model.num_experts_per_token} routed per token; {total:,} parameters) is not planned: "
+            "the memory model covers dense decoders only"
+        )
+
+
+def make_plan(
+    model: ModelConfig,
+    method: MethodConfig,
+    hardware: HardwareConfig,
+    train: TrainConfig,
+    plan_cfg: PlanConfig,
+    profiles: dict[str, HardwareConfig],
+    *,
+    seq_len: Optional[int] = None,
+    calibration: Optional[Calibration] = None,
+) -> Plan:
+    """Plan the job. `profiles` are the hardware profiles to weigh as alternatives (and for `auto`).
+
+    `seq_len` overrides `train.seq_len` (the data stage resolves `auto` to the longest kept sequence).
+    """
+    check_model(model)
+    cal = calibration or Calibration.default()
+    n = _resolve_seq_len(model, train, seq_len)
+    gpu_profiles = [p for p in profiles.values() if p.device == "cuda" and p.gpu_memory_gb is not None]
+    notes: list[str] = []
+    if hardware.is_auto:
+        names = hardware.candidates or [p.name for p in gpu_profiles]
+        unknown = [name for name in names if name not in profiles]
+        if unknown:
+            raise PlanError(f"hardware.candidates names unknown profiles: {', '.join(unknown)}")
+        # Without a known price a profile cannot be the cheapest: auto weighs the priced ones only.
+        unpriced = [name for name in names if profiles[name].usd_per_month is None]
+        gpu_profiles = [
+            replace(profiles[name], nodes=hardware.nodes) for name in names if name not in unpriced
+        ]
+        if unpriced:
+            notes.append(f"hardware=auto: skipped {', '.join(unpriced)} (price unknown)")
+        if not gpu_profiles:
+            raise PlanError(
+                f"hardware=auto: no candidate has a known price (usd_per_month): {', '.join(names)}"
+            )
+    alts: list[Plan] = []
+    refused: dict[str, str] = {}
+    for p in gpu_profiles:
+        try:
+            alts.append(_plan_on(model, method, p, train, plan_cfg, n, cal))
+        except Unrunnable as exc:
+            refused[p.name] = exc.reason
+    if hardware.is_auto:
+        why = "; ".join(sorted(set(refused.values())))
+        if refused:
+            notes.append(f"hardware=auto: skipped {', '.join(sorted(refused))} ({why})")
+        if not alts:
+            raise PlanError(f"hardware=auto: no candidate can run the fixed settings: {why}")
+        plan = _choose(alts)
+        plan = replace(plan, reasons=(plan.reasons[0],) + tuple(notes) + plan.reasons[1:])
+    else:
+        plan = _plan_on(model, method, hardware, train, plan_cfg, n, cal)
+    alternatives = tuple(
+        Alternative(a.hardware.name, a.fits, round(a.gpu_memory.total, 3), a.hardware.usd_per_month)
+        for a in sorted(alts, key=lambda a: (_monthly(a.hardware), a.hardware.name))
+    )
+    suggestions = () if plan.fits else tuple(_suggestions(plan, model, method, train, plan_cfg, alts, cal))
+    return replace(plan, alternatives=alternatives, suggestions=suggestions)
+
+
+def _choose(alts: list[Plan]) -> Plan:
+    """hardware=auto: the cheapest for the run when every fitting profile has a run cost, else per month."""
+    fitting = [a for a in alts if a.fits]
+    if not fitting:
+        plan = min(alts, key=lambda a: a.gpu_memory.total / (a.hardware.gpu_memory_gb or 1))
+        return replace(plan, reasons=("hardware=auto: no profile fits",) + plan.reasons)
+    if all(a.estimate.usd is not None for a in fitting):
+        ranked = sorted(fitting, key=lambda a: (a.estimate.usd, a.gpu_memory.total))
+        best = ranked[0]
+        why = (
+            f"hardware=auto: {best.hardware.name} costs the least for this run: {best.estimate.usd:,.0f} USD over "
+            f"{best.estimate.run_hours:,.1f} h"
+        )
+        if len(ranked) > 1:
+            nxt = ranked[1]
+            why += f" (next: {nxt.hardware.name}, {nxt.estimate.usd:,.0f} USD over {nxt.estimate.run_hours:,.1f} h)"
+    else:
+        best = min(fitting, key=lambda a: (_monthly(a.hardware), a.gpu_memory.total))
+        per_month = _monthly(best.hardware)
+        why = (
+            f"hardware=auto: {best.hardware.name} is the cheapest profile that fits ({per_month:,.0f} USD/month; "
+            "give train.max_steps or train.dataset_tokens to compare the cost of the run)"
+        )
+    return replace(best, reasons=(why,) + best.reasons)
+
+
+__all__ = ["DEFAULT_CHUNKED_LOSS", "HOURS_PER_MONTH", "candidates", "check_model", "make_plan"]

@@ -1,0 +1,121 @@
+"""Step time, run length and cost; disk sizes.
+
+Time: the FLOPs a step executes over the device's dense bf16 peak times a
+utilisation fitted per method to GPU measurements (calibration.json's
+`cuda.utilisation`; `plan.mfu` overrides it). Executed FLOPs count every
+matmul a token runs (2 a weight forward, 2 for the input gradient, 2 more for
+a trained weight's gradient), causal attention, the forward again of every
+layer under recomputation, and TRL's fused head's extra time (its backward
+recomputes each tile; fitted as h x V FLOPs). Offload adds the CPU optimizer
+and PCIe traffic.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from finetune.config import ModelConfig
+from finetune.planner.contract import GB, Estimate, Strategy
+from finetune.planner.memory import Job, runtime
+from finetune.planner.params import count_params
+
+HOURS_PER_MONTH = 730.0
+
+
+def model_flops_per_token(model: ModelConfig, method: str, seq_len: int) -> float:
+    """FLOPs a token needs (MFU's numerator): matmuls and causal attention, no recomputation.
+
+    6 a weight for full fine-tuning (forward, input and weight gradients), 4 for frozen weights (LoRA,
+    QLoRA; the adapters' own are negligible); every layer's linear weights and the LM head (the input
+    embedding is a lookup). Attention: 4 x seq x H x d a layer forward, causal halves it, x3 with backward.
+    """
+    c = count_params(model)
+    per_weight = 6.0 if method == "full" else 4.0
+    if model.num_experts:  # only the routed experts run: attention, router and k of the experts
+        routed = c.linear_per_layer - (model.num_experts - model.num_experts_per_token) * _expert(model)
+        matmul = routed * model.num_layers + c.head
+    else:
+        matmul = c.linear + c.head
+    attention = 6.0 * model.num_layers * seq_len * model.num_heads * model.head_dim
+    return per_weight * matmul + attention
+
+
+def _expert(model: ModelConfig) -> int:
+    i = model.moe_intermediate_size or model.intermediate_size
+    return 3 * model.hidden_size * i
+
+
+def executed_flops_per_token(job: Job, s: Strategy) -> float:
+    """What the GPU executes a token: the model FLOPs, the recomputed forward of each layer under
+    checkpointing, and TRL's fused head's extra (`trl_loss_extra_hv_flops` x h x V)."""
+    m = job.model
+    flops = model_flops_per_token(m, job.method.name, job.seq_len)
+    if s.activation_checkpointing:
+        flops += 2.0 * job.counts.linear + 2.0 * m.num_layers * job.seq_len * m.num_heads * m.head_dim
+    if not s.chunked_loss:
+        flops += job.device.trl_loss_extra_hv_flops * m.hidden_size * m.vocab_size
+    return flops
+
+
+def utilisation(job: Job, override: Optional[float]) -> Optional[float]:
+    """The fraction of peak the estimate assumes: `plan.mfu` when set, else the figure fitted for the method."""
+    if override is not None:
+        return override
+    return job.device.utilisation.get(job.method.name)
+
+
+def estimate(job: Job, s: Strategy, override: Optional[float] = None) -> tuple[Estimate, list[str]]:
+    notes: list[str] = []
+    hw = job.hw
+    util = utilisation(job, override)
+    if hw.peak_bf16_tflops is None or util is None:
+        why = "no peak FLOP/s" if hw.peak_bf16_tflops is None else f"no fitted utilisation for {hw.device}"
+        return Estimate(None, None, None, None), [f"no time estimate: profile {hw.name} has {why}"]
+    tokens_per_second = util * hw.peak_bf16_tflops * 1e12 * hw.total_gpus / executed_flops_per_token(job, s)
+    step_tokens = s.micro_batch_size * s.grad_accum_steps * hw.total_gpus * job.seq_len
+    step_seconds = step_tokens / tokens_per_second
+    shards = hw.total_gpus if s.sharding in ("fsdp", "zero3") else 1
+    if s.offload_optimizer:
+        local = job.trainable / shards
+        # The optimizer runs on the CPU and gradients/weights cross PCIe every step.
+        step_seconds += local / job.cal.cpu_adam_params_per_s + 4.0 * local / (
+            job.cal.offload_pcie_gb_per_s * GB
+        )
+        notes.append(
+            "optimizer offload: the optimizer step runs on the CPU (the estimate includes it and PCIe)"
+        )
+    if s.offload_params:
+        step_seconds += 3 * 2.0 * job.counts.total / shards / (job.cal.offload_pcie_gb_per_s * GB)
+    tokens_per_second = step_tokens / step_seconds
+    t = job.train
+    run_tokens: Optional[float] = None
+    if t.max_steps > 0:
+        run_tokens = float(t.max_steps * step_tokens)
+    elif t.dataset_tokens is not None:
+        run_tokens = t.epochs * t.dataset_tokens
+    else:
+        notes.append(
+            "no run-length estimate: set train.max_steps or train.dataset_tokens, or run mode=data first"
+        )
+    if run_tokens is None:
+        return Estimate(tokens_per_second, step_seconds, None, None), notes
+    hours = run_tokens / tokens_per_second / 3600.0
+    usd = None if hw.usd_per_month is None else hours * hw.usd_per_month * hw.nodes / HOURS_PER_MONTH
+    return Estimate(tokens_per_second, step_seconds, hours, usd), notes
+
+
+def disk(job: Job, s: Strategy) -> tuple[float, float]:
+    """(one resumable checkpoint, the export) in GB: the trained weights as stored, a master copy where the
+    engine keeps one (ZeRO-3), and the optimizer's moments."""
+    rt = runtime(job, s)
+    if rt.engine == "zero3" and rt.compute == 2:
+        per = 2.0 + 4.0 + (2.0 if s.optimizer != "adamw" else 8.0)
+    else:
+        param = rt.full_weights if job.method.name == "full" else rt.adapter_storage
+        per = param + (2.0 if s.optimizer != "adamw" else 2.0 * param)
+    checkpoint = per * job.trainable
+    n = job.counts.total
+    export = (
+        2.0 * n if job.method.name == "full" else 2.0 * n + 2.0 * job.adapter
+    )  # merged bf16, and the adapter
+    return checkpoint / GB, export / GB
