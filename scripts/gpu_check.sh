@@ -22,9 +22,9 @@ OUT_DIR=$1
 shift
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 PY=${PYTHON:-$(command -v python || command -v python3)}
-PIPELINE_S=${GPU_PIPELINE_BUDGET_S:-270}   # gpu_pipeline.py's cases
-LOOP_S=${GPU_LOOP_BUDGET_S:-130}           # gpu_check.py's cases
-# each stage has its own hard stop: 300 + 170 s at most (< 8 min)
+PIPELINE_S=${GPU_PIPELINE_BUDGET_S:-300}   # gpu_pipeline.py's cases
+LOOP_S=${GPU_LOOP_BUDGET_S:-110}           # gpu_check.py's cases
+# each stage has its own hard stop: 330 + 150 s at most (8 min)
 
 "$PY" - <<'EOF'
 import importlib.util, sys

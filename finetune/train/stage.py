@@ -516,4 +516,5 @@ def run_worker(run_dir: Union[str, Path]) -> dict:
         rundir.lock(Path(run_dir))  # before reading: a second writer must not start at all
     cfg = resolve(rundir.load_config(Path(run_dir)))
     cfg = replace(cfg, run_dir=str(run_dir))
-    return run(cfg, Path(run_dir), load_plan(Path(run_dir), cfg.hardware))
+    # The worker's base-vs-trained comparison answers as many held-out prompts as the eval stage would.
+    return run(cfg, Path(run_dir), load_plan(Path(run_dir), cfg.hardware), max_generate=cfg.eval.num_samples)
