@@ -749,3 +749,25 @@ def test_cpu_plans_use_the_cpu_calibration():
     assert plan.estimate.tokens_per_second is None
     assert "no time estimate: profile cpu has no fitted utilisation for cpu" in plan.reasons
     assert HardwareConfig().device == "cpu"
+
+
+def test_host_ram_counts_loading_the_model_per_engine():
+    """Loading, before any optimizer state: every rank holds the whole model (one process, DDP); FSDP2's
+    first rank of a node (cpu_ram_efficient_loading); ZeRO-3 a checkpoint shard per rank (zero.Init)."""
+    from finetune.planner.memory import CHECKPOINT_SHARD_BYTES, load_host_bytes, make_job
+
+    _, lora = plan_for("+recipe=llama8b_lora")  # one H100: the bf16 base in host RAM, and the process
+    assert lora.strategy.sharding == "none"
+    assert lora.host_memory_gb == pytest.approx(2 * lora.params_total / 1e9 + 4.0, abs=1e-3)
+
+    cfg, full = plan_for("+recipe=llama70b_full")  # ZeRO-3 with optimizer offload on 8 x H200
+    job = make_job(cfg.model, cfg.method, full.hardware, cfg.train, full.seq_len)
+    s = full.strategy
+    assert load_host_bytes(job, s) == 8 * CHECKPOINT_SHARD_BYTES  # zero.Init: not 8 fp32 copies (2.26 TB)
+    assert load_host_bytes(job, replace(s, sharding="ddp")) == 8 * 4 * full.params_total
+    assert load_host_bytes(job, replace(s, sharding="fsdp")) == 4 * full.params_total
+    # offload's state is the larger need: 18 bytes a parameter over the node, and the processes
+    assert full.host_memory_gb == pytest.approx(18 * full.params_total / 1e9 + 8 * 4.0, rel=1e-3)
+
+    _, refused = plan_for("+recipe=llama70b_full", "train.sharding=ddp", "method.optimizer=adamw_8bit")
+    assert not refused.fits and any(r.startswith("host memory: 2,290 GB per node") for r in refused.reasons)

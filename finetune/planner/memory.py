@@ -182,6 +182,30 @@ def trainable_state(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
     return on_gpu, 0.0
 
 
+# Hub checkpoints come in safetensors shards of at most transformers' default max_shard_size ("5GB").
+CHECKPOINT_SHARD_BYTES = 5e9
+
+
+def load_host_bytes(job: Job, s: Strategy) -> float:
+    """Host RAM per node while the ranks load the model, before any optimizer state exists.
+
+    One process and DDP: every rank builds the whole model in host RAM (fp32 for full fine-tuning, the
+    compute dtype for LoRA) before the trainer moves it to its GPU. QLoRA quantizes straight onto its GPU
+    (a device map), one checkpoint shard at a time. ZeRO-3 loads under zero.Init (finetune/train/stage.py
+    builds the DeepSpeed config first): each rank holds one shard at a time and keeps its partition.
+    FSDP2 with cpu_ram_efficient_loading: the node's first rank loads the whole model, the others start
+    empty, and it is broadcast.
+    """
+    per_node = job.hw.gpus_per_node
+    load_dtype = 4 if job.method.name == "full" else (2 if job.method.dtype_on(job.hw.device) == "bf16" else 4)
+    whole = float(load_dtype * job.counts.total)
+    if job.method.name == "qlora" or s.sharding == "zero3":
+        return per_node * min(whole, CHECKPOINT_SHARD_BYTES)
+    if s.sharding == "fsdp":
+        return whole
+    return per_node * whole
+
+
 def _one_layer_params(c: ParamCounts) -> int:
     return c.per_layer
 

@@ -25,7 +25,7 @@ from finetune.errors import ConfigError, PlanError
 from finetune.planner.calibration import Calibration
 from finetune.planner.contract import GB, Alternative, Memory, Plan, Strategy
 from finetune.planner.engines import why_not
-from finetune.planner.memory import Job, make_job, memory
+from finetune.planner.memory import Job, load_host_bytes, make_job, memory
 from finetune.planner.params import count_params
 from finetune.planner.timing import HOURS_PER_MONTH, disk, estimate, executed_flops_per_token
 
@@ -119,17 +119,22 @@ def _usable_gb(hw: HardwareConfig, headroom: float) -> float:
     return hw.gpu_memory_gb * (1.0 - headroom)
 
 
-def _host_needed_gb(job: Job, host_offloaded_per_gpu: float) -> float:
-    """Host RAM per node: offloaded state of every local rank plus each rank's process."""
+def _host_needed_gb(job: Job, s: Strategy, host_offloaded_per_gpu: float) -> float:
+    """Host RAM per node at its peak: while training (offloaded state of every local rank) or while
+    loading the model (`load_host_bytes`), whichever is larger, plus each rank's process. On a CPU the
+    "GPU memory" is that same RAM and already counts the model."""
     per_node = job.hw.gpus_per_node
-    return (host_offloaded_per_gpu * per_node) / GB + job.cal.host_gb_per_rank * per_node
+    held = host_offloaded_per_gpu * per_node
+    if job.hw.device == "cuda":
+        held = max(held, load_host_bytes(job, s))
+    return held / GB + job.cal.host_gb_per_rank * per_node
 
 
 def _fits(job: Job, s: Strategy, headroom: float) -> tuple[bool, Memory, float]:
     mem, host = memory(job, s)
-    host_gb = _host_needed_gb(job, host)
+    host_gb = _host_needed_gb(job, s, host)
     ok = mem.total <= _usable_gb(job.hw, headroom)
-    if job.hw.host_memory_gb is not None and (s.offload_optimizer or s.offload_params):
+    if job.hw.host_memory_gb is not None and job.hw.device == "cuda":
         ok = ok and host_gb <= job.hw.host_memory_gb
     return ok, mem, host_gb
 
@@ -221,14 +226,15 @@ def _plan_on(
         reasons.append(_biggest_term(mem, usable))
         if hw.host_memory_gb is not None and host_gb > hw.host_memory_gb:
             reasons.append(
-                f"host memory: offload needs {host_gb:,.0f} GB > {hw.host_memory_gb:,.0f} GB on {hw.name}"
+                f"host memory: {host_gb:,.0f} GB per node (loading the model, or offload) "
+                f"> {hw.host_memory_gb:,.0f} GB on {hw.name}"
             )
     loss = "the project's chunked loss" if s.chunked_loss else "TRL's fused LM head"
     reasons.append(f"loss: {loss}" + (" (the default)" if train.chunked_loss is None else ""))
-    if (s.offload_optimizer or s.offload_params) and hw.host_memory_gb is None:
+    if hw.host_memory_gb is None and hw.device == "cuda":
         reasons.append(
-            f"host RAM of {hw.name} is not published: the {host_gb:,.0f} GB per node that offload needs "
-            "is not checked"
+            f"host RAM of {hw.name} is not published: the {host_gb:,.0f} GB per node this needs "
+            "(loading the model, offload) is not checked"
         )
     effective = s.micro_batch_size * s.grad_accum_steps * hw.total_gpus
     if effective != train.batch_size:
