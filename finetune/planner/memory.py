@@ -197,7 +197,9 @@ def load_host_bytes(job: Job, s: Strategy) -> float:
     empty, and it is broadcast.
     """
     per_node = job.hw.gpus_per_node
-    load_dtype = 4 if job.method.name == "full" else (2 if job.method.dtype_on(job.hw.device) == "bf16" else 4)
+    load_dtype = (
+        4 if job.method.name == "full" else (2 if job.method.dtype_on(job.hw.device) == "bf16" else 4)
+    )
     whole = float(load_dtype * job.counts.total)
     if job.method.name == "qlora" or s.sharding == "zero3":
         return per_node * min(whole, CHECKPOINT_SHARD_BYTES)
