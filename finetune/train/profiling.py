@@ -37,6 +37,9 @@ from finetune.train.collator import NUM_TOKENS_KEY
 PHASES = ("data", "forward", "loss", "backward", "optimizer", "other")
 PROFILE_FILE = "profile_ops.txt"
 TOP_OPS = 12
+# Operator names that say which attention kernel ran (SDPA's flash / memory-efficient / math kernels,
+# FlexAttention's, flash-attn's varlen, cutlass fmha).
+ATTENTION_MARKERS = ("attention", "flash", "fmha", "flex")
 
 
 def _backbone(model: Any) -> Optional[torch.nn.Module]:
@@ -56,6 +59,7 @@ class StepProfiler(TrainerCallback):
         self.steps: list[dict[str, Any]] = []
         self.profiled_step: Optional[int] = None
         self.top_ops: list[dict[str, Any]] = []
+        self.attention_ops: list[dict[str, Any]] = []
         self._trainer: Any = None
         self._current: Optional[dict[str, Any]] = None
         self._torch_profiler: Any = None
@@ -183,10 +187,12 @@ class StepProfiler(TrainerCallback):
         averages = prof.key_averages()
         key = "self_device_time_total" if self.sync else "self_cpu_time_total"
         rows = sorted(averages, key=lambda e: getattr(e, key), reverse=True)
-        self.top_ops = [
-            {"name": e.key, "self_ms": round(getattr(e, key) / 1e3, 3), "calls": e.count}
-            for e in rows[:TOP_OPS]
-            if getattr(e, key) > 0
+        def op(e: Any) -> dict[str, Any]:
+            return {"name": e.key, "self_ms": round(getattr(e, key) / 1e3, 3), "calls": e.count}
+
+        self.top_ops = [op(e) for e in rows[:TOP_OPS] if getattr(e, key) > 0]
+        self.attention_ops = [
+            op(e) for e in rows if getattr(e, key) > 0 and any(m in e.key.lower() for m in ATTENTION_MARKERS)
         ]
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -216,6 +222,7 @@ class StepProfiler(TrainerCallback):
             "tokens_per_second": round(sum(s["tokens"] for s in timed) / seconds, 2) if seconds else None,
             "profiled_step": self.profiled_step,
             "top_ops": self.top_ops,
+            "attention_ops": self.attention_ops,
             "steps": [
                 {k: round(v, 6) if isinstance(v, float) else v for k, v in s.items()} for s in self.steps
             ],
