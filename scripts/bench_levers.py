@@ -6,8 +6,9 @@
 Each case trains through `finetune.train.stage.run` (the worker's code: TRL's SFTTrainer, PEFT LoRA
 r16, the chunked loss, the plan's strategy with micro-batch and accumulation fixed) in a fresh
 process, on the bundled data's packed rows, with `train.profile=true`: the figure is the profile's
-steady tokens/s (tokens over time of the steps after the first, without the profiled last one; the
-first step carries torch.compile's compilation) and the split of a step. Cases run interleaved
+steady tokens/s (the median rate of the steps after the first, without the profiled last one; the
+first step carries torch.compile's compilation, a later new row width a recompilation) and the
+split of a step. Cases run interleaved
 (case 1..n, then again), so the shared machine's noise hits them alike; the table gives medians.
 Each case's first loss is recorded too: a lever must not change what is computed.
 
@@ -152,7 +153,7 @@ def spawn(spec: dict[str, Any]) -> dict[str, Any]:
 def markdown(meta: dict[str, Any], table: list[dict[str, Any]]) -> str:
     lines = [
         f"{meta['shape']}: {meta['machine']}; {meta['versions']}; {meta['repeats']} interleaved repeats of "
-        f"{meta['steps']} steps, medians; steady tokens/s (steps after the first, without the profiled last)",
+        f"{meta['steps']} steps, medians; steady tokens/s (median step rate after the first step, without the profiled last)",
         "",
         "| case | tokens/s | vs baseline | step s | split % data/fwd/loss/bwd/opt | first loss |",
         "|---|---:|---:|---:|---|---:|",

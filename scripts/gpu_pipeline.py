@@ -385,7 +385,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "",
         f"{meta['date']}; {meta['versions']}; micro-batch 1 unless the case says; peak = CUDA "
         "max_memory_allocated (metrics.json), about 0.8 GB of CUDA context comes on top. tokens/s: the "
-        "whole loop (metrics.json) and steady (median steps after the first, without the profiled one); "
+        "whole loop (metrics.json) and steady (the median step's rate after the first, without the profiled one); "
         "MFU at the steady rate; split: % of a step in data / forward / loss / backward / optimizer.",
         "",
         "| case | ok | seconds | samples a row | peak GB | plan GB | plan error | tokens/s | steady tokens/s "

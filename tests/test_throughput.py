@@ -364,9 +364,8 @@ def test_profile_splits_each_step_of_the_real_run(baseline):
     # Every real token of each step's micro-batches (2 x 2 rows of up to 128), and in total the monitor's count.
     assert all(0 < s["tokens"] <= 4 * 128 for s in steps) and sum(s["tokens"] for s in steps) == t["tokens"]
     timed = [s for s in steps if s["step"] in p["timed_steps"]]
-    assert p["tokens_per_second"] == pytest.approx(
-        sum(s["tokens"] for s in timed) / sum(s["step_s"] for s in timed), rel=1e-3
-    )
+    rates = sorted(s["tokens"] / s["step_s"] for s in timed)
+    assert p["tokens_per_second"] == pytest.approx((rates[0] + rates[-1]) / 2, rel=1e-3)  # the median of 2
     assert sum(p["share"].values()) == pytest.approx(1.0, abs=0.2)  # medians of each phase, not one step
     assert p["top_ops"] and any(op["name"].startswith("aten::") for op in p["top_ops"])
     table = (Path(t["output_dir"]).parent / "profile_ops.txt").read_text()

@@ -187,6 +187,7 @@ class StepProfiler(TrainerCallback):
         averages = prof.key_averages()
         key = "self_device_time_total" if self.sync else "self_cpu_time_total"
         rows = sorted(averages, key=lambda e: getattr(e, key), reverse=True)
+
         def op(e: Any) -> dict[str, Any]:
             return {"name": e.key, "self_ms": round(getattr(e, key) / 1e3, 3), "calls": e.count}
 
@@ -218,8 +219,11 @@ class StepProfiler(TrainerCallback):
             "share": {
                 p: round(median[p] / median["step_s"], 4) if median["step_s"] else None for p in PHASES
             },
-            # Tokens of the timed steps over their time: the steady rate, without warm-up or the profiler.
-            "tokens_per_second": round(sum(s["tokens"] for s in timed) / seconds, 2) if seconds else None,
+            # The median of the timed steps' rates: steady, without warm-up, the profiler, or a one-off
+            # recompilation (torch.compile meeting a new row width) weighing in.
+            "tokens_per_second": round(statistics.median(s["tokens"] / s["step_s"] for s in timed), 2)
+            if seconds
+            else None,
             "profiled_step": self.profiled_step,
             "top_ops": self.top_ops,
             "attention_ops": self.attention_ops,
