@@ -20,10 +20,10 @@ that would exceed the time budget are skipped and said so. Writes OUT_DIR/pipeli
 OUT_DIR/pipeline.json; exits 1 when a case failed.
 
 Two suites, throughput first (`--suite all`, the default, runs both in this order):
-- throughput (issue 16): 8B LoRA at 8,192 tokens on generated data with several samples a row
-  (about 30, as real SFT data packs) or one sequence a row, with each attention implementation
-  (flash only where flash-attn is installed), micro-batch 1, 2 and 4, compiled decoder layers,
-  then QLoRA and full fine-tuning on packed rows;
+- throughput (issue 16), most needed first: 8B LoRA at 8,192 tokens on generated data with several
+  samples a row (about 30, as real SFT data packs) under SDPA and FlexAttention, one sequence a
+  row, micro-batch 2 and 4, QLoRA and full fine-tuning on packed rows, then compiled decoder
+  layers, flash-attn and Liger (these two only where installed);
 - memory: the bundled data (about 340 short samples a row at 8,192), the loss path and
   checkpointing on and off per method, and the tiny recipe's whole pipeline.
 Every case runs with `train.profile=true`: each step split into data, forward, loss, backward and
@@ -62,17 +62,18 @@ SHAPE_8B = [
 ]
 # name, method, optimizer, seq_len, chunked loss, activation checkpointing, expected seconds (GPU);
 # throughput cases also: data (packed | single: generated, see write_data), attention, micro-batch (mb),
-# steps, compile, gpu_only (skipped with --cpu), needs (a module that must be importable, else skipped).
+# steps, compile, liger, gpu_only (skipped with --cpu), needs (a module that must be importable, else skipped).
 THROUGHPUT_CASES: list[dict[str, Any]] = [
     dict(name="lora-packed-sdpa", method="lora", seq_len=8192, chunked=True, ckpt=False, data="packed", est_s=40),
     dict(name="lora-packed-flex", method="lora", seq_len=8192, chunked=True, ckpt=False, data="packed", attention="flex", gpu_only=True, est_s=60),
-    dict(name="lora-packed-flash", method="lora", seq_len=8192, chunked=True, ckpt=False, data="packed", attention="flash", gpu_only=True, needs="flash_attn", est_s=40),
     dict(name="lora-single-sdpa", method="lora", seq_len=8192, chunked=True, ckpt=False, data="single", est_s=40),
     dict(name="lora-packed-mb2", method="lora", seq_len=8192, chunked=True, ckpt=False, data="packed", mb=2, est_s=40),
     dict(name="lora-packed-mb4", method="lora", seq_len=8192, chunked=True, ckpt=False, data="packed", mb=4, est_s=45),
-    dict(name="lora-packed-compile", method="lora", seq_len=8192, chunked=True, ckpt=False, data="packed", compile=True, est_s=90),
     dict(name="qlora-packed-ckpt", method="qlora", seq_len=8192, chunked=True, ckpt=True, data="packed", est_s=45),
     dict(name="full-8bit-packed-ckpt", method="full", optimizer="adamw_8bit", seq_len=2048, chunked=True, ckpt=True, data="packed", est_s=50),
+    dict(name="lora-packed-compile", method="lora", seq_len=8192, chunked=True, ckpt=False, data="packed", compile=True, est_s=90),
+    dict(name="lora-packed-flash", method="lora", seq_len=8192, chunked=True, ckpt=False, data="packed", attention="flash", gpu_only=True, needs="flash_attn", est_s=40),
+    dict(name="lora-packed-liger", method="lora", seq_len=8192, chunked=True, ckpt=False, data="packed", liger=True, gpu_only=True, needs="liger_kernel", est_s=40),
 ]  # fmt: skip
 for _case in THROUGHPUT_CASES:
     _case.setdefault("steps", 8)  # the first is warm-up, the last runs under torch.profiler
@@ -140,6 +141,7 @@ def case_args(
         f"train.activation_checkpointing={str(case['ckpt']).lower()}",
         f"train.attention={case.get('attention', 'sdpa')}",
         f"train.compile={str(case.get('compile', False)).lower()}",
+        f"train.liger={str(case.get('liger', False)).lower()}",
         "train.warmup_ratio=0.0",
         "train.logging_steps=1",
         "train.eval_steps=1000",
@@ -199,6 +201,8 @@ def check(case: dict[str, Any], metrics: dict[str, Any]) -> list[str]:
         problems.append(f"micro-batch {e.get('micro_batch_size')}")
     if e.get("compiled_layers") is not bool(case.get("compile")):
         problems.append(f"compiled layers {e.get('compiled_layers')}")
+    if e.get("liger") is not bool(case.get("liger")):
+        problems.append(f"liger {e.get('liger')}")
     if not (t.get("profile") or {}).get("tokens_per_second"):
         problems.append("no step profile (train.profile)")
     if e.get("loss") != ("chunked" if case["chunked"] else "trl"):

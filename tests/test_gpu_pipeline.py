@@ -57,7 +57,8 @@ def test_throughput_cases_cover_each_lever_and_both_row_shapes():
     assert {c.get("attention", "sdpa") for c in lora} == {"sdpa", "flex", "flash"}
     assert {c["data"] for c in lora} == {"packed", "single"}
     assert {c.get("mb", 1) for c in lora if c["data"] == "packed"} == {1, 2, 4}
-    assert any(c.get("compile") for c in lora)
+    assert any(c.get("compile") for c in lora) and any(c.get("liger") for c in lora)
+    assert {c["needs"] for c in lora if "needs" in c} == {"flash_attn", "liger_kernel"}  # skipped if absent
     assert {c["method"] for c in THROUGHPUT_CASES} == {"lora", "qlora", "full"}  # the three MFU targets
     assert all(c["seq_len"] == 8192 for c in THROUGHPUT_CASES if c["method"] != "full")
     # Throughput first, then the memory cases; --suite picks one; --only any of several names.

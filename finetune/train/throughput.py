@@ -56,8 +56,10 @@ LIGER_KERNELS = {
 }
 
 
-def attn_implementation(attention: str) -> str:
-    return ATTN_IMPLEMENTATIONS[attention]
+def attn_implementation(attention: str) -> Optional[str]:
+    """`from_pretrained`'s `attn_implementation`; None for sdpa, transformers' own default (SDPA where
+    the model supports it, eager where not), so the default path loads exactly as before."""
+    return None if attention == "sdpa" else ATTN_IMPLEMENTATIONS[attention]
 
 
 def sft_kwargs(cfg: Config) -> dict[str, Any]:
