@@ -27,6 +27,8 @@ from finetune.launch.config import LaunchConfig
 METHODS = ("full", "lora", "qlora")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
 SHARDINGS = ("none", "ddp", "fsdp", "zero3")
+# train.attention: transformers' attention implementations (finetune/train/throughput.py maps the names).
+ATTENTIONS = ("sdpa", "flex", "eager", "flash")
 MODES = ("all", "plan", "data", "train", "eval", "export", "launch", "compare")
 
 
@@ -265,6 +267,21 @@ class TrainConfig:
     # eval loss rises this many evaluations in a row (0 disables each).
     loss_spike_factor: float = 3.0
     eval_rise_patience: int = 3
+    # Throughput levers (README "Throughput"); each is exact against the default path on the CPU
+    # (tests/test_throughput.py), their GPU speed-ups are measured by scripts/gpu_check.sh.
+    # Attention for packed rows: sdpa | flex (FlexAttention block mask, CUDA) | eager | flash
+    # (flash-attn's variable-length kernel, CUDA, the flash-attn package).
+    attention: str = "sdpa"
+    # Liger's Triton kernels (RMSNorm, SwiGLU, RoPE, and its fused linear cross-entropy inside the
+    # chunked loss): CUDA and the liger-kernel package (pip install 'finetune[liger]').
+    liger: bool = False
+    # torch.compile each decoder layer (training only; evaluation and generation run uncompiled).
+    compile: bool = False
+    # Fused AdamW step (one kernel for all tensors). None: fused on CUDA, unfused on the CPU.
+    fused_optimizer: Optional[bool] = None
+    # Time each step's phases (data, forward, loss, backward, optimizer) into metrics.json and profile
+    # one step's operators (RUN_DIR/profile_ops.txt); synchronizes the GPU at each phase boundary.
+    profile: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.seq_len, str):
@@ -280,6 +297,11 @@ class TrainConfig:
         _check_positive("train.dataset_tokens", self.dataset_tokens, allow_none=True)
         _check_choice("train.sharding", self.sharding, SHARDINGS, allow_none=True)
         _check_choice("train.engine", self.engine, ("fsdp", "deepspeed"))
+        _check_choice("train.attention", self.attention, ATTENTIONS)
+        if self.compile and self.sharding in ("fsdp", "zero3"):
+            raise ConfigError(
+                f"train.compile=true is proven with train.sharding=none or ddp only, not {self.sharding!r}"
+            )
         _check_choice(
             "train.lr_scheduler", self.lr_scheduler, ("cosine", "linear", "constant", "constant_with_warmup")
         )
@@ -370,6 +392,19 @@ class Config:
             raise ConfigError(
                 "method.optimizer=paged_adamw_8bit needs CUDA (paged memory); use adamw on hardware=cpu"
             )
+        if self.hardware.device == "cpu":
+            if self.train.attention in ("flex", "flash"):
+                why = {
+                    "flex": "FlexAttention has no backward on the CPU",
+                    "flash": "flash-attn's kernels are CUDA kernels",
+                }[self.train.attention]
+                raise ConfigError(
+                    f"train.attention={self.train.attention} needs CUDA ({why}); use sdpa or eager on hardware=cpu"
+                )
+            if self.train.liger:
+                raise ConfigError(
+                    "train.liger=true needs CUDA (Liger's kernels are Triton GPU kernels); leave it off on hardware=cpu"
+                )
 
     @property
     def resolved_run_dir(self) -> Path:

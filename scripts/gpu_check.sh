@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # GPU check, one GPU, in under 8 minutes:
-#   1. the real pipeline (scripts/gpu_pipeline.py): `python -m finetune` for LoRA, QLoRA and full
-#      fine-tuning (8-bit AdamW) in bf16 on the 8B layer shapes, chunked loss on and off,
-#      checkpointing on and off, and the tiny recipe's whole pipeline; each run's peak against its plan;
+#   1. the real pipeline (scripts/gpu_pipeline.py): `python -m finetune` per case on the 8B layer
+#      shapes in bf16: LoRA, QLoRA, full with 8-bit AdamW, chunked loss and checkpointing on and off,
+#      the tiny recipe's whole pipeline; each run's peak against its plan, each step split into
+#      data/forward/loss/backward/optimizer (train.profile), tokens/s and MFU.
+#      GPU_PIPELINE_SUITE=throughput runs the throughput levers instead (packed rows vs one sequence a
+#      row, sdpa/flex/flash attention, micro-batch 1/2/4, compiled layers, Liger): a second check;
 #   2. the bare training loop (scripts/gpu_check.py): peak memory term by term, tokens/s and MFU.
 #
 #   bash scripts/gpu_check.sh OUT_DIR            # e.g. bash scripts/gpu_check.sh gpu-results
@@ -24,6 +27,9 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 PY=${PYTHON:-$(command -v python || command -v python3)}
 PIPELINE_S=${GPU_PIPELINE_BUDGET_S:-300}   # gpu_pipeline.py's cases
 LOOP_S=${GPU_LOOP_BUDGET_S:-110}           # gpu_check.py's cases
+# gpu_pipeline.py's suite: memory (the pipeline's correctness and each run's peak against its plan, the
+# default) | throughput (the levers' tokens/s and step split; run it as a second check) | all
+SUITE=${GPU_PIPELINE_SUITE:-memory}
 # each stage has its own hard stop: 330 + 150 s at most (8 min)
 
 "$PY" - <<'EOF'
@@ -47,7 +53,7 @@ for arg in "$@"; do [[ $arg == --cpu ]] && CPU=--cpu; done
 status=0
 # shellcheck disable=SC2086  # $CPU is empty or one word
 timeout --signal=TERM --kill-after=15 "$((PIPELINE_S + 30))" "$PY" "$HERE/gpu_pipeline.py" "$OUT_DIR" \
-    --budget-s "$PIPELINE_S" $CPU || status=$?
+    --budget-s "$PIPELINE_S" --suite "$SUITE" $CPU || status=$?
 timeout --signal=TERM --kill-after=15 "$((LOOP_S + 40))" "$PY" "$HERE/gpu_check.py" "$OUT_DIR" --budget-s "$LOOP_S" "$@" \
     || status=$((status ? status : $?))
 echo "results: $OUT_DIR/pipeline.md, $OUT_DIR/results.md (and .json of each)"

@@ -255,8 +255,9 @@ def test_invalid_arguments():
         chunked_linear_cross_entropy(hidden, weight, targets, chunk_size=0)
 
 
-def test_liger_is_used_only_on_cuda(monkeypatch):
-    """With Liger installed, CPU tensors still take the chunked path; CUDA ones would take Liger's."""
+def test_liger_is_used_only_when_asked_and_on_cuda(monkeypatch):
+    """With Liger installed, CPU tensors still take the chunked path, and so does a call without
+    `use_liger` (train.liger off); CUDA ones with it would take Liger's."""
     calls = []
 
     class FakeLigerLoss:
@@ -274,8 +275,15 @@ def test_liger_is_used_only_on_cuda(monkeypatch):
     monkeypatch.setattr(chunked_loss, "liger_available", lambda: True)
 
     hidden, weight, _, targets = make_inputs()
-    chunked_loss.linear_cross_entropy(hidden, weight, targets)
+    chunked_loss.linear_cross_entropy(hidden, weight, targets, use_liger=True)
     assert calls == []  # CPU: ours
+    with monkeypatch.context() as cuda:
+        cuda.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        chunked_loss.linear_cross_entropy(hidden, weight, targets)
+        assert calls == []  # "CUDA", but train.liger off: ours
+        chunked_loss.linear_cross_entropy(hidden, weight, targets, use_liger=True)
+        assert calls == ["mean"]  # "CUDA" and asked: Liger's
+    calls.clear()
 
     # The wiring Liger gets on CUDA: argument order, and the num_items_in_batch denominator.
     expected = plain_loss(hidden, weight, targets, num_items_in_batch=37)

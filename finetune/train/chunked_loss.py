@@ -8,8 +8,9 @@ gradient into one [N, h] buffer and the head gradient (when the head trains)
 accumulated into one [V, h] buffer, so the peak is a chunk of logits. The
 result equals transformers' ``ForCausalLMLoss`` up to fp32 rounding.
 
-On CUDA with ``liger-kernel`` installed, Liger's fused Triton kernel is used
-instead (same semantics, faster).
+With ``train.liger`` on (CUDA, ``liger-kernel`` installed), Liger's fused
+Triton kernel is used instead (same semantics); off, ours runs even where Liger
+is installed, so the switch alone decides.
 
 The trainer runs it inside the model's forward (`add_chunked_loss_head`): there
 the head is whole (DeepSpeed ZeRO-3 gathers it for the call, FSDP2's root unit
@@ -270,8 +271,9 @@ def linear_cross_entropy(
     num_items_in_batch: torch.Tensor | int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     ignore_index: int = IGNORE_INDEX,
+    use_liger: bool = False,
 ) -> torch.Tensor:
-    """Fused LM head + cross-entropy: Liger's kernel on CUDA when installed, else ours.
+    """Fused LM head + cross-entropy: Liger's kernel when asked (`use_liger`, CUDA tensors, installed), else ours.
 
     The head's matmul runs in one dtype, as the model's own head would: under
     autocast (the trainer computes the loss inside the model's forward, which
@@ -284,7 +286,7 @@ def linear_cross_entropy(
     autocast = torch.is_autocast_enabled(device)
     dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
     with torch.autocast(device_type=device, enabled=False) if autocast else contextlib.nullcontext():
-        if hidden.is_cuda and liger_available():
+        if use_liger and hidden.is_cuda and liger_available():
             # Liger's kernel takes one dtype; its casts are ordinary autograd ops.
             return _liger_linear_cross_entropy(
                 hidden.to(dtype),
@@ -319,6 +321,7 @@ def chunked_causal_lm_loss(
     lm_head_bias: torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
     shift_labels: torch.Tensor | None = None,
+    use_liger: bool = False,
 ) -> torch.Tensor:
     """The causal-LM loss of ``hidden_states`` [..., h] under the LM head, without full logits.
 
@@ -340,10 +343,11 @@ def chunked_causal_lm_loss(
         num_items_in_batch=num_items_in_batch,
         chunk_size=chunk_size,
         ignore_index=ignore_index,
+        use_liger=use_liger,
     )
 
 
-def add_chunked_loss_head(model: Any, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Any:
+def add_chunked_loss_head(model: Any, chunk_size: int = DEFAULT_CHUNK_SIZE, use_liger: bool = False) -> Any:
     """Teach a transformers causal LM `model(..., labels=y, chunked_loss=True, num_items_in_batch=n)`.
 
     That call runs the backbone for its last hidden state and `chunked_causal_lm_loss` under the LM head,
@@ -355,14 +359,15 @@ def add_chunked_loss_head(model: Any, chunk_size: int = DEFAULT_CHUNK_SIZE) -> A
     other call is the model's own forward, untouched (generation, TRL's fused head).
 
     A PEFT model is patched underneath (`get_base_model()`), and its forward passes the keyword
-    through. Patching twice is a no-op. Returns `model`.
+    through. Patching twice is a no-op. `use_liger` (`train.liger`): Liger's fused kernel on CUDA.
+    Returns `model`.
     """
     import functools
     import types
 
     get_base_model = getattr(model, "get_base_model", None)
     if callable(get_base_model):  # PEFT
-        add_chunked_loss_head(get_base_model(), chunk_size)
+        add_chunked_loss_head(get_base_model(), chunk_size, use_liger)
         return model
     if getattr(model, "_finetune_chunked_loss", False):
         return model
@@ -395,6 +400,7 @@ def add_chunked_loss_head(model: Any, chunk_size: int = DEFAULT_CHUNK_SIZE) -> A
                 chunk_size=chunk_size,
                 num_items_in_batch=num_items_in_batch,
                 lm_head_bias=bias,
+                use_liger=use_liger,
             )
         return CausalLMOutputWithPast(loss=loss)
 

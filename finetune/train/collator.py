@@ -8,6 +8,10 @@ variable-length kernel (FlashAttention), so packed samples never attend to one
 another. Padding forms a segment of its own and has no labels; a label at a
 sample's first position is dropped too (it would be predicted from the
 previous sample).
+
+`flatten=True` (for `train.attention=flash`) concatenates the micro-batch into
+one row instead: transformers runs flash-attn's variable-length kernel only for
+a batch of one row, and the row has no padding.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ NUM_TOKENS_KEY = "num_tokens"
 class PackedCollator:
     pad_token_id: int
     pad_to_multiple_of: int = 1
+    flatten: bool = False
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if self.flatten and len(rows) > 1:
+            rows = [_concatenate(rows)]
         lengths = [len(r["input_ids"]) for r in rows]
         width = max(lengths)
         if self.pad_to_multiple_of > 1:
@@ -48,3 +55,15 @@ class PackedCollator:
             "position_ids": position_ids,
             NUM_TOKENS_KEY: torch.tensor(sum(lengths)),
         }
+
+
+def _concatenate(rows: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """The rows end to end as one row, each keeping its position ids (restarting at every sample)."""
+    joined: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+    for row in rows:
+        n = len(row["input_ids"])
+        pos = row.get("position_ids")
+        joined["input_ids"].extend(int(x) for x in row["input_ids"])
+        joined["labels"].extend(int(x) for x in row["labels"])
+        joined["position_ids"].extend(range(n) if pos is None else (int(x) for x in pos))
+    return joined

@@ -25,6 +25,7 @@ import torch
 
 from finetune.config import Config, MethodConfig, ModelConfig
 from finetune.errors import ConfigError
+from finetune.train.throughput import attn_implementation
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +184,7 @@ def load_for_training(cfg: Config) -> tuple[Any, torch.dtype]:
     kwargs: dict[str, Any] = dict(
         trust_remote_code=cfg.model.trust_remote_code,
         use_safetensors=None if cfg.model.allow_pickle_weights else True,
+        attn_implementation=attn_implementation(cfg.train.attention),  # packed rows: train/throughput.py
     )
     if method.name == "full":
         # fp32 master weights; bf16 autocast in the trainer where bf16 is native.

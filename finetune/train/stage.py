@@ -196,6 +196,7 @@ def run(
 
     from finetune import preflight
     from finetune.train import callbacks as cb
+    from finetune.train import throughput
     from finetune.train.evaluate import evaluate
     from finetune.train.models import (
         load_for_training,
@@ -204,6 +205,7 @@ def run(
         trainable_parameters,
         training_dtype,
     )
+    from finetune.train.profiling import StepProfiler
     from finetune.train.trainer import build_sft_config, build_trainer, engine_record, save_output
 
     global phase
@@ -224,6 +226,7 @@ def run(
         if mismatch:
             log.warning("launch.allow_mismatch=true: training although %s", mismatch)
     transformers.utils.logging.disable_progress_bar()
+    throughput.check_runtime(cfg, plan.strategy.sharding)  # a lever this machine cannot run: one line, exit 2
     t0 = time.perf_counter()
     baseline_gb = _rss_gb()
     phase = "loading the data"
@@ -282,6 +285,11 @@ def run(
         args=args,
     )
     trainer.loaded_partitioned = loaded_partitioned
+    profiler = (
+        StepProfiler(cfg.hardware.device, run_dir if rank0 else None).attach(trainer)
+        if cfg.train.profile
+        else None
+    )
     try:
         resumed_from, complete = _agreed_resume_point(trainer, cfg, run_dir, rank0)
         if complete:
@@ -353,6 +361,7 @@ def run(
             "output_dir": str(out_dir),
             "engine": engine,
             "machine_mismatch": mismatch,
+            "profile": profiler.summary() if profiler is not None else None,  # train.profile
         },
         "eval": {"base": base, "trained": trained}
         if in_worker_eval

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,6 +32,7 @@ from trl import SFTConfig, SFTTrainer
 from finetune import checkpoints
 from finetune.config import Config
 from finetune.planner import Plan
+from finetune.train import throughput
 from finetune.train.callbacks import RunMonitor
 from finetune.train.chunked_loss import add_chunked_loss_head
 from finetune.train.collator import NUM_TOKENS_KEY, PackedCollator
@@ -44,8 +46,9 @@ TENSORBOARD_DIR = "tensorboard"
 _OPTIMIZERS = {"adamw": "adamw_torch", "adamw_8bit": "adamw_bnb_8bit", "paged_adamw_8bit": "paged_adamw_8bit"}
 
 
-def optimizer_name(optimizer: str, device: str) -> str:
-    if optimizer == "adamw" and device == "cuda":
+def optimizer_name(optimizer: str, device: str, fused: Optional[bool] = None) -> str:
+    """transformers' `optim`; `fused` is `train.fused_optimizer` (None: the fused AdamW step on CUDA only)."""
+    if optimizer == "adamw" and (device == "cuda" if fused is None else fused):
         return "adamw_torch_fused"
     return _OPTIMIZERS[optimizer]
 
@@ -65,7 +68,7 @@ def build_sft_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torc
         gradient_accumulation_steps=s.grad_accum_steps,
         activation_checkpointing=s.activation_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False} if s.activation_checkpointing else None,
-        optim=optimizer_name(s.optimizer, cfg.hardware.device),
+        optim=optimizer_name(s.optimizer, cfg.hardware.device, t.fused_optimizer),
         # Precision: bf16 autocast where native; fp32 otherwise.
         bf16=compute_dtype == torch.bfloat16,
         fp16=False,
@@ -106,6 +109,7 @@ def build_sft_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torc
     # The engine (DeepSpeed JSON or FSDP2 settings, use_cpu, collective timeout), as the launcher wrote it,
     # for the ranks really running: DeepSpeed asserts its batch = micro x accumulation x world size.
     kwargs.update(engine_trainer_kwargs(cfg, plan, run_dir))
+    kwargs.update(throughput.sft_kwargs(cfg))  # Liger's kernels through TRL's switch
     return SFTConfig(**kwargs)
 
 
@@ -139,13 +143,19 @@ class FinetuneTrainer(SFTTrainer):
         monitor: Optional[RunMonitor] = None,
         **kwargs: Any,
     ):
-        super().__init__(*args, **kwargs)
+        with (
+            warnings.catch_warnings()
+        ):  # TRL 1.16 deprecates use_liger_kernel for Hub kernels: see sft_kwargs
+            warnings.filterwarnings(
+                "ignore", message=r"`use_liger_kernel=True` is deprecated", category=FutureWarning
+            )
+            super().__init__(*args, **kwargs)
         self.chunked_loss = chunked_loss
         self.monitor = monitor
         self.last_checkpoint: Optional[Path] = None
         self.loaded_partitioned = False  # set by the stage: the model came from zero.Init
         # After TRL's fused LM head (SFTTrainer.__init__): ours wraps it, and runs only when asked.
-        add_chunked_loss_head(self.model, loss_chunk_size)
+        add_chunked_loss_head(self.model, loss_chunk_size, use_liger=self.args.use_liger_kernel)
 
     def create_accelerator_and_postprocess(self) -> None:
         """FSDP2 on CPU ranks too: accelerate enables its FSDP plugin only for accelerator devices and
@@ -171,6 +181,9 @@ class FinetuneTrainer(SFTTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs["use_cache"] = False  # a cache would also turn off the packed (block-diagonal) attention mask
+        inputs.pop(
+            "skip_logits", None
+        )  # the Trainer's Liger hint for evaluation: both loss paths make no logits
         num_tokens = inputs.pop(NUM_TOKENS_KEY, None)
         if self.model.training and self.monitor is not None and num_tokens is not None:
             self.monitor.add_tokens(int(num_tokens))
@@ -274,6 +287,7 @@ def engine_record(trainer: Any) -> dict[str, Any]:
         "activation_checkpointing": _checkpointing_on(trainer),
         "micro_batch_size": trainer.args.per_device_train_batch_size,
         "grad_accum_steps": trainer.args.gradient_accumulation_steps,
+        **throughput.record(trainer),  # the levers that really ran: attention, compile, Liger
     }
     params = list(trainer.model.parameters())
     local = full = sum(p.numel() for p in params)
@@ -298,6 +312,7 @@ def engine_record(trainer: Any) -> dict[str, Any]:
     else:
         basic = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     record["optimizer_kind"] = optimizer_kind(basic)
+    record["fused_optimizer"] = bool(getattr(basic, "defaults", {}).get("fused"))
     record["loaded_partitioned"] = bool(getattr(trainer, "loaded_partitioned", False))  # zero.Init
     rank = int(os.environ.get("RANK", "0"))
     record["ranks"] = gather_object(
@@ -383,7 +398,10 @@ def build_trainer(
     trainer = FinetuneTrainer(
         model=model,
         args=args,
-        data_collator=PackedCollator(pad_token_id=tokenizer.pad_token_id),
+        # flash-attn's variable-length kernel takes one row only (train/throughput.py)
+        data_collator=PackedCollator(
+            pad_token_id=tokenizer.pad_token_id, flatten=cfg.train.attention == "flash"
+        ),
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
@@ -397,6 +415,8 @@ def build_trainer(
         trainer.remove_callback(cb)
     if cfg.method.uses_adapters:
         keep_adapter_dtype(trainer.model, cfg.method.adapter_dtype)
+    if cfg.train.compile:
+        throughput.compile_decoder_layers(trainer.model)
     return trainer
 
 
