@@ -25,7 +25,7 @@ from finetune.planner import (
     runtime,
 )
 from finetune.planner import search as search_module
-from finetune.planner._activations import attention_mask_bytes, layer_bytes_per_token, model_bytes_per_token
+from finetune.planner.activations import attention_mask_bytes, layer_bytes_per_token, model_bytes_per_token
 from finetune.planner.memory import quant_constant_bits
 
 PROFILES = load_profiles()

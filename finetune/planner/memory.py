@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from finetune.config import HardwareConfig, MethodConfig, ModelConfig, TrainConfig
-from finetune.planner._activations import (
+from finetune.planner.activations import (
     attention_mask_bytes,
     autocast_weight_copy_bytes,
     layer_bytes_per_token,
@@ -227,7 +227,7 @@ def weights(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
 
 
 def _layer(job: Job, rt: Runtime, checkpointing: bool) -> int:
-    """Saved bytes of one decoder layer per token (the fitted formulas of `_activations`)."""
+    """Saved bytes of one decoder layer per token (the fitted formulas of `finetune.planner.activations`)."""
     m, method = job.model, job.method
     full = method.name == "full"
     return layer_bytes_per_token(
