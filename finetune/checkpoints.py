@@ -31,6 +31,8 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+# What transformers writes into each checkpoint: the step, the log history, the callbacks' state.
+TRAINER_STATE_FILE = "trainer_state.json"
 STAGING_DIR = ".staging"
 SUPERSEDED_PREFIX = "superseded-"
 _NAME = re.compile(r"^checkpoint-(\d+)$")

@@ -30,6 +30,8 @@ SHARDINGS = ("none", "ddp", "fsdp", "zero3")
 # train.attention: transformers' attention implementations (finetune/train/throughput.py maps the names).
 ATTENTIONS = ("sdpa", "flex", "eager", "flash")
 MODES = ("all", "plan", "data", "train", "eval", "export", "launch", "compare")
+# Where runs go by default: runs/<name> (mode=compare looks names up here too).
+RUNS_DIR = "runs"
 
 
 def _check_choice(key: str, value: Any, valid: tuple, allow_none: bool = False) -> None:
@@ -408,7 +410,7 @@ class Config:
 
     @property
     def resolved_run_dir(self) -> Path:
-        return Path(self.run_dir if self.run_dir else Path("runs") / self.name)
+        return Path(self.run_dir if self.run_dir else Path(RUNS_DIR) / self.name)
 
 
 def package_dir(name: str) -> Path:

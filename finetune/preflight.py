@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from finetune import checkpoints, machine
+from finetune import checkpoints, machine, rundir
 from finetune.config import Config
 from finetune.errors import LaunchError, format_bytes
 
@@ -64,7 +64,7 @@ def check(
         from finetune.train.stage import resume_checkpoint
 
         resume_checkpoint(cfg, run_dir)
-    folder = checkpoint_dir or run_dir / "checkpoints"
+    folder = checkpoint_dir or rundir.checkpoint_dir(run_dir)
     existing = sum(1 for p in checkpoints.listing(folder) if checkpoints.verify(p, checksums=False) is None)
     keep = cfg.train.save_total_limit
     need = disk_needed_gb(plan, keep, existing)

@@ -24,8 +24,6 @@ from finetune import rundir
 from finetune.config import Config
 from finetune.errors import FinetuneError, LaunchError
 
-SMOKE_DIR = "smoke"
-REPORT_FILE = "smoke_report.json"
 RESUME_EXTRA_STEPS = 2
 
 # Overrides that belong to the real run only: the sibling recipe sets its own.
@@ -57,7 +55,7 @@ def sibling_overrides(cfg: Config, overrides: Sequence[str], sibling: str) -> li
     return [
         f"+recipe={sibling}",
         *carried,
-        f"run_dir={cfg.resolved_run_dir / SMOKE_DIR}",
+        f"run_dir={cfg.resolved_run_dir / rundir.SMOKE_DIR}",
         "mode=all",
         "resume=false",
         f"train.max_steps={steps}",
@@ -94,7 +92,7 @@ def run(cfg: Config, overrides: Sequence[str], hub_check: Any = hub_reachable) -
     steps = cfg.smoke.steps
     try:
         run_stages(smoke_cfg)
-        metrics = json.loads((smoke_dir / "metrics.json").read_text())["train"]
+        metrics = json.loads((smoke_dir / rundir.METRICS_FILE).read_text())["train"]
         _check(
             report,
             "train",
@@ -109,19 +107,19 @@ def run(cfg: Config, overrides: Sequence[str], hub_check: Any = hub_reachable) -
             not metrics.get("memory_over_plan", False),
             f"peak {metrics['peak_memory_gb']:.2f} GB, planned {metrics['planned_memory_gb']:.2f} GB",
         )
-        checkpoint = smoke_dir / "checkpoints" / f"checkpoint-{steps}"
+        checkpoint = rundir.checkpoint_dir(smoke_dir) / f"checkpoint-{steps}"
         _check(report, "save", checkpoint.is_dir(), str(checkpoint))
         # Later overrides win: the same smoke run, resumed for two more steps.
         resumed_cfg = compose(
             [*smoke_overrides, "mode=train", "resume=true", f"train.max_steps={steps + RESUME_EXTRA_STEPS}"]
         )
         run_stages(resumed_cfg)
-        resumed = json.loads((smoke_dir / "metrics.json").read_text())["train"]
+        resumed = json.loads((smoke_dir / rundir.METRICS_FILE).read_text())["train"]
         ok = resumed["steps"] == steps + RESUME_EXTRA_STEPS and str(resumed.get("resumed_from", "")).endswith(
             f"checkpoint-{steps}"
         )
         _check(report, "resume", ok, f"resumed from {resumed.get('resumed_from')} to step {resumed['steps']}")
-        merge = json.loads((smoke_dir / "export" / "merge_check.json").read_text())
+        merge = json.loads((rundir.export_dir(smoke_dir) / rundir.MERGE_CHECK_FILE).read_text())
         _check(report, "merge", merge["ok"], f"max |logit diff| {merge['max_abs_diff']:.3g}")
     except FinetuneError as exc:
         _check(report, "pipeline", False, str(exc))
@@ -135,11 +133,11 @@ def run(cfg: Config, overrides: Sequence[str], hub_check: Any = hub_reachable) -
         "ok": all(c["ok"] for c in report),
     }
     smoke_dir.mkdir(parents=True, exist_ok=True)
-    rundir.write_json(smoke_dir / REPORT_FILE, result)
+    rundir.write_json(smoke_dir / rundir.SMOKE_REPORT_FILE, result)
     if not result["ok"]:
         failed = ", ".join(c["check"] for c in report if not c["ok"])
         raise LaunchError(
-            f"smoke run failed ({failed}; see {smoke_dir / REPORT_FILE}): the real run was not launched"
+            f"smoke run failed ({failed}; see {smoke_dir / rundir.SMOKE_REPORT_FILE}): the real run was not launched"
         )
     print(f"smoke: all {len(report)} checks passed; starting the real run")
     return result

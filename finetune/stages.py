@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune import rundir
-from finetune.config import Config, ModelConfig
+from finetune.config import RUNS_DIR, Config, ModelConfig
 from finetune.errors import ConfigError, LaunchError, PlanError
 from finetune.planner import Plan, make_plan
 
@@ -112,7 +112,7 @@ def resolve(cfg: Config) -> Config:
 
 def data_seq_len(run_dir: Path) -> Optional[int]:
     """The sequence length the data stage resolved for train.seq_len=auto, if it ran."""
-    stats = run_dir / "data_stats.json"
+    stats = run_dir / rundir.DATA_STATS_FILE
     if not stats.is_file():
         return None
     value = json.loads(stats.read_text()).get("seq_len")
@@ -185,20 +185,18 @@ def train_stage(cfg: Config, run_dir: Path, plan: Plan) -> int:
 
 
 def _print_summary(run_dir: Path) -> None:
-    from finetune.evaluation.stage import EVAL_DIR, METRICS_FILE
-
-    metrics_path = run_dir / EVAL_DIR / METRICS_FILE
+    metrics_path = rundir.eval_dir(run_dir) / rundir.EVAL_METRICS_FILE
     print(f"\nrun directory: {run_dir}")
     for name in (
-        "config.yaml",
-        "plan.json",
-        "data_stats.json",
-        "metrics.json",
-        f"{EVAL_DIR}/{METRICS_FILE}",
-        f"{EVAL_DIR}/report.md",
-        "export/merged",
-        "export/adapter",
-        "export/serve.sh",
+        rundir.CONFIG_FILE,
+        rundir.PLAN_FILE,
+        rundir.DATA_STATS_FILE,
+        rundir.METRICS_FILE,
+        f"{rundir.EVAL_DIR}/{rundir.EVAL_METRICS_FILE}",
+        f"{rundir.EVAL_DIR}/{rundir.EVAL_REPORT_FILE}",
+        f"{rundir.EXPORT_DIR}/{rundir.MERGED_DIR}",
+        f"{rundir.EXPORT_DIR}/{rundir.EXPORT_ADAPTER_DIR}",
+        f"{rundir.EXPORT_DIR}/{rundir.SERVE_FILE}",
     ):
         if (run_dir / name).exists():
             print(f"  {name}")
@@ -219,7 +217,7 @@ def run(cfg: Config) -> int:
     if cfg.mode == "compare":
         from finetune import compare
 
-        out = Path(cfg.run_dir) if cfg.run_dir else Path("runs") / "compare"
+        out = Path(cfg.run_dir) if cfg.run_dir else Path(RUNS_DIR) / rundir.COMPARE_DIR
         rundir.check_run_dir(out)
         compare.run(cfg.runs, out)
         rundir.mark_owned(out)

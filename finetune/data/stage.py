@@ -36,9 +36,6 @@ from finetune.data.formats import Messages, RecordError, to_messages, turn_order
 from finetune.data.render import IGNORE_INDEX, Renderer
 from finetune.errors import ConfigError, DataError, DiskFullError, is_disk_full
 
-DATA_DIR = "data"
-STATS_FILE = "data_stats.json"
-HISTOGRAM_FILE = "data_tokens.png"
 # Bump when the prepared format or the cleaning rules change: old cache entries stop matching.
 PREPARED_VERSION = 2
 
@@ -152,7 +149,7 @@ def run(cfg: Config, run_dir: Path, *, tokenizer: Any = None) -> dict:
     """Prepare (or fetch from the cache) the training and eval data; write `data_stats.json`; return the stats."""
     run_dir = Path(run_dir)
     # Before any work: RUN_DIR/data is replaced at the end, and only when finetune wrote it.
-    rundir.check_replaceable(run_dir / DATA_DIR, cache.published_before_markers)
+    rundir.check_replaceable(run_dir / rundir.DATA_DIR, cache.published_before_markers)
     console = _console()
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
     path = cfg.data.path or str(_default_data_path())
@@ -189,16 +186,16 @@ def run(cfg: Config, run_dir: Path, *, tokenizer: Any = None) -> dict:
     result["cache"] = {"fingerprint": key, "hit": hit, "dir": str(entry)}
 
     try:
-        cache.publish_copy(entry, run_dir / DATA_DIR)  # hard links where it can: no bytes
-        hist = entry / HISTOGRAM_FILE
+        cache.publish_copy(entry, run_dir / rundir.DATA_DIR)  # hard links where it can: no bytes
+        hist = entry / rundir.DATA_HISTOGRAM_FILE
         if hist.is_file():
-            _copy_file(hist, run_dir / HISTOGRAM_FILE)
+            _copy_file(hist, run_dir / rundir.DATA_HISTOGRAM_FILE)
     except OSError as exc:
         if is_disk_full(exc):
             size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
-            raise DiskFullError(run_dir / DATA_DIR, size, rundir.free_bytes(run_dir)) from None
+            raise DiskFullError(run_dir / rundir.DATA_DIR, size, rundir.free_bytes(run_dir)) from None
         raise
-    rundir.write_json(run_dir / STATS_FILE, result)
+    rundir.write_json(run_dir / rundir.DATA_STATS_FILE, result)
     _report(console, result)
     return result
 
@@ -515,17 +512,19 @@ def _save_rows(prepared: dict, out: Path) -> None:
                 "seq_lengths": ids["seq_lengths"],
             }
         )
-    ).save_to_disk(str(out / "train"))
+    ).save_to_disk(str(out / rundir.DATA_TRAIN_DIR))
     singles = [[int(r)] for r in evals["rows"]]
     eval_ids = pack.gather_rows(evals["ids"], evals["starts"], evals["lengths"], singles)
     eval_labels = pack.gather_rows(evals["labels"], evals["starts"], evals["lengths"], singles)
     messages = pa.array([json.dumps(m, ensure_ascii=False) for m in evals["messages"]], pa.string())
     Dataset(
         pa.table({"input_ids": eval_ids["tokens"], "labels": eval_labels["tokens"], "messages": messages})
-    ).save_to_disk(str(out / "eval"), num_shards=1)  # one shard even when empty (eval_fraction=0)
+    ).save_to_disk(
+        str(out / rundir.DATA_EVAL_DIR), num_shards=1
+    )  # one shard even when empty (eval_fraction=0)
     lengths = train["lengths"]
     stats.histogram(
-        out / HISTOGRAM_FILE,
+        out / rundir.DATA_HISTOGRAM_FILE,
         {"train": lengths[train["rows"]].tolist(), "eval": lengths[evals["rows"]].tolist()},
         prepared["stats"]["seq_len"],
     )
@@ -540,10 +539,10 @@ def load_prepared(run_dir: Path):
     """
     from datasets import load_from_disk
 
-    base = Path(run_dir) / DATA_DIR
-    if not (base / "train").is_dir():
+    base = Path(run_dir) / rundir.DATA_DIR
+    if not (base / rundir.DATA_TRAIN_DIR).is_dir():
         raise DataError(f"{base}: no prepared data; run the data stage (mode=data) first")
-    return load_from_disk(str(base / "train")), load_from_disk(str(base / "eval"))
+    return load_from_disk(str(base / rundir.DATA_TRAIN_DIR)), load_from_disk(str(base / rundir.DATA_EVAL_DIR))
 
 
 def _report(console, s: dict) -> None:
@@ -567,4 +566,4 @@ def _report(console, s: dict) -> None:
     )
 
 
-__all__ = ["run", "load_prepared", "load_tokenizer", "tokenize", "STATS_FILE", "DATA_DIR"]
+__all__ = ["run", "load_prepared", "load_tokenizer", "tokenize"]

@@ -13,22 +13,19 @@ from typing import Any, Optional
 
 import torch
 
+from finetune import rundir
 from finetune.config import Config
 from finetune.errors import ConfigError, LaunchError
 
 VARIANTS = ("base", "trained", "merged")
-EXPORT_DIR = "export"
-MERGED_DIR = "merged"
 
 
 def trained_dir(cfg: Config, run_dir: Path) -> Path:
-    from finetune.train.stage import ADAPTER_DIR, MODEL_DIR
-
-    return Path(run_dir) / (ADAPTER_DIR if cfg.method.uses_adapters else MODEL_DIR)
+    return rundir.trained_dir(run_dir, cfg.method.uses_adapters)
 
 
 def merged_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / EXPORT_DIR / MERGED_DIR
+    return rundir.merged_dir(run_dir)
 
 
 def available_variants(cfg: Config, run_dir: Path) -> list[str]:

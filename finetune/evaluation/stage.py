@@ -36,12 +36,6 @@ from finetune.evaluation.loading import (
 
 log = logging.getLogger(__name__)
 
-EVAL_DIR = "eval"
-METRICS_FILE = "metrics.json"
-SAMPLES_FILE = "samples.jsonl"
-REPORT_FILE = "report.md"
-CURVES_FILE = "loss_curves.png"
-
 
 def task_items(eval_ds: Any, num_samples: Optional[int]) -> list[dict]:
     """The held-out conversations to answer: id, the conversation up to the answer, prompt text, reference."""
@@ -172,10 +166,10 @@ def run(
         if v not in VARIANTS:
             raise ValueError(f"unknown model variant {v!r}; one of {', '.join(VARIANTS)}")
 
-    out_dir = run_dir / EVAL_DIR
-    old_metrics = {} if replace_all else _read_json(out_dir / METRICS_FILE)
+    out_dir = rundir.eval_dir(run_dir)
+    old_metrics = {} if replace_all else _read_json(out_dir / rundir.EVAL_METRICS_FILE)
     items = task_items(eval_dataset, e.num_samples)
-    rows = _sample_rows(items, reg_rows, _read_samples(out_dir / SAMPLES_FILE))
+    rows = _sample_rows(items, reg_rows, _read_samples(out_dir / rundir.EVAL_SAMPLES_FILE))
     if replace_all:
         for row in rows:
             for v in VARIANTS:
@@ -220,17 +214,17 @@ def run(
     )
     ordered["settings"] = settings(cfg)
 
-    rundir.write_json(out_dir / METRICS_FILE, ordered)
+    rundir.write_json(out_dir / rundir.EVAL_METRICS_FILE, ordered)
     rundir.atomic_write_text(
-        out_dir / SAMPLES_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        out_dir / rundir.EVAL_SAMPLES_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     )
     reference = {
         f"{v} held-out loss": ordered[v].get("loss") for v in VARIANTS if v in ordered and v != "merged"
     }
-    drawn = curves.plot(run_dir, out_dir / CURVES_FILE, reference)
+    drawn = curves.plot(run_dir, out_dir / rundir.EVAL_CURVES_FILE, reference)
     from finetune.evaluation.report import write_report
 
-    write_report(cfg, out_dir / REPORT_FILE, ordered, rows, curves_drawn=drawn is not None)
+    write_report(cfg, out_dir / rundir.EVAL_REPORT_FILE, ordered, rows, curves_drawn=drawn is not None)
     _print_table(ordered)
     return ordered
 

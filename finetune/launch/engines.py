@@ -25,15 +25,13 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from finetune import rundir
 from finetune.architectures import ARCHITECTURES
 from finetune.config import Config
 from finetune.errors import LaunchError
 from finetune.launch.config import LaunchConfig
 from finetune.planner import Plan, Strategy, why_not
 
-DEEPSPEED_FILE = "deepspeed.json"
-ACCELERATE_FSDP_FILE = "accelerate_fsdp.yaml"
-ACCELERATE_FILE = "accelerate.yaml"  # launcher=accelerate with a DDP or ZeRO-3 plan
 # TrainingArguments' AdamW defaults, written into the DeepSpeed optimizer block and returned
 # in trainer_kwargs so both sides agree.
 ADAM_BETAS = (0.9, 0.999)
@@ -273,10 +271,8 @@ class EngineFiles:
 
 def _write_if_changed(path: Path, text: str) -> None:
     """Every rank may call this with the same text; the atomic rename makes concurrent writers harmless."""
-    from finetune.rundir import atomic_write_text
-
     if not path.is_file() or path.read_text() != text:
-        atomic_write_text(path, text)
+        rundir.atomic_write_text(path, text)
 
 
 def write_engine_files(
@@ -306,18 +302,18 @@ def write_engine_files(
     ds_path: Optional[Path] = None
     acc_path: Optional[Path] = None
     if lay.engine == "deepspeed":
-        ds_path = run_dir / DEEPSPEED_FILE
+        ds_path = run_dir / rundir.DEEPSPEED_FILE
         _write_if_changed(ds_path, json.dumps(deepspeed_config(cfg, lay), indent=2) + "\n")
         kwargs["deepspeed"] = str(ds_path)
     elif lay.engine == "fsdp":
-        acc_path = run_dir / ACCELERATE_FSDP_FILE
+        acc_path = run_dir / rundir.ACCELERATE_FSDP_FILE
         _write_if_changed(acc_path, yaml.safe_dump(accelerate_config(cfg, lay, launch), sort_keys=False))
         kwargs["fsdp"] = True
         kwargs["fsdp_config"] = fsdp_trainer_config(cfg, lay)
         # FSDP checkpoints each wrapped layer itself; the Trainer's own checkpointing would add an all-gather.
         kwargs["activation_checkpointing"] = False
     if launch.launcher == "accelerate" and acc_path is None:
-        acc_path = run_dir / ACCELERATE_FILE
+        acc_path = run_dir / rundir.ACCELERATE_FILE
         _write_if_changed(
             acc_path, yaml.safe_dump(accelerate_config(cfg, lay, launch, ds_path), sort_keys=False)
         )
@@ -344,10 +340,8 @@ def engine_files(plan: PlanLike, run_dir: Union[str, Path], cfg: Optional[Config
     The config is read from run_dir/config.yaml unless given. Files are (re)written only when their
     content changes, so every rank may call this.
     """
-    from finetune.rundir import load_config
-
     run_dir = Path(run_dir)
-    cfg = cfg or load_config(run_dir)
+    cfg = cfg or rundir.load_config(run_dir)
     return write_engine_files(cfg, plan, run_dir).to_dict()
 
 

@@ -40,13 +40,10 @@ from finetune.launch.runner import (
     tcp_reachable,
     wait_for_rendezvous,
 )
-from finetune.launch.slurm import SBATCH_FILE, sbatch_script
+from finetune.launch.slurm import sbatch_script
 from finetune.machine import Machine
 from finetune.planner import Plan
 from finetune.preflight import MachineCheck, check_machine
-
-LAUNCH_SCRIPT = "launch.sh"
-LAUNCH_LOG = "launch.log"
 
 
 def _fits(plan: PlanLike) -> tuple[bool, str]:
@@ -133,7 +130,7 @@ def run(
 
     cmd = build_command(launch, lay, files, run_dir, cfg.name, env)
     script_cmd = build_command(launch, lay, files, run_dir, cfg.name, env, node_rank=NODE_RANK_SLOT)
-    script = run_dir / LAUNCH_SCRIPT
+    script = run_dir / rundir.LAUNCH_SCRIPT
     header = [
         f"{cfg.name}: {describe(files, lay)}",
         "Written by mode=launch; re-run as is: bash " + str(script),
@@ -171,7 +168,7 @@ def run(
         )
     if launch.detach:
         session = launch.session or re.sub(r"[^\w-]", "-", f"ft-{cfg.name}")
-        for line in detach(script, run_dir / LAUNCH_LOG, session, runner, which):
+        for line in detach(script, run_dir / rundir.LAUNCH_LOG, session, runner, which):
             print(line)
         return 0
     code = runner(list(cmd.argv), cmd.env, cmd.cwd)
@@ -191,7 +188,7 @@ def _slurm(
     runner: Runner,
     which: Which,
 ) -> int:
-    path = run_dir / SBATCH_FILE
+    path = run_dir / rundir.SBATCH_FILE
     vcpus = plan.hardware.vcpus if isinstance(plan, Plan) else cfg.hardware.vcpus
     text = sbatch_script(launch, lay, files, run_dir, cfg.name, env, os.getcwd(), vcpus=vcpus)
     rundir.atomic_write_text(path, text)

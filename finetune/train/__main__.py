@@ -62,13 +62,13 @@ def disk_full(exc: BaseException, run_dir: str) -> DiskFullError | None:
     import json
     from pathlib import Path
 
-    from finetune.rundir import PLAN_FILE, free_bytes
+    from finetune.rundir import PLAN_FILE, checkpoint_dir, free_bytes
 
     if isinstance(exc, OSError) and not is_disk_full(exc):
         return None
     if isinstance(exc, RuntimeError) and not any(s in str(exc) for s in _WRITE_FAILED):
         return None
-    folder = Path(run_dir) / "checkpoints"
+    folder = checkpoint_dir(Path(run_dir))
     needed = None
     try:
         plan = json.loads((Path(run_dir) / PLAN_FILE).read_text())

@@ -28,6 +28,8 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from finetune import checkpoints
+
 log = logging.getLogger(__name__)
 
 GB = 1e9
@@ -148,7 +150,7 @@ class EarlyStop(TrainerCallback, ExportableState):
         import json
         from pathlib import Path
 
-        path = Path(checkpoint) / "trainer_state.json"
+        path = Path(checkpoint) / checkpoints.TRAINER_STATE_FILE
         saved = json.loads(path.read_text()).get("stateful_callbacks", {}).get(type(self).__name__)
         if isinstance(saved, list):
             saved = saved[-1] if saved else None

@@ -37,16 +37,13 @@ from finetune.planner import Plan
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.json"
 # What the worker is doing now, for the one line a signal leaves (`interrupted_message`).
 phase = "starting"
 # A run stopped by SIGTERM/SIGINT after saving its checkpoint exits with this (EX_TEMPFAIL,
 # "try again later"); running the same command again resumes.
 PREEMPTED_EXIT_CODE = 75
-ADAPTER_DIR = "adapter"
 # Strategies whose weights are split across ranks: no rank can evaluate the model alone.
 SHARDED = ("zero3", "fsdp")
-MODEL_DIR = "model"
 
 
 def load_plan(run_dir: Path, hardware: HardwareConfig) -> Plan:
@@ -72,9 +69,8 @@ def resume_checkpoint(cfg: Config, run_dir: Path) -> Optional[str]:
       tool) is accepted with a warning when it has a trainer_state.json.
     """
     from finetune.errors import ConfigError
-    from finetune.train.trainer import CHECKPOINT_DIR
 
-    folder = Path(run_dir) / CHECKPOINT_DIR
+    folder = rundir.checkpoint_dir(run_dir)
     if cfg.resume is False:
         return None
     if cfg.resume is True:
@@ -91,7 +87,7 @@ def resume_checkpoint(cfg: Config, run_dir: Path) -> Optional[str]:
         )
     problem = checkpoints.verify(path)
     if problem is not None:
-        if (path / checkpoints.MANIFEST).exists() or not (path / "trainer_state.json").is_file():
+        if (path / checkpoints.MANIFEST).exists() or not (path / checkpoints.TRAINER_STATE_FILE).is_file():
             raise ConfigError(
                 f"resume={cfg.resume}: damaged checkpoint ({problem}); pick another, or resume=true for the "
                 "newest complete one"
@@ -107,9 +103,7 @@ def prepare_checkpoints(cfg: Config, run_dir: Path) -> Optional[str]:
     one of them); resuming an earlier checkpoint of this run renames the later ones
     `superseded-checkpoint-N` (kept for inspection, never resumed).
     """
-    from finetune.train.trainer import CHECKPOINT_DIR
-
-    folder = Path(run_dir) / CHECKPOINT_DIR
+    folder = rundir.checkpoint_dir(run_dir)
     checkpoints.clean_staging(folder)
     if cfg.resume is False:
         n = checkpoints.discard_all(folder)
@@ -321,7 +315,7 @@ def run(
         preemption.uninstall()
 
     phase = "saving the trained output"
-    out_dir = run_dir / (ADAPTER_DIR if cfg.method.uses_adapters else MODEL_DIR)
+    out_dir = rundir.trained_dir(run_dir, cfg.method.uses_adapters)
     engine = engine_record(trainer)  # every rank takes part (it gathers)
     save_output(
         trainer, out_dir
@@ -373,7 +367,7 @@ def run(
         },
     }
     if trainer.is_world_process_zero():
-        path = run_dir / METRICS_FILE
+        path = run_dir / rundir.METRICS_FILE
         existing = json.loads(path.read_text()) if path.is_file() else {}
         rundir.write_json(path, {**existing, **metrics})
     return metrics
@@ -411,13 +405,13 @@ def _complete(trainer: Any, checkpoint: Path, run_dir: Path) -> bool:
     transformers resumed from the final step trains one step beyond the schedule before it checks
     the step count (and rewrites the output): re-running a finished job's command must not.
     """
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    state = json.loads((checkpoint / checkpoints.TRAINER_STATE_FILE).read_text())
     args = trainer.args
     if args.max_steps > 0:
         target = args.max_steps
     else:  # epoch-based: the trainer's own count of optimizer steps
         target = trainer.set_initial_training_values(args, trainer.get_train_dataloader())[-1]
-    metrics = run_dir / METRICS_FILE
+    metrics = run_dir / rundir.METRICS_FILE
     previous = json.loads(metrics.read_text()).get("train", {}) if metrics.is_file() else {}
     return (
         state.get("global_step", 0) >= target
@@ -428,7 +422,7 @@ def _complete(trainer: Any, checkpoint: Path, run_dir: Path) -> bool:
 
 def _already_trained(run_dir: Path, checkpoint: Optional[str], rank0: bool) -> dict:
     """The metrics of the finished run, marked as such: nothing is trained, saved or evaluated again."""
-    path = run_dir / METRICS_FILE
+    path = run_dir / rundir.METRICS_FILE
     metrics = json.loads(path.read_text())
     log.info("already trained: %s is the schedule's last step; nothing to train", checkpoint)
     resumed = str(Path(checkpoint).resolve()) if checkpoint else None
@@ -470,9 +464,7 @@ class Preempted(FinetuneError):
 def newest_checkpoint(run_dir: Path) -> Optional[Path]:
     """The newest checkpoint whose files all have their recorded sizes (no checksums: a signal's grace
     period is short); what `resume=true` will pick unless a file's content was damaged."""
-    from finetune.train.trainer import CHECKPOINT_DIR
-
-    for path in reversed(checkpoints.listing(Path(run_dir) / CHECKPOINT_DIR)):
+    for path in reversed(checkpoints.listing(rundir.checkpoint_dir(run_dir))):
         if checkpoints.verify(path, checksums=False) is None:
             return path
     return None

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 from trl import SFTConfig, SFTTrainer
 
-from finetune import checkpoints
+from finetune import checkpoints, rundir
 from finetune.config import Config
 from finetune.planner import Plan
 from finetune.train import throughput
@@ -39,8 +39,6 @@ from finetune.train.collator import NUM_TOKENS_KEY, PackedCollator
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = "checkpoints"
-TENSORBOARD_DIR = "tensorboard"
 
 # The plan's optimizer names -> transformers' `optim` names.
 _OPTIMIZERS = {"adamw": "adamw_torch", "adamw_8bit": "adamw_bnb_8bit", "paged_adamw_8bit": "paged_adamw_8bit"}
@@ -61,7 +59,7 @@ def build_sft_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torc
         r for r in t.report_to if r != "tensorboard"
     ]  # TensorBoard is added as a callback (its folder)
     kwargs: dict[str, Any] = dict(
-        output_dir=str(Path(run_dir) / CHECKPOINT_DIR),
+        output_dir=str(rundir.checkpoint_dir(run_dir)),
         # Batch shape (the plan's).
         per_device_train_batch_size=s.micro_batch_size,
         per_device_eval_batch_size=s.micro_batch_size,
@@ -394,7 +392,9 @@ def build_trainer(
     if "tensorboard" in cfg.train.report_to and args.process_index == 0:  # one writer: rank 0's events file
         from torch.utils.tensorboard import SummaryWriter
 
-        callbacks.append(TensorBoardCallback(SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))))
+        callbacks.append(
+            TensorBoardCallback(SummaryWriter(log_dir=str(Path(run_dir) / rundir.TENSORBOARD_DIR)))
+        )
     trainer = FinetuneTrainer(
         model=model,
         args=args,
