@@ -19,8 +19,8 @@ from typing import Any, Optional
 from finetune import rundir
 from finetune.config import RUNS_DIR
 from finetune.errors import ConfigError
+from finetune.models import VARIANTS
 
-VARIANTS = ("base", "trained", "merged")
 # Config keys that differ between any two runs without being a knob of the experiment.
 IGNORED_KEYS = ("run_dir", "mode", "runs", "plan.out", "resume", "name", "data.cache_dir")
 TRAIN_KEYS = ("steps", "final_loss", "tokens_per_second", "peak_memory_gb", "train_seconds", "stopped_early")

@@ -10,10 +10,10 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from finetune import rundir
-from finetune.config import RUNS_DIR, Config, ModelConfig
+from finetune import models, rundir
+from finetune.config import RUNS_DIR, Config
 from finetune.errors import ConfigError, LaunchError, PlanError
 from finetune.planner import Plan, make_plan
 
@@ -26,88 +26,15 @@ def _enter(stage: str) -> None:
     current_stage = stage
 
 
-def model_from_config_json(model: ModelConfig) -> ModelConfig:
-    """`model.config_path=PATH`: architecture facts from a local Hugging Face config.json.
-
-    Read through transformers' AutoConfig, offline, so every key the file leaves out takes the model class's
-    own default (Gemma's tied embeddings, a missing max_position_embeddings), exactly as loading the model
-    would. The planner then gets a typed ModelConfig; families it does not model are refused here with one
-    line (finetune/architectures.py).
-    """
-    if not model.config_path:
-        return model
-    path = Path(model.config_path)
-    if not path.is_file():
-        raise ConfigError(f"model.config_path={path}: no such file")
-    try:
-        json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"model.config_path={path}: not a readable JSON file ({exc})") from None
-    from transformers import AutoConfig
-
-    try:
-        hf = AutoConfig.from_pretrained(
-            str(path), local_files_only=True, trust_remote_code=model.trust_remote_code
-        ).get_text_config()
-    except (OSError, ValueError, KeyError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"model.config_path={path}: transformers cannot read it ({first})") from None
-    return model_from_hf_config(model, hf, path)
-
-
-def model_from_hf_config(model: ModelConfig, hf: Any, path: Path) -> ModelConfig:
-    """The ModelConfig of a transformers config object (its class defaults included)."""
-    from finetune.architectures import ARCHITECTURES, refusal
-
-    model_type = hf.model_type
-    experts = int(getattr(hf, "num_local_experts", 0) or getattr(hf, "num_experts", 0) or 0)
-    why = refusal(model_type)
-    if why is not None:
-        raise ConfigError(f"model.config_path={path}: {why}")
-    arch = ARCHITECTURES[model_type]
-    heads = int(hf.num_attention_heads)
-    hidden = int(hf.hidden_size)
-    rope = getattr(hf, "rope_parameters", None) or {}
-    try:
-        return replace(
-            model,
-            name=_model_name(hf, path, model),
-            architecture=model_type,
-            hidden_size=hidden,
-            num_layers=int(hf.num_hidden_layers),
-            num_heads=heads,
-            num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(hf, "head_dim", None) or hidden // heads),
-            intermediate_size=int(hf.intermediate_size),
-            vocab_size=int(hf.vocab_size),
-            tie_embeddings=bool(hf.tie_word_embeddings),
-            attention_bias=bool(getattr(hf, "attention_bias", arch.attention_bias) or arch.attention_bias),
-            max_position_embeddings=int(hf.max_position_embeddings),
-            rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", model.rope_theta))),
-            rms_norm_eps=float(getattr(hf, "rms_norm_eps", model.rms_norm_eps)),
-            num_experts=experts,
-            num_experts_per_token=int(getattr(hf, "num_experts_per_tok", 0) or 0) if experts else 0,
-            hub_id=model.hub_id,
-        )
-    except (AttributeError, TypeError) as exc:
-        raise ConfigError(f"model.config_path={path}: {exc}") from None
-
-
-def _model_name(hf: Any, path: Path, model: ModelConfig) -> str:
-    """The config's own name when it names one (not the file path transformers records), else its folder's."""
-    name = str(getattr(hf, "_name_or_path", "") or "")
-    if name and not Path(name).is_absolute() and Path(name) != path:
-        return name
-    return path.parent.name or model.name
-
-
 def resolve(cfg: Config) -> Config:
     """Facts read at the edge: a local config.json, this machine for hardware=local, its memory for hardware=cpu."""
     from finetune.cli import resolve_host_hardware
     from finetune.machine import resolve_local
 
     hardware = resolve_local(cfg.hardware, cfg.launch.nnodes or 1, cfg.resolved_run_dir)
-    return replace(cfg, model=model_from_config_json(cfg.model), hardware=resolve_host_hardware(hardware))
+    return replace(
+        cfg, model=models.model_from_config_json(cfg.model), hardware=resolve_host_hardware(hardware)
+    )
 
 
 def data_seq_len(run_dir: Path) -> Optional[int]:

@@ -245,11 +245,11 @@ def build_model(m: Any, case: Case, dropout: float = 0.05) -> Any:
 
         add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))  # as SFTTrainer, before PEFT
     if case.method == "full":
-        model = model.float()  # finetune/train/models.py: fp32 weights, bf16 autocast in the trainer
+        model = model.float()  # finetune/models.py: fp32 weights, bf16 autocast in the trainer
         model.requires_grad_(True)
     else:
         if case.method == "qlora":
-            from finetune.train.models import prepare_kbit_model
+            from finetune.models import prepare_kbit_model
 
             for layer in model.model.layers:
                 _to_qlora(layer)

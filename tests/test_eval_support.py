@@ -100,7 +100,7 @@ def make_adapter_run(run_dir: Path, model_cfg: Any, method: Any, seed: int = 0, 
     from peft import get_peft_model
 
     from finetune import tiny
-    from finetune.train.models import lora_config
+    from finetune.models import lora_config
 
     torch.manual_seed(seed)
     model = tiny.load_model(model_cfg)

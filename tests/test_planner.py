@@ -91,7 +91,7 @@ GEMMA = dict(
 
 
 def _from_json(tmp_path, raw: dict) -> ModelConfig:
-    from finetune.stages import model_from_config_json
+    from finetune.models import model_from_config_json
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(raw))

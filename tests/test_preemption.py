@@ -172,7 +172,7 @@ def _slow_worker(run: Path, flag: Path, module: str, name: str) -> subprocess.Po
 @pytest.mark.parametrize(
     "module, name, during",
     [
-        ("finetune.train.models", "load_for_training", "loading the model"),
+        ("finetune.models", "load_for_training", "loading the model"),
         ("finetune.train.evaluate", "evaluate", "the base evaluation"),
     ],
     ids=["model_load", "base_evaluation"],
@@ -232,7 +232,7 @@ def test_two_sigterms_to_the_pipeline_half_a_second_apart_exit_75(tmp_path, tiny
     exited 2 (reserved for bad input)."""
     run = prepare_run_dir(tmp_path / "run", tmp_path / "cache", "train.max_steps=4")
     flag = tmp_path / "flag"
-    fake = _fake_python(tmp_path, "finetune.train.models", "load_for_training", flag)
+    fake = _fake_python(tmp_path, "finetune.models", "load_for_training", flag)
     proc = subprocess.Popen(
         [sys.executable, "-m", "finetune", "mode=train", f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}",
          *RUN_DIR_ARGS, f"launch.python={fake}"],

@@ -189,7 +189,7 @@ def test_pickle_weights_refused_unless_allowed_and_opt_ins_logged(tmp_path, tiny
 
     from finetune import tiny
     from finetune.cli import compose
-    from finetune.train.models import check_weight_safety, load_for_training
+    from finetune.models import check_weight_safety, load_for_training
 
     cfg = compose(["train.seq_len=128"])
     assert cfg.model.trust_remote_code is False and cfg.model.allow_pickle_weights is False
@@ -211,6 +211,40 @@ def test_pickle_weights_refused_unless_allowed_and_opt_ins_logged(tmp_path, tiny
     with caplog.at_level(logging.WARNING):
         check_weight_safety(replace(cfg.model, trust_remote_code=True), str(tiny.model_dir(cfg.model)))
     assert "trust_remote_code=true" in caplog.text
+
+
+def test_every_loading_path_refuses_pickle_only_weights(tmp_path, tiny_cache):
+    """Evaluation's base, trained and merged models and export's trained model go through the same check as
+    training (finetune/models.py `load_pretrained`), not only the training path."""
+    import torch
+
+    from finetune import models, rundir, tiny
+    from finetune.cli import compose
+    from finetune.export.merge import merged_model
+
+    def pickled(folder: Path) -> None:
+        model = tiny.load_model(cfg.model)
+        model.save_pretrained(folder)
+        (folder / "model.safetensors").unlink()
+        torch.save(model.state_dict(), folder / "pytorch_model.bin")
+
+    cfg = compose(["train.seq_len=128", "method=full"])
+    base = tmp_path / "base"
+    pickled(base)
+    on_pickles = replace(cfg, model=replace(cfg.model, name="pickled", config_path=str(base / "config.json")))
+    refused = r"only pickle weights \(pytorch_model.bin\)"
+    with pytest.raises(ConfigError, match=refused):
+        models.load_variant(on_pickles, tmp_path / "run", "base")
+    run = tmp_path / "run"
+    pickled(rundir.trained_dir(run, uses_adapters=False))
+    pickled(rundir.merged_dir(run))
+    for variant in ("trained", "merged"):
+        with pytest.raises(ConfigError, match=refused):
+            models.load_variant(cfg, run, variant)
+    with pytest.raises(ConfigError, match=refused):
+        merged_model(cfg, run, [])
+    with pytest.raises(ConfigError, match=refused):
+        models.load_base(on_pickles, torch.float32)
 
 
 # ---------------------------------------------------------------- scripts: every value quoted, secrets by name

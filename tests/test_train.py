@@ -102,7 +102,7 @@ def test_early_stop_saves_then_stops_the_trainer(tmp_path, tiny_cache, tiny_data
     """A (faked) loss spike at step 5 of 30: a checkpoint at step 5, and no step 6."""
     from transformers import TrainerCallback
 
-    from finetune.train.models import load_for_training, load_tokenizer
+    from finetune.models import load_for_training, load_tokenizer
     from finetune.train.trainer import build_trainer
 
     class Spike(TrainerCallback):
@@ -199,7 +199,7 @@ def test_adapter_and_optimizer_state_save_and_resume_exactly(tmp_path, tiny_cach
     from peft import PeftModel
 
     from finetune.train.evaluate import heldout_loss
-    from finetune.train.models import model_source
+    from finetune.models import model_source
 
     common = ("method=lora", "method.learning_rate=5e-3", "train.max_steps=12", "train.save_steps=6")
     cfg = _cfg(tmp_path, *common)
@@ -277,7 +277,7 @@ def test_qlora_gradients_after_eval_match_dequantized_reference(tiny_cache, tiny
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from finetune.train.models import load_for_training, lora_config, model_source
+    from finetune.models import load_for_training, lora_config, model_source
 
     cfg = _cfg(
         tmp_path,

@@ -28,13 +28,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from finetune import rundir
-from finetune.config import Config, ModelConfig
+from finetune import models, rundir, tiny
+from finetune.config import Config
 from finetune.data import cache, clean, pack, sources, stats
 from finetune.data.control import ControlTokens, special_tokens, template_markers
 from finetune.data.formats import Messages, RecordError, to_messages, turn_order_problem
 from finetune.data.render import IGNORE_INDEX, Renderer
-from finetune.errors import ConfigError, DataError, DiskFullError, is_disk_full
+from finetune.errors import DataError, DiskFullError, is_disk_full
 
 # Bump when the prepared format or the cleaning rules change: old cache entries stop matching.
 PREPARED_VERSION = 2
@@ -65,34 +65,6 @@ def _cut(msgs: Messages, limit: int) -> Messages:
         out.append({**m, "content": m["content"][: limit - total]})
         total += len(out[-1]["content"])
     return out
-
-
-def load_tokenizer(model: ModelConfig) -> Any:
-    """The tokenizer whose chat template renders the data: the tiny one built locally, else the model's own."""
-    if model.name == "tiny" and not model.hub_id:
-        from finetune.tiny import load_tokenizer as tiny_tokenizer
-
-        return tiny_tokenizer(model)
-    source = model.hub_id or (str(Path(model.config_path).parent) if model.config_path else None)
-    if not source:
-        raise ConfigError(
-            f"model.hub_id is not set for model={model.name}: the data stage needs its tokenizer"
-        )
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=model.trust_remote_code)
-    except OSError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DataError(f"model.hub_id={source}: cannot load the tokenizer ({first})") from None
-
-
-def _default_data_path() -> Path:
-    try:
-        from finetune.tiny import bundled_data_path
-    except ImportError:  # finetune.tiny is being written; the file's place is fixed
-        return Path(__file__).resolve().parent / "bundled" / "chat.jsonl"
-    return bundled_data_path()
 
 
 def _tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -151,8 +123,8 @@ def run(cfg: Config, run_dir: Path, *, tokenizer: Any = None) -> dict:
     # Before any work: RUN_DIR/data is replaced at the end, and only when finetune wrote it.
     rundir.check_replaceable(run_dir / rundir.DATA_DIR, cache.published_before_markers)
     console = _console()
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
-    path = cfg.data.path or str(_default_data_path())
+    tokenizer = tokenizer if tokenizer is not None else models.load_tokenizer(cfg.model)
+    path = cfg.data.path or str(tiny.bundled_data_path())
     local = Path(path).expanduser()
 
     preloaded = None
@@ -566,4 +538,4 @@ def _report(console, s: dict) -> None:
     )
 
 
-__all__ = ["run", "load_prepared", "load_tokenizer", "tokenize"]
+__all__ = ["run", "load_prepared", "tokenize"]

@@ -8,7 +8,7 @@ from typing import Any
 
 from finetune import checkpoints, rundir
 from finetune.config import Config
-from finetune.evaluation.loading import VARIANTS
+from finetune.models import VARIANTS
 
 # Metrics where lower is better; every other one is better higher.
 LOWER_IS_BETTER = ("loss", "regression_refusals", "regression_empty")

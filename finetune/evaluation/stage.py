@@ -26,10 +26,11 @@ from finetune import rundir
 from finetune.config import Config
 from finetune.evaluation import curves, metrics, regression
 from finetune.evaluation.config import EvalConfig
-from finetune.evaluation.loading import (
+from finetune.models import (
     VARIANTS,
     attach_adapter,
     available_variants,
+    load_tokenizer,
     load_variant,
     trained_dir,
 )
@@ -150,8 +151,6 @@ def run(
     An explicit list (export passes ["merged"]) adds to the existing metrics and samples; None
     re-evaluates all and replaces them. `eval_dataset` replaces the data stage's eval split (tests).
     """
-    from finetune.train.models import load_tokenizer
-
     run_dir = Path(run_dir)
     e = cfg.eval
     metric_fns = metrics.resolve(e.metrics)  # a bad dotted path fails before any model loads

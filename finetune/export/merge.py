@@ -21,8 +21,8 @@ from typing import Any, Optional
 import torch
 
 from finetune.config import Config
-from finetune.errors import FinetuneError, LaunchError
-from finetune.evaluation.loading import attach_adapter, load_base, trained_dir
+from finetune.errors import FinetuneError
+from finetune.models import attach_adapter, load_base, load_trained_model, trained_dir
 
 log = logging.getLogger(__name__)
 
@@ -104,13 +104,9 @@ def merged_model(cfg: Config, run_dir: Path, inputs: list[torch.Tensor]) -> tupl
 
     if not cfg.method.uses_adapters:
         path = trained_dir(cfg, run_dir)
-        if not (path / "config.json").is_file():
-            raise LaunchError(f"{path}: no trained model; run the training stage (mode=train) first")
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto", use_safetensors=True)
+        model = load_trained_model(cfg, path, dtype="auto")
         reference = logits_on(model, inputs)
-        model.to(dtype)  # type: ignore[arg-type]  # in place; transformers wraps .to with a narrower signature
+        model.to(dtype)  # in place
         info["reference"] = f"the trained model as saved ({path.name}/)"
         return model, {**info, **compare_logits(reference, logits_on(model, inputs))}
 

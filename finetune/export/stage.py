@@ -22,8 +22,8 @@ from typing import Any
 from finetune import rundir
 from finetune.config import Config
 from finetune.errors import LaunchError
-from finetune.evaluation.loading import trained_dir
 from finetune.export import merge, serve
+from finetune.models import load_tokenizer, model_source, trained_dir
 from finetune.planner import Plan
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,6 @@ def copy_adapter(cfg: Config, run_dir: Path, out: Path) -> dict[str, Any]:
 def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> dict[str, Any]:
     """Export per `cfg.export`; returns export.json's content. `eval_dataset` replaces the data stage's (tests)."""
     from finetune.evaluation import regression
-    from finetune.train.models import load_tokenizer, model_source
 
     run_dir = Path(run_dir)
     x = cfg.export

@@ -1,6 +1,6 @@
 """Training: model loading per method, the TRL trainer, the exact chunked loss, evaluation.
 
-- `models`: load full / LoRA / QLoRA models (one `from_pretrained` path for hub, local and tiny models)
+- model loading (full / LoRA / QLoRA) is finetune/models.py, shared with evaluation, export and data
 - `trainer`: `SFTConfig` from the config and the plan; `FinetuneTrainer` (chunked loss, token counting)
 - `collator`: batches of packed, pre-tokenized rows (block-diagonal attention from position ids)
 - `callbacks`: throughput and memory against the plan, early stops, rich progress

@@ -30,7 +30,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from finetune import checkpoints, rundir
+from finetune import checkpoints, models, rundir
 from finetune.config import Config, HardwareConfig
 from finetune.errors import FinetuneError
 from finetune.planner import Plan
@@ -192,13 +192,6 @@ def run(
     from finetune.train import callbacks as cb
     from finetune.train import throughput
     from finetune.train.evaluate import evaluate
-    from finetune.train.models import (
-        load_for_training,
-        load_tokenizer,
-        model_source,
-        trainable_parameters,
-        training_dtype,
-    )
     from finetune.train.profiling import StepProfiler
     from finetune.train.trainer import build_sft_config, build_trainer, engine_record, save_output
 
@@ -231,22 +224,22 @@ def run(
     train_ds, eval_ds = datasets
 
     phase = "loading the model"
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = models.load_tokenizer(cfg.model)
     transformers.set_seed(cfg.train.seed)  # the adapters' random init is part of the run's seed
     # The trainer's arguments before the model: under ZeRO-3 their live DeepSpeed config makes
     # from_pretrained load this rank's partition only (zero.Init), not the whole model per rank.
     # The tiny model is built (first use) before that: built under zero.Init it would be saved partitioned.
-    model_source(cfg.model)
-    args = build_sft_config(cfg, plan, run_dir, training_dtype(cfg))
+    models.model_source(cfg.model)
+    args = build_sft_config(cfg, plan, run_dir, models.training_dtype(cfg))
     _ = args.device  # joins the process group now: zero.Init partitions over it while loading
     if args.deepspeed:
         import deepspeed
 
         # deepspeed.comm over that group (accelerate sets it up itself on GPUs, not on CPU ranks)
         deepspeed.init_distributed(dist_backend="gloo" if cfg.hardware.device == "cpu" else "nccl")
-    model, compute_dtype = load_for_training(cfg)
+    model, compute_dtype = models.load_for_training(cfg)
     loaded_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
-    trainable, total = trainable_parameters(model)
+    trainable, total = models.trainable_parameters(model)
     if cfg.hardware.device == "cpu":
         cpu_threads(total)
     log.info(
