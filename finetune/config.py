@@ -1,9 +1,8 @@
-"""Typed configuration: one dataclass per concern, registered in Hydra's ConfigStore.
+"""Typed configuration: one dataclass per concern (the schemas; pure, stdlib only).
 
-The YAML files under `configs/` extend these schemas; `recipes/*.yaml` are
-registered as the group `recipe` (package `_global_`) so `+recipe=NAME` works
-although the folder is called `recipes/`. The entry point composes once and
-converts once (`OmegaConf.to_object`): everything downstream gets these
+The YAML files under `configs/` extend these schemas; finetune/hydra_config.py
+registers them in Hydra's ConfigStore and composes configs/, recipes/ and the
+command line once (`OmegaConf.to_object`): everything downstream gets these
 objects, never a dict. Cross-field checks live in `__post_init__` and raise
 `ConfigError` with the key's name.
 """
@@ -411,42 +410,3 @@ class Config:
     @property
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir if self.run_dir else Path(RUNS_DIR) / self.name)
-
-
-def package_dir(name: str) -> Path:
-    """`configs/` or `recipes/`: inside the installed package, else at the repository root."""
-    here = Path(__file__).resolve().parent
-    installed = here / f"_{name}"
-    return installed if installed.is_dir() else here.parent / name
-
-
-def register_configs() -> None:
-    """Register the schemas and the recipes (group `recipe`, package `_global_`) in Hydra's ConfigStore."""
-    import yaml
-    from hydra.core.config_store import ConfigStore
-
-    cs = ConfigStore.instance()
-    cs.store(name="config_schema", node=Config)
-    for group, schema in (
-        ("model", ModelConfig),
-        ("method", MethodConfig),
-        ("hardware", HardwareConfig),
-        ("data", DataConfig),
-        ("train", TrainConfig),
-        ("plan", PlanConfig),
-        ("launch", LaunchConfig),
-        ("eval", EvalConfig),
-        ("export", ExportConfig),
-    ):
-        cs.store(group=group, name=f"{group}_schema", node=schema)
-    for path in sorted(package_dir("recipes").glob("*.yaml")):
-        node = yaml.safe_load(path.read_text()) or {}
-        cs.store(group="recipe", name=path.stem, node=node, package="_global_")
-
-
-def recipe_names() -> list[str]:
-    return sorted(p.stem for p in package_dir("recipes").glob("*.yaml"))
-
-
-def group_choices(group: str) -> list[str]:
-    return sorted(p.stem for p in (package_dir("configs") / group).glob("*.yaml"))

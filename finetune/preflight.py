@@ -61,9 +61,7 @@ def check(
     """Raise LaunchError when the run cannot finish on this machine (ConfigError for a bad `resume=PATH`)."""
     run_dir = Path(run_dir)
     if isinstance(cfg.resume, str):  # resume=true/false cannot be wrong; a path can
-        from finetune.train.stage import resume_checkpoint
-
-        resume_checkpoint(cfg, run_dir)
+        checkpoints.resume_checkpoint(cfg.resume, rundir.checkpoint_dir(run_dir))
     folder = checkpoint_dir or rundir.checkpoint_dir(run_dir)
     existing = sum(1 for p in checkpoints.listing(folder) if checkpoints.verify(p, checksums=False) is None)
     keep = cfg.train.save_total_limit

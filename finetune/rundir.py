@@ -29,8 +29,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from finetune.config import Config
+from finetune import checkpoints
+from finetune.config import Config, HardwareConfig
 from finetune.errors import ConfigError, DiskFullError, LaunchError, is_disk_full
+from finetune.planner import Plan
 from finetune.secrets import scrub, scrub_text, shell_reference, shell_word
 
 log = logging.getLogger(__name__)
@@ -196,9 +198,7 @@ def _home_dirs() -> set[Path]:
 
 
 def _package_dir() -> Path:
-    import finetune
-
-    return Path(finetune.__file__).resolve().parent
+    return Path(__file__).resolve().parent  # the installed finetune package
 
 
 def is_owned(folder: Path) -> bool:
@@ -421,8 +421,6 @@ def check_resumable(cfg: Config, run_dir: Path) -> None:
     """
     import yaml
 
-    from finetune import checkpoints
-
     path = Path(run_dir) / CONFIG_FILE
     if cfg.resume is False or not path.is_file() or not checkpoints.listing(checkpoint_dir(run_dir)):
         return
@@ -439,6 +437,16 @@ def check_resumable(cfg: Config, run_dir: Path) -> None:
             + (f" (and {len(changed) - 1} more change(s))" if len(changed) > 1 else "")
             + ": resume=false starts over (discarding them), or choose another run_dir"
         )
+
+
+def load_plan(run_dir: Path, hardware: HardwareConfig) -> Plan:
+    """`plan.json` back into a `Plan` (workers read it; they never re-plan)."""
+    path = Path(run_dir) / PLAN_FILE
+    if not path.is_file():
+        raise LaunchError(
+            f"{path}: missing; run the plan stage (python -m finetune mode=plan run_dir={run_dir}) first"
+        )
+    return Plan.from_dict(json.loads(path.read_text()), hardware)
 
 
 def load_config(run_dir: Path) -> Config:

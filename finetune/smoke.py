@@ -20,9 +20,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from finetune import rundir
+from finetune import rundir, stages
 from finetune.config import Config
+from finetune.data.stage import load_prepared
 from finetune.errors import FinetuneError, LaunchError
+from finetune.hydra_config import compose
 
 RESUME_EXTRA_STEPS = 2
 
@@ -72,9 +74,6 @@ def _check(report: list[dict[str, Any]], name: str, ok: bool, detail: str) -> No
 
 def run(cfg: Config, overrides: Sequence[str], hub_check: Any = hub_reachable) -> dict[str, Any]:
     """Run the smoke pipeline; raise LaunchError (exit 2) if any check fails, so the real run never starts."""
-    from finetune.cli import compose
-    from finetune.stages import run as run_stages
-
     sibling = cfg.smoke.sibling or "tiny"
     notes: list[str] = []
     if sibling != "tiny":
@@ -91,7 +90,7 @@ def run(cfg: Config, overrides: Sequence[str], hub_check: Any = hub_reachable) -
     report: list[dict[str, Any]] = []
     steps = cfg.smoke.steps
     try:
-        run_stages(smoke_cfg)
+        stages.run(smoke_cfg)
         metrics = json.loads((smoke_dir / rundir.METRICS_FILE).read_text())["train"]
         _check(
             report,
@@ -113,7 +112,7 @@ def run(cfg: Config, overrides: Sequence[str], hub_check: Any = hub_reachable) -
         resumed_cfg = compose(
             [*smoke_overrides, "mode=train", "resume=true", f"train.max_steps={steps + RESUME_EXTRA_STEPS}"]
         )
-        run_stages(resumed_cfg)
+        stages.run(resumed_cfg)
         resumed = json.loads((smoke_dir / rundir.METRICS_FILE).read_text())["train"]
         ok = resumed["steps"] == steps + RESUME_EXTRA_STEPS and str(resumed.get("resumed_from", "")).endswith(
             f"checkpoint-{steps}"
@@ -144,8 +143,6 @@ def run(cfg: Config, overrides: Sequence[str], hub_check: Any = hub_reachable) -
 
 
 def _first_batch_has_longest(run_dir: Path) -> tuple[bool, str]:
-    from finetune.data.stage import load_prepared
-
     train, _ = load_prepared(run_dir)
     longest = max(max(row) for row in train["seq_lengths"])
     first = max(train[0]["seq_lengths"])

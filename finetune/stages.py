@@ -7,15 +7,20 @@ stage can be re-run or resumed without redoing the others.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from finetune import models, rundir
+from finetune import compare, machine, models, preflight, rundir
 from finetune.config import RUNS_DIR, Config
-from finetune.errors import ConfigError, LaunchError, PlanError
+from finetune.data import stage as data_stage
+from finetune.errors import INTERRUPTED_EXIT_CODE, ConfigError, LaunchError, PlanError
+from finetune.hydra_config import load_profiles
+from finetune.launch import stage as launch_stage
 from finetune.planner import Plan, make_plan
+from finetune.report import print_plan
 
 # What the pipeline is doing now, for the one line a signal leaves (`cli.main`).
 current_stage = "the set-up"
@@ -28,12 +33,9 @@ def _enter(stage: str) -> None:
 
 def resolve(cfg: Config) -> Config:
     """Facts read at the edge: a local config.json, this machine for hardware=local, its memory for hardware=cpu."""
-    from finetune.cli import resolve_host_hardware
-    from finetune.machine import resolve_local
-
-    hardware = resolve_local(cfg.hardware, cfg.launch.nnodes or 1, cfg.resolved_run_dir)
+    hardware = machine.resolve_local(cfg.hardware, cfg.launch.nnodes or 1, cfg.resolved_run_dir)
     return replace(
-        cfg, model=models.model_from_config_json(cfg.model), hardware=resolve_host_hardware(hardware)
+        cfg, model=models.model_from_config_json(cfg.model), hardware=machine.resolve_host_hardware(hardware)
     )
 
 
@@ -47,9 +49,6 @@ def data_seq_len(run_dir: Path) -> Optional[int]:
 
 
 def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
-    from finetune.cli import load_profiles
-    from finetune.report import print_plan
-
     seq_len = None
     if cfg.train.seq_len == "auto":
         seq_len = data_seq_len(run_dir)
@@ -77,13 +76,9 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
 
 def train_stage(cfg: Config, run_dir: Path, plan: Plan) -> int:
     """Train through the launcher, so one CPU process and 8 GPUs take the same path (`python -m finetune.train`)."""
-    from finetune import preflight
-    from finetune.launch import stage as launch_stage
-    from finetune.train.stage import PREEMPTED_EXIT_CODE
-
     preflight.check(cfg, run_dir, plan)
     code = launch_stage.run(cfg, run_dir, plan)
-    if code == PREEMPTED_EXIT_CODE:
+    if code == INTERRUPTED_EXIT_CODE:
         # The worker's own line above says what it saved; this one must not claim more.
         print(
             "finetune: training was stopped by a signal (what it saved is said above); run the same command "
@@ -92,8 +87,6 @@ def train_stage(cfg: Config, run_dir: Path, plan: Plan) -> int:
         )
         return code
     if code < 0:  # killed by a signal it could not handle (SIGKILL: kill -9 or the out-of-memory killer)
-        import signal
-
         try:
             name = signal.Signals(-code).name
         except ValueError:
@@ -103,12 +96,31 @@ def train_stage(cfg: Config, run_dir: Path, plan: Plan) -> int:
             "run the same command again to resume from the newest complete checkpoint",
             file=sys.stderr,
         )
-        return PREEMPTED_EXIT_CODE
+        return INTERRUPTED_EXIT_CODE
     if code != 0:
         raise LaunchError(
             f"training exited with code {code}; its log is above (resume: run the same command again)"
         )
     return 0
+
+
+# The evaluation and export stages are imported when they run: the one exception to this module's
+# module-level imports (tests/test_architecture.py). They load torch, transformers and PEFT on import
+# (the chunked loss and the collator are torch modules), and mode=plan, data and launch load none of them.
+
+
+def eval_stage(cfg: Config, run_dir: Path) -> None:
+    """mode=eval: base, trained and merged models on the same held-out prompts (finetune/evaluation/stage.py)."""
+    from finetune.evaluation import stage as evaluation
+
+    evaluation.run(cfg, run_dir)
+
+
+def export_stage(cfg: Config, run_dir: Path, plan: Plan) -> None:
+    """mode=export: merge, check, save, serve.sh (finetune/export/stage.py)."""
+    from finetune.export import stage as export
+
+    export.run(cfg, run_dir, plan)
 
 
 def _print_summary(run_dir: Path) -> None:
@@ -142,8 +154,6 @@ def _print_summary(run_dir: Path) -> None:
 def run(cfg: Config) -> int:
     cfg = resolve(cfg)
     if cfg.mode == "compare":
-        from finetune import compare
-
         out = Path(cfg.run_dir) if cfg.run_dir else Path(RUNS_DIR) / rundir.COMPARE_DIR
         rundir.check_run_dir(out)
         compare.run(cfg.runs, out)
@@ -157,15 +167,11 @@ def run(cfg: Config) -> int:
         plan_stage(cfg, run_dir)
         return 0
     if mode in ("data", "all"):
-        from finetune.data import stage as data_stage
-
         _enter("the data stage")
         data_stage.run(cfg, run_dir)
         if mode == "data":
             return 0
     if mode == "launch":
-        from finetune.launch import stage as launch_stage
-
         _enter("the launch stage")
         return launch_stage.run(cfg, run_dir, plan_stage(cfg, run_dir, quiet=True))
     _enter("the plan stage")
@@ -176,14 +182,10 @@ def run(cfg: Config) -> int:
         if code:
             return code
     if mode in ("eval", "all"):
-        from finetune.evaluation import stage as eval_stage
-
         _enter("the evaluation stage")
-        eval_stage.run(cfg, run_dir)
+        eval_stage(cfg, run_dir)
     if mode in ("export", "all"):
-        from finetune.export import stage as export_stage
-
         _enter("the export stage")
-        export_stage.run(cfg, run_dir, plan)
+        export_stage(cfg, run_dir, plan)
     _print_summary(run_dir)
     return 0

@@ -74,8 +74,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     from dataclasses import replace
 
     os.environ["FINETUNE_CACHE"] = spec["cache"]
-    from finetune.cli import compose, load_profiles
     from finetune.data import stage as data_stage
+    from finetune.hydra_config import compose, load_profiles
     from finetune.planner import make_plan
     from finetune.stages import resolve
     from finetune.train import stage

@@ -65,7 +65,7 @@ def test_metric_names_fail_early_and_clearly():
 def test_eval_yaml_matches_the_schema():
     import yaml
 
-    from finetune.config import package_dir
+    from finetune.hydra_config import package_dir
 
     raw = yaml.safe_load((package_dir("configs") / "eval" / "default.yaml").read_text())
     defaults = dict(EvalConfig().__dict__)

@@ -37,7 +37,7 @@ def plan_for(cfg: Config, **strategy: Any) -> Any:
     with strategy fields overridden."""
     from dataclasses import replace
 
-    from finetune.cli import load_profiles
+    from finetune.hydra_config import load_profiles
     from finetune.planner import make_plan
     from finetune.stages import resolve
 

@@ -205,7 +205,7 @@ def test_export_config_validation():
 def test_export_yaml_matches_the_schema():
     import yaml
 
-    from finetune.config import package_dir
+    from finetune.hydra_config import package_dir
 
     raw = yaml.safe_load((package_dir("configs") / "export" / "default.yaml").read_text())
     assert raw == {k: v for k, v in ExportConfig().__dict__.items()}

@@ -17,9 +17,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from finetune import rundir
-from finetune.cli import compose, load_profiles
-from finetune.config import Config, package_dir
+from finetune.config import Config
 from finetune.errors import ConfigError, LaunchError
+from finetune.hydra_config import compose, load_profiles, package_dir
 from finetune.launch import LaunchConfig, stage
 from finetune.launch.runner import subprocess_runner, wait_for_rendezvous
 from finetune.machine import GPU, Machine

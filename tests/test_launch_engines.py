@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from finetune import rundir
-from finetune.cli import compose, load_profiles
 from finetune.config import Config
-from finetune.launch import LaunchConfig, engine_files
-from finetune.launch.engines import layout, nccl_env, write_engine_files
+from finetune.hydra_config import compose, load_profiles
+from finetune.launch import LaunchConfig
+from finetune.launch.engines import engine_files, layout, nccl_env, write_engine_files
 from finetune.planner import Plan, make_plan
 from finetune.stages import resolve
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from finetune import machine, preflight, rundir
-from finetune.cli import compose, load_profiles
 from finetune.errors import LaunchError
+from finetune.hydra_config import compose, load_profiles
 from finetune.machine import GPU, Machine, Requirement, local_profile, mismatch
 from finetune.planner import make_plan
 from tests.test_eval_support import train_in_process

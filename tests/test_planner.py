@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from finetune.cli import compose, load_profiles
-from finetune.config import Config, HardwareConfig, ModelConfig, group_choices
+from finetune.config import Config, HardwareConfig, ModelConfig
 from finetune.errors import PlanError
+from finetune.hydra_config import compose, group_choices, load_profiles
 from finetune.planner import (
     Calibration,
     Plan,

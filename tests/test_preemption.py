@@ -173,7 +173,7 @@ def _slow_worker(run: Path, flag: Path, module: str, name: str) -> subprocess.Po
     "module, name, during",
     [
         ("finetune.models", "load_for_training", "loading the model"),
-        ("finetune.train.evaluate", "evaluate", "the base evaluation"),
+        ("finetune.evaluation.heldout", "evaluate", "the base evaluation"),
     ],
     ids=["model_load", "base_evaluation"],
 )
@@ -205,7 +205,7 @@ def test_sigterm_before_training_names_the_existing_resume_point_not_a_new_save(
     newest = checkpoints.last_complete(run / "checkpoints")
     stamp = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
     flag = tmp_path / "flag"
-    proc = _slow_worker(run, flag, "finetune.train.evaluate", "evaluate")
+    proc = _slow_worker(run, flag, "finetune.evaluation.heldout", "evaluate")
     _wait(flag, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from finetune.collator import IGNORE_INDEX, NUM_TOKENS_KEY, PackedCollator
 from finetune.errors import ConfigError
 from finetune.train import throughput
-from finetune.train.collator import IGNORE_INDEX, NUM_TOKENS_KEY, PackedCollator
 from tests.test_eval_support import compose_tiny, plan_for, train_in_process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -199,7 +199,7 @@ def _segments(position_ids: list[int]) -> list[tuple[int, int]]:
 
 
 def _lora_model(tiny_cache, attention: str, precision: str):
-    from finetune.train.chunked_loss import add_chunked_loss_head
+    from finetune.chunked_loss import add_chunked_loss_head
     from finetune.models import load_for_training
 
     # flex: a GPU profile gets past the config's refusal; the model still loads on the CPU (LoRA has no

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from finetune import rundir
+from finetune.collator import NUM_TOKENS_KEY, PackedCollator
 from finetune.train import stage
 from finetune.train.callbacks import EarlyStop, RunMonitor
-from finetune.train.collator import NUM_TOKENS_KEY, PackedCollator
 from tests.test_eval_support import compose_tiny, plan_for, train_in_process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -156,7 +156,7 @@ def test_plan_json_round_trip(tmp_path):
     cfg = _cfg(tmp_path)
     plan = plan_for(cfg, micro_batch_size=2, grad_accum_steps=3, chunked_loss=True)
     rundir.write_json(tmp_path / rundir.PLAN_FILE, plan.to_dict())
-    back = stage.load_plan(tmp_path, plan.hardware)
+    back = rundir.load_plan(tmp_path, plan.hardware)
     assert back.strategy == plan.strategy and back.seq_len == plan.seq_len and back.fits == plan.fits
     assert back.gpu_memory.total == pytest.approx(plan.gpu_memory.total, abs=1e-2)
 
@@ -198,7 +198,7 @@ def test_adapter_and_optimizer_state_save_and_resume_exactly(tmp_path, tiny_cach
     """A run resumed from its step-6 checkpoint (adapter, optimizer, scheduler, RNG) retraces steps 7-12."""
     from peft import PeftModel
 
-    from finetune.train.evaluate import heldout_loss
+    from finetune.evaluation.heldout import heldout_loss
     from finetune.models import model_source
 
     common = ("method=lora", "method.learning_rate=5e-3", "train.max_steps=12", "train.save_steps=6")
@@ -372,7 +372,7 @@ def test_tiny_recipe_learns_the_bundled_task(tmp_path, tiny_cache):
     from finetune.stages import resolve
 
     cfg = resolve(cfg)
-    m = stage.run(cfg, run, stage.load_plan(run, cfg.hardware), max_generate=None)
+    m = stage.run(cfg, run, rundir.load_plan(run, cfg.hardware), max_generate=None)
     base, trained = m["eval"]["base"], m["eval"]["trained"]
     assert base["exact_match"] < 0.05
     assert trained["exact_match"] > base["exact_match"] + 0.4, trained

@@ -24,8 +24,12 @@ from typing import Any, Optional
 
 from finetune import rundir
 from finetune.config import Config
+from finetune.data.stage import load_prepared
 from finetune.evaluation import curves, metrics, regression
 from finetune.evaluation.config import EvalConfig
+from finetune.evaluation.generate import generate, sampling_kwargs
+from finetune.evaluation.heldout import heldout_loss, split_prompt
+from finetune.evaluation.report import metric_names, write_report
 from finetune.models import (
     VARIANTS,
     attach_adapter,
@@ -40,8 +44,6 @@ log = logging.getLogger(__name__)
 
 def task_items(eval_ds: Any, num_samples: Optional[int]) -> list[dict]:
     """The held-out conversations to answer: id, the conversation up to the answer, prompt text, reference."""
-    from finetune.train.evaluate import split_prompt
-
     if "messages" not in eval_ds.column_names:
         return []
     n = len(eval_ds) if num_samples is None else min(num_samples, len(eval_ds))
@@ -64,9 +66,6 @@ def evaluate_model(
     label: str,
 ) -> tuple[dict[str, Any], list[str], list[str]]:
     """(metrics, task answers, regression answers) for one model."""
-    from finetune.evaluation.generate import generate
-    from finetune.train.evaluate import heldout_loss
-
     model.eval()
     result: dict[str, Any] = {"loss": heldout_loss(model, eval_ds, tokenizer.pad_token_id, cfg.batch_size)}
     answers = generate(model, tokenizer, [it["messages"] for it in items], cfg, f"{label}: held-out prompts")
@@ -124,8 +123,6 @@ def _sample_rows(items: Sequence[dict], reg_rows: Sequence[dict], old: dict[str,
 
 
 def settings(cfg: Config) -> dict[str, Any]:
-    from finetune.evaluation.generate import sampling_kwargs
-
     e = cfg.eval
     return {
         "metrics": list(e.metrics),
@@ -156,8 +153,6 @@ def run(
     metric_fns = metrics.resolve(e.metrics)  # a bad dotted path fails before any model loads
     reg_rows = regression.load(e.regression_prompts) if e.regression else []
     if eval_dataset is None:
-        from finetune.data.stage import load_prepared
-
         eval_dataset = load_prepared(run_dir)[1]
     replace_all = variants is None
     todo = list(variants) if variants is not None else available_variants(cfg, run_dir)
@@ -221,8 +216,6 @@ def run(
         f"{v} held-out loss": ordered[v].get("loss") for v in VARIANTS if v in ordered and v != "merged"
     }
     drawn = curves.plot(run_dir, out_dir / rundir.EVAL_CURVES_FILE, reference)
-    from finetune.evaluation.report import write_report
-
     write_report(cfg, out_dir / rundir.EVAL_REPORT_FILE, ordered, rows, curves_drawn=drawn is not None)
     _print_table(ordered)
     return ordered
@@ -231,8 +224,6 @@ def run(
 def _print_table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    from finetune.evaluation.report import metric_names
 
     variants = [v for v in VARIANTS if v in result]
     table = Table(title="evaluation", header_style="bold")

@@ -21,7 +21,10 @@ from typing import Any
 
 from finetune import rundir
 from finetune.config import Config
+from finetune.data.stage import load_prepared
 from finetune.errors import LaunchError
+from finetune.evaluation import regression
+from finetune.evaluation import stage as eval_stage
 from finetune.export import merge, serve
 from finetune.models import load_tokenizer, model_source, trained_dir
 from finetune.planner import Plan
@@ -49,15 +52,11 @@ def copy_adapter(cfg: Config, run_dir: Path, out: Path) -> dict[str, Any]:
 
 def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> dict[str, Any]:
     """Export per `cfg.export`; returns export.json's content. `eval_dataset` replaces the data stage's (tests)."""
-    from finetune.evaluation import regression
-
     run_dir = Path(run_dir)
     x = cfg.export
     out = rundir.export_dir(run_dir)
     out.mkdir(parents=True, exist_ok=True)
     if eval_dataset is None:
-        from finetune.data.stage import load_prepared
-
         try:
             eval_dataset = load_prepared(run_dir)[1]
         except Exception as exc:  # no data stage: the check falls back to the regression prompts
@@ -112,8 +111,6 @@ def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> 
     _print_summary(summary, out)
 
     if do_merge and x.evaluate_merged:
-        from finetune.evaluation import stage as eval_stage
-
         summary["eval"] = eval_stage.run(cfg, run_dir, ["merged"], eval_dataset=eval_dataset)
     return summary
 

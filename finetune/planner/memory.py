@@ -306,7 +306,7 @@ def _head_dtype(job: Job, rt: Runtime) -> int:
 def loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
     """Peak bytes of the loss (the contract's `logits` term), on top of the saved activations.
 
-    Neither path builds the whole logits. The project's chunked loss (finetune/train/chunked_loss.py, inside
+    Neither path builds the whole logits. The project's chunked loss (finetune/chunked_loss.py, inside
     the model's forward) makes every gradient in the forward: a [chunk, V] fp32 logits buffer (1.5x with a
     16-bit compute dtype: the chunk in bf16, its fp32 copy, then the fp32 gradient and its bf16 cast), the
     hidden-state gradient [N, h] kept until the backward, cast copies of the hidden states and the head where

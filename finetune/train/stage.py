@@ -30,10 +30,19 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from finetune import checkpoints, models, rundir
-from finetune.config import Config, HardwareConfig
-from finetune.errors import FinetuneError
+import transformers
+
+from finetune import checkpoints, models, preflight, rundir
+from finetune.config import Config
+from finetune.data.stage import load_prepared
+from finetune.errors import INTERRUPTED_EXIT_CODE, FinetuneError
+from finetune.evaluation import heldout
 from finetune.planner import Plan
+from finetune.secrets import install_log_filter
+from finetune.train import callbacks as cb
+from finetune.train import throughput
+from finetune.train.profiling import StepProfiler
+from finetune.train.trainer import build_sft_config, build_trainer, engine_record, save_output
 
 log = logging.getLogger(__name__)
 
@@ -41,81 +50,9 @@ log = logging.getLogger(__name__)
 phase = "starting"
 # A run stopped by SIGTERM/SIGINT after saving its checkpoint exits with this (EX_TEMPFAIL,
 # "try again later"); running the same command again resumes.
-PREEMPTED_EXIT_CODE = 75
+PREEMPTED_EXIT_CODE = INTERRUPTED_EXIT_CODE
 # Strategies whose weights are split across ranks: no rank can evaluate the model alone.
 SHARDED = ("zero3", "fsdp")
-
-
-def load_plan(run_dir: Path, hardware: HardwareConfig) -> Plan:
-    """`plan.json` back into a `Plan` (workers read it; they never re-plan)."""
-    from finetune.errors import LaunchError
-
-    path = Path(run_dir) / rundir.PLAN_FILE
-    if not path.is_file():
-        raise LaunchError(
-            f"{path}: missing; run the plan stage (python -m finetune mode=plan run_dir={run_dir}) first"
-        )
-    return Plan.from_dict(json.loads(path.read_text()), hardware)
-
-
-def resume_checkpoint(cfg: Config, run_dir: Path) -> Optional[str]:
-    """Where training continues from: None (start fresh) or a complete checkpoint folder.
-
-    - `resume=true`: the newest checkpoint under RUN_DIR/checkpoints that verifies
-      (manifest, sizes, SHA-256); damaged newer ones are logged and skipped.
-    - `resume=false`: None.
-    - `resume=PATH` (or `resume=checkpoint-N`, looked up under RUN_DIR/checkpoints): that
-      checkpoint; refused when it is damaged. One without a manifest (written by another
-      tool) is accepted with a warning when it has a trainer_state.json.
-    """
-    from finetune.errors import ConfigError
-
-    folder = rundir.checkpoint_dir(run_dir)
-    if cfg.resume is False:
-        return None
-    if cfg.resume is True:
-        last = checkpoints.last_complete(folder)
-        return str(last) if last else None
-    path = Path(cfg.resume)
-    if not path.is_dir() and (folder / cfg.resume).is_dir():
-        path = folder / cfg.resume
-    if not path.is_dir():
-        complete = [p.name for p in checkpoints.listing(folder)]
-        raise ConfigError(
-            f"resume={cfg.resume}: no such checkpoint folder"
-            + (f" (this run has: {', '.join(complete)})" if complete else "")
-        )
-    problem = checkpoints.verify(path)
-    if problem is not None:
-        if (path / checkpoints.MANIFEST).exists() or not (path / checkpoints.TRAINER_STATE_FILE).is_file():
-            raise ConfigError(
-                f"resume={cfg.resume}: damaged checkpoint ({problem}); pick another, or resume=true for the "
-                "newest complete one"
-            )
-        log.warning("resume=%s: no checksums to verify (not written by finetune); using it as is", path)
-    return str(path)
-
-
-def prepare_checkpoints(cfg: Config, run_dir: Path) -> Optional[str]:
-    """Rank 0, before training: clear a crashed save's leftovers, apply `resume`, return the checkpoint to resume.
-
-    resume=false discards the previous checkpoints (so a later resume=true cannot pick
-    one of them); resuming an earlier checkpoint of this run renames the later ones
-    `superseded-checkpoint-N` (kept for inspection, never resumed).
-    """
-    folder = rundir.checkpoint_dir(run_dir)
-    checkpoints.clean_staging(folder)
-    if cfg.resume is False:
-        n = checkpoints.discard_all(folder)
-        if n:
-            log.warning("resume=false: discarded %d checkpoint(s) of the previous run in %s", n, folder)
-        return None
-    path = resume_checkpoint(cfg, run_dir)
-    if path is not None:
-        step = checkpoints.step_of(Path(path))
-        if step is not None and Path(path).parent.resolve() == folder.resolve():
-            checkpoints.supersede_after(folder, step)
-    return path
 
 
 def _final_loss(log_history: list[dict]) -> Optional[float]:
@@ -186,15 +123,6 @@ def run(
     `datasets` (train, eval) replaces the data stage's output (tests); `max_generate`
     caps the held-out prompts answered by generation (None: all).
     """
-    import transformers
-
-    from finetune import preflight
-    from finetune.train import callbacks as cb
-    from finetune.train import throughput
-    from finetune.train.evaluate import evaluate
-    from finetune.train.profiling import StepProfiler
-    from finetune.train.trainer import build_sft_config, build_trainer, engine_record, save_output
-
     global phase
     run_dir = Path(run_dir)
     rank0 = is_rank_zero()
@@ -218,8 +146,6 @@ def run(
     baseline_gb = _rss_gb()
     phase = "loading the data"
     if datasets is None:
-        from finetune.data.stage import load_prepared
-
         datasets = load_prepared(run_dir)
     train_ds, eval_ds = datasets
 
@@ -285,7 +211,7 @@ def run(
         if in_worker_eval:
             # A signal here stops at once (the process's own handler): evaluation saves nothing.
             phase = "the base evaluation"
-            base = evaluate(model, tokenizer, eval_ds, max_generate=max_generate)
+            base = heldout.evaluate(model, tokenizer, eval_ds, max_generate=max_generate)
             release_memory()
         t_train = time.perf_counter()
         if resumed_from:
@@ -318,7 +244,9 @@ def run(
 
     phase = "the final evaluation"
     trained = (
-        evaluate(model, tokenizer, eval_ds, max_generate=max_generate, examples=5) if in_worker_eval else None
+        heldout.evaluate(model, tokenizer, eval_ds, max_generate=max_generate, examples=5)
+        if in_worker_eval
+        else None
     )
     state = trainer.state
     metrics = {
@@ -381,7 +309,7 @@ def _agreed_resume_point(trainer: Any, cfg: Config, run_dir: Path, rank0: bool) 
     answer: list[Any] = [None, None, False]
     if rank0:
         try:
-            answer[0] = prepare_checkpoints(cfg, run_dir)
+            answer[0] = checkpoints.prepare_resume(cfg.resume, rundir.checkpoint_dir(run_dir))
             answer[2] = answer[0] is not None and _complete(trainer, Path(answer[0]), run_dir)
         except Exception as exc:  # every rank must learn of it, or the others wait forever
             answer[1] = exc
@@ -454,18 +382,9 @@ class Preempted(FinetuneError):
         )
 
 
-def newest_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The newest checkpoint whose files all have their recorded sizes (no checksums: a signal's grace
-    period is short); what `resume=true` will pick unless a file's content was damaged."""
-    for path in reversed(checkpoints.listing(rundir.checkpoint_dir(run_dir))):
-        if checkpoints.verify(path, checksums=False) is None:
-            return path
-    return None
-
-
 def interrupted_message(signal_name: str, run_dir: Union[str, Path]) -> str:
     """The one true line for a worker stopped at once by a signal (outside the training loop's save)."""
-    last = newest_checkpoint(Path(run_dir))
+    last = checkpoints.newest_by_size(rundir.checkpoint_dir(Path(run_dir)))
     where = (
         f"the newest complete checkpoint is {last}"
         if last
@@ -494,21 +413,20 @@ def configure_rank_logging(rank0: bool) -> None:
     )
     if not rank0:
         warnings.simplefilter("ignore")
-        import transformers
-
         transformers.utils.logging.set_verbosity_error()
 
 
 def run_worker(run_dir: Union[str, Path]) -> dict:
-    """One rank: config and plan from the run directory (no command-line parsing here)."""
-    from finetune.secrets import install_log_filter
-    from finetune.stages import resolve
+    """One rank: config and plan from the run directory (no command-line parsing here).
 
+    config.yaml was written resolved (a model.config_path read, this machine read for hardware=local or
+    cpu): the rank reads it as it is, and never resolves or plans again.
+    """
     install_log_filter()
     configure_rank_logging(is_rank_zero())
     if is_rank_zero() and Path(run_dir).is_dir():
         rundir.lock(Path(run_dir))  # before reading: a second writer must not start at all
-    cfg = resolve(rundir.load_config(Path(run_dir)))
-    cfg = replace(cfg, run_dir=str(run_dir))
+    cfg = replace(rundir.load_config(Path(run_dir)), run_dir=str(run_dir))
+    plan = rundir.load_plan(Path(run_dir), cfg.hardware)
     # The worker's base-vs-trained comparison answers as many held-out prompts as the eval stage would.
-    return run(cfg, Path(run_dir), load_plan(Path(run_dir), cfg.hardware), max_generate=cfg.eval.num_samples)
+    return run(cfg, Path(run_dir), plan, max_generate=cfg.eval.num_samples)

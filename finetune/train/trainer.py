@@ -30,12 +30,12 @@ import torch
 from trl import SFTConfig, SFTTrainer
 
 from finetune import checkpoints, rundir
+from finetune.chunked_loss import add_chunked_loss_head
+from finetune.collator import NUM_TOKENS_KEY, PackedCollator
 from finetune.config import Config
 from finetune.planner import Plan
 from finetune.train import throughput
 from finetune.train.callbacks import RunMonitor
-from finetune.train.chunked_loss import add_chunked_loss_head
-from finetune.train.collator import NUM_TOKENS_KEY, PackedCollator
 
 log = logging.getLogger(__name__)
 
