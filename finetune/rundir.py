@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune import checkpoints
-from finetune.config import Config, HardwareConfig
+from finetune.config import Config
 from finetune.errors import ConfigError, DiskFullError, LaunchError, is_disk_full
 from finetune.planner import Plan
 from finetune.secrets import scrub, scrub_text, shell_reference, shell_word
@@ -73,6 +73,7 @@ SBATCH_FILE = "slurm.sbatch"
 DEEPSPEED_FILE = "deepspeed.json"  # the engine settings the launcher writes for the ranks
 ACCELERATE_FSDP_FILE = "accelerate_fsdp.yaml"
 ACCELERATE_FILE = "accelerate.yaml"  # launcher=accelerate with a DDP or ZeRO-3 plan
+ENGINE_FILE = "engine.json"  # the engine, world size, files and SFTConfig arguments: what each rank reads
 SMOKE_DIR = "smoke"  # smoke=true: the sibling's run directory, inside the real one
 SMOKE_REPORT_FILE = "smoke_report.json"
 COMPARE_DIR = "compare"  # mode=compare without run_dir: runs/compare
@@ -439,14 +440,26 @@ def check_resumable(cfg: Config, run_dir: Path) -> None:
         )
 
 
-def load_plan(run_dir: Path, hardware: HardwareConfig) -> Plan:
-    """`plan.json` back into a `Plan` (workers read it; they never re-plan)."""
+def load_plan(run_dir: Path) -> Plan:
+    """`plan.json` back into a `Plan`, with its hardware profile and process layout (workers read it;
+    they never re-plan)."""
     path = Path(run_dir) / PLAN_FILE
     if not path.is_file():
         raise LaunchError(
             f"{path}: missing; run the plan stage (python -m finetune mode=plan run_dir={run_dir}) first"
         )
-    return Plan.from_dict(json.loads(path.read_text()), hardware)
+    return Plan.from_dict(json.loads(path.read_text()))
+
+
+def load_engine(run_dir: Path) -> dict[str, Any]:
+    """`engine.json`: the engine, world size, engine files and SFTConfig arguments the launcher wrote."""
+    path = Path(run_dir) / ENGINE_FILE
+    if not path.is_file():
+        raise LaunchError(
+            f"{path}: missing; the launcher writes it: train with python -m finetune mode=train run_dir={run_dir} "
+            "(or mode=launch; launch.dry_run=true writes it without starting)"
+        )
+    return json.loads(path.read_text())
 
 
 def load_config(run_dir: Path) -> Config:

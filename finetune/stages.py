@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from finetune import compare, machine, models, preflight, rundir
+from finetune import compare, machine, models, rundir
 from finetune.config import RUNS_DIR, Config
 from finetune.data import stage as data_stage
 from finetune.errors import INTERRUPTED_EXIT_CODE, ConfigError, LaunchError, PlanError
@@ -58,6 +58,7 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
         cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles(), seq_len=seq_len
     )
     plan = replace(plan, reasons=(*cfg.hardware.notes, *plan.reasons))  # hardware=local: what was detected
+    plan = plan.with_processes(cfg.launch.nproc_per_node, cfg.launch.nnodes)  # the layout the launcher starts
     payload = plan.to_dict()
     rundir.write_json(run_dir / rundir.PLAN_FILE, payload)
     if cfg.plan.out:
@@ -74,10 +75,18 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
     return plan
 
 
+def launch_ranks(cfg: Config, run_dir: Path, plan: Plan) -> int:
+    """mode=launch (and training): the launcher starts the ranks, or prints how (dry run, SLURM, detach).
+
+    When it starts them here and waits, the pre-checks run once, in this process (the machine, disk, resume,
+    host RAM), and the ranks are told so (`preflight.handoff`).
+    """
+    return launch_stage.run(cfg, run_dir, plan, precheck=True)
+
+
 def train_stage(cfg: Config, run_dir: Path, plan: Plan) -> int:
     """Train through the launcher, so one CPU process and 8 GPUs take the same path (`python -m finetune.train`)."""
-    preflight.check(cfg, run_dir, plan)
-    code = launch_stage.run(cfg, run_dir, plan)
+    code = launch_ranks(cfg, run_dir, plan)
     if code == INTERRUPTED_EXIT_CODE:
         # The worker's own line above says what it saved; this one must not claim more.
         print(
@@ -173,9 +182,12 @@ def run(cfg: Config) -> int:
             return 0
     if mode == "launch":
         _enter("the launch stage")
-        return launch_stage.run(cfg, run_dir, plan_stage(cfg, run_dir, quiet=True))
+        return launch_ranks(cfg, run_dir, plan_stage(cfg, run_dir, quiet=True))
     _enter("the plan stage")
     plan = plan_stage(cfg, run_dir, quiet=mode in ("eval", "export"))
+    cfg = replace(
+        cfg, hardware=plan.hardware
+    )  # from here on the plan's profile (hardware=auto: the chosen one)
     if mode in ("train", "all"):
         _enter("the training stage")
         code = train_stage(cfg, run_dir, plan)

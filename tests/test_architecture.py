@@ -94,12 +94,6 @@ EXCEPTIONS = {
     "imports torch, transformers and TRL (seconds), so a signal during that import also exits 75 with one line",
 }
 
-# Upward imports still to be removed (each names the commit that removes it).
-TEMPORARY_UPWARD = {
-    ("finetune.train.trainer", "finetune.launch.engines"): "the ranks read the engine files the launcher "
-    "wrote (engine.json) instead of writing them again: the next commit",
-}
-
 HEAVY = ("torch", "transformers", "trl", "peft", "deepspeed", "datasets", "bitsandbytes", "accelerate")
 
 
@@ -184,7 +178,7 @@ def test_imports_only_point_down():
     upward = []
     for module in MODULES:
         for target, line in imports(module)[0] + imports(module)[1]:
-            if target not in MODULES or (module, target) in TEMPORARY_UPWARD:
+            if target not in MODULES:
                 continue
             if layer_of(target) > layer_of(module):
                 upward.append(
@@ -225,8 +219,6 @@ def test_project_modules_are_imported_at_module_level():
     found = set()
     for module in MODULES:
         for target, line in imports(module)[1]:
-            if (module, target) in TEMPORARY_UPWARD:
-                continue
             found.add((module, target))
             assert (module, target) in EXCEPTIONS, (
                 f"{module}:{line} imports {target} inside a function: import it at module level "

@@ -20,7 +20,7 @@ import torch
 from finetune.collator import IGNORE_INDEX, NUM_TOKENS_KEY, PackedCollator
 from finetune.errors import ConfigError
 from finetune.train import throughput
-from tests.test_eval_support import compose_tiny, plan_for, train_in_process
+from tests.test_eval_support import compose_tiny, plan_for, train_in_process, write_engine
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 4
@@ -176,6 +176,7 @@ def test_liger_goes_through_trls_switch_and_reaches_the_trainer(tmp_path, tiny_c
     )
     cfg = _cfg(tmp_path / "run", "train.max_steps=1")
     plan = plan_for(cfg, micro_batch_size=2, grad_accum_steps=1, chunked_loss=True)
+    write_engine(cfg, plan, tmp_path / "run")
     args = build_sft_config(cfg, plan, tmp_path / "run", torch.float32)
     args.use_liger_kernel, args.liger_kernel_config = True, dict(kwargs["liger_kernel_config"])  # as on a GPU
     model, dtype = load_for_training(cfg)

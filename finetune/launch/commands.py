@@ -17,7 +17,8 @@ from typing import Optional
 
 from finetune.errors import LaunchError
 from finetune.launch.config import LaunchConfig
-from finetune.launch.engines import EngineFiles, Layout
+from finetune.launch.engines import EngineFiles
+from finetune.planner import Layout
 from finetune.rundir import export_line, shell_comment
 
 WORKER_MODULE = "finetune.train"

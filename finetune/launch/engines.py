@@ -11,7 +11,8 @@ a strategy the engine cannot run (finetune/planner/engines.py's table; the
 planner never emits one, a hand-edited plan.json might) is refused, never
 replaced by something else.
 
-The trainer (each rank) calls `engine_files(plan, run_dir)`.
+The launcher writes them, with `engine.json` (the engine, the world size, the files and the
+SFTConfig arguments: `EngineFiles.to_dict`); each rank reads engine.json and never writes them again.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -30,37 +31,12 @@ from finetune.architectures import ARCHITECTURES
 from finetune.config import Config
 from finetune.errors import LaunchError
 from finetune.launch.config import LaunchConfig
-from finetune.planner import Plan, Strategy, why_not
+from finetune.planner import Layout, Plan, Strategy, why_not
 
 # TrainingArguments' AdamW defaults, written into the DeepSpeed optimizer block and returned
 # in trainer_kwargs so both sides agree.
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPSILON = 1e-8
-
-PlanLike = Union[Plan, Mapping[str, Any]]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where the ranks run and with which strategy: the plan's strategy and the launch's process counts."""
-
-    strategy: Strategy
-    nproc_per_node: int
-    nnodes: int
-    device: str  # cuda | cpu
-
-    @property
-    def world_size(self) -> int:
-        return self.nproc_per_node * self.nnodes
-
-    @property
-    def engine(self) -> str:
-        """deepspeed | fsdp | ddp | single."""
-        if self.strategy.sharding == "zero3":
-            return "deepspeed"
-        if self.strategy.sharding == "fsdp":
-            return "fsdp"
-        return "ddp" if self.world_size > 1 else "single"
 
 
 def launch_of(cfg: Config) -> LaunchConfig:
@@ -69,26 +45,14 @@ def launch_of(cfg: Config) -> LaunchConfig:
     return launch if isinstance(launch, LaunchConfig) else LaunchConfig()
 
 
-def layout(cfg: Config, plan: PlanLike, launch: Optional[LaunchConfig] = None) -> Layout:
-    """The plan's strategy and hardware (a `Plan` or the plan.json dict), with the launch's overrides."""
-    launch = launch or launch_of(cfg)
-    if isinstance(plan, Plan):
-        strategy = plan.strategy
-        gpus_per_node, nodes, device = plan.hardware.gpus_per_node, plan.hardware.nodes, plan.hardware.device
-    else:
-        try:
-            known = {f.name for f in fields(Strategy)}
-            strategy = Strategy(**{k: v for k, v in plan["strategy"].items() if k in known})
-            nodes = cfg.hardware.nodes
-            gpus_per_node = max(1, int(plan["hardware"]["gpus"]) // nodes)
-        except (KeyError, TypeError) as exc:
-            raise LaunchError(f"plan.json: missing or malformed field {exc}; re-run mode=plan") from None
-        device = cfg.hardware.device
-    return Layout(
-        strategy=strategy,
-        nproc_per_node=launch.nproc_per_node or gpus_per_node,
-        nnodes=launch.nnodes or nodes,
-        device=device,
+def layout(plan: Plan, launch: Optional[LaunchConfig] = None) -> Layout:
+    """The plan's process layout (plan.json `layout`); a `launch` given here sets its own process counts
+    where it has them (the pipeline passes the same launch settings the plan was made with)."""
+    lay = plan.layout
+    if launch is None:
+        return lay
+    return replace(
+        lay, nproc_per_node=launch.nproc_per_node or lay.nproc_per_node, nnodes=launch.nnodes or lay.nnodes
     )
 
 
@@ -276,11 +240,12 @@ def _write_if_changed(path: Path, text: str) -> None:
 
 
 def write_engine_files(
-    cfg: Config, plan: PlanLike, run_dir: Path, launch: Optional[LaunchConfig] = None
+    cfg: Config, plan: Plan, run_dir: Path, launch: Optional[LaunchConfig] = None
 ) -> EngineFiles:
-    """Write deepspeed.json / accelerate_fsdp.yaml (as the plan needs) into the run dir and describe them."""
+    """Write deepspeed.json / accelerate_fsdp.yaml (as the plan needs) and engine.json (what the ranks read)
+    into the run dir, and describe them."""
     launch = launch or launch_of(cfg)
-    lay = layout(cfg, plan, launch)
+    lay = layout(plan, launch)
     check_runnable(cfg, lay)
     run_dir = Path(run_dir).resolve()
     s = lay.strategy
@@ -317,17 +282,21 @@ def write_engine_files(
         _write_if_changed(
             acc_path, yaml.safe_dump(accelerate_config(cfg, lay, launch, ds_path), sort_keys=False)
         )
-    return EngineFiles(
+    files = EngineFiles(
         engine=lay.engine,
         world_size=lay.world_size,
         deepspeed=ds_path,
         accelerate_config=acc_path,
         trainer_kwargs=kwargs,
     )
+    _write_if_changed(run_dir / rundir.ENGINE_FILE, json.dumps(files.to_dict(), indent=2) + "\n")
+    return files
 
 
-def engine_files(plan: PlanLike, run_dir: Union[str, Path], cfg: Optional[Config] = None) -> dict[str, Any]:
-    """What each rank's trainer calls: the engine, its files and the SFTConfig arguments that match them.
+def engine_files(
+    plan: Union[Plan, Mapping[str, Any]], run_dir: Union[str, Path], cfg: Optional[Config] = None
+) -> dict[str, Any]:
+    """The engine of a plan, its files and the SFTConfig arguments that match them (written into run_dir).
 
         files = engine_files(plan, run_dir)          # plan: a Plan or the plan.json dict
         SFTConfig(output_dir=..., **files["trainer_kwargs"], ...)
@@ -342,6 +311,8 @@ def engine_files(plan: PlanLike, run_dir: Union[str, Path], cfg: Optional[Config
     """
     run_dir = Path(run_dir)
     cfg = cfg or rundir.load_config(run_dir)
+    if not isinstance(plan, Plan):
+        plan = Plan.from_dict(dict(plan))
     return write_engine_files(cfg, plan, run_dir).to_dict()
 
 

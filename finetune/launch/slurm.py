@@ -15,7 +15,8 @@ from finetune import rundir
 from finetune.errors import LaunchError
 from finetune.launch.commands import python_of, tool, worker_args
 from finetune.launch.config import LaunchConfig
-from finetune.launch.engines import EngineFiles, Layout
+from finetune.launch.engines import EngineFiles
+from finetune.planner import Layout
 from finetune.rundir import export_line, shell_comment
 
 

@@ -22,15 +22,7 @@ from finetune.config import Config
 from finetune.errors import LaunchError
 from finetune.launch.commands import NODE_RANK_SLOT, build_command, launch_script
 from finetune.launch.config import LaunchConfig
-from finetune.launch.engines import (
-    EngineFiles,
-    Layout,
-    PlanLike,
-    launch_of,
-    layout,
-    nccl_env,
-    write_engine_files,
-)
+from finetune.launch.engines import EngineFiles, launch_of, layout, nccl_env, write_engine_files
 from finetune.launch.runner import (
     Probe,
     Runner,
@@ -42,15 +34,8 @@ from finetune.launch.runner import (
 )
 from finetune.launch.slurm import sbatch_script
 from finetune.machine import Machine
-from finetune.planner import Plan
-from finetune.preflight import MachineCheck, check_machine
-
-
-def _fits(plan: PlanLike) -> tuple[bool, str]:
-    if isinstance(plan, Plan):
-        return plan.fits, (plan.reasons[0] if plan.reasons else "")
-    reasons = plan.get("reasons") or [""]
-    return bool(plan.get("fits", True)), str(reasons[0])
+from finetune.planner import Layout, Plan
+from finetune.preflight import MachineCheck, check, check_machine, handoff
 
 
 def describe(files: EngineFiles, lay: Layout) -> str:
@@ -78,7 +63,7 @@ def describe(files: EngineFiles, lay: Layout) -> str:
 def run(
     cfg: Config,
     run_dir: Path,
-    plan: PlanLike,
+    plan: Plan,
     *,
     launch: Optional[LaunchConfig] = None,
     runner: Runner = subprocess_runner,
@@ -86,10 +71,14 @@ def run(
     probe: Probe = tcp_reachable,
     sleep: Callable[[float], None] = time.sleep,
     read_machine: Optional[Callable[[Optional[Path]], Machine]] = None,
+    precheck: bool = False,
 ) -> int:
     """Write the engine files, then run, detach, submit to SLURM, or only print (dry_run). Returns the exit code.
 
     Ranks that start here are checked against this machine first (`preflight.check_machine`).
+    `precheck` (the pipeline): when this process starts the ranks itself and waits for them, it also runs
+    the disk, resume and host-RAM checks (`preflight.check`) and tells the ranks both ran
+    (`preflight.handoff`), so they do not run them again; ranks started any other way check themselves.
     """
     launch = launch or launch_of(cfg)
     run_dir = Path(run_dir).resolve()
@@ -98,14 +87,14 @@ def run(
             raise LaunchError(
                 f"{run_dir / name}: missing; the ranks read it (run mode=plan with this run_dir first)"
             )
-    fits, why = _fits(plan)
-    if not fits:
+    if not plan.fits:
+        why = plan.reasons[0] if plan.reasons else ""
         message = f"the plan does not fit: {why} (see {run_dir / rundir.PLAN_FILE})"
         if not launch.dry_run:
             raise LaunchError(message + "; launch refuses a job that would run out of memory")
         print(f"warning: {message}")
 
-    lay = layout(cfg, plan, launch)
+    lay = layout(plan, launch)
     here = MachineCheck({})
     if not launch.dry_run and launch.scheduler == "none":  # SLURM's nodes are not this machine
         here = check_machine(
@@ -116,6 +105,9 @@ def run(
             allow_mismatch=launch.allow_mismatch,
             read=read_machine,
         )
+    hand_down = precheck and not launch.dry_run and launch.scheduler == "none" and not launch.detach
+    if hand_down:
+        check(cfg, run_dir, plan)
     files = write_engine_files(cfg, plan, run_dir, launch)
     env = {**nccl_env(launch, lay), **here.env}
     print(f"launch: {describe(files, lay)}")
@@ -171,7 +163,9 @@ def run(
         for line in detach(script, run_dir / rundir.LAUNCH_LOG, session, runner, which):
             print(line)
         return 0
-    code = runner(list(cmd.argv), cmd.env, cmd.cwd)
+    # Not in launch.sh: a script run later, elsewhere or by hand, has its ranks check for themselves.
+    checked = handoff(here) if hand_down else {}
+    code = runner(list(cmd.argv), {**cmd.env, **checked}, cmd.cwd)
     if code != 0:
         print(f"launch: {Path(cmd.argv[0]).name} exited with {code}")
     return code
@@ -179,7 +173,7 @@ def run(
 
 def _slurm(
     cfg: Config,
-    plan: PlanLike,
+    plan: Plan,
     launch: LaunchConfig,
     lay: Layout,
     files: EngineFiles,
@@ -189,8 +183,7 @@ def _slurm(
     which: Which,
 ) -> int:
     path = run_dir / rundir.SBATCH_FILE
-    vcpus = plan.hardware.vcpus if isinstance(plan, Plan) else cfg.hardware.vcpus
-    text = sbatch_script(launch, lay, files, run_dir, cfg.name, env, os.getcwd(), vcpus=vcpus)
+    text = sbatch_script(launch, lay, files, run_dir, cfg.name, env, os.getcwd(), vcpus=plan.hardware.vcpus)
     rundir.atomic_write_text(path, text)
     path.chmod(0o700 if rundir.references_secrets(env) else 0o644)
     print(f"sbatch script: {path}")

@@ -7,7 +7,7 @@ calibration (per-device constants). Scripts and tests use these modules' public 
 """
 
 from finetune.planner.calibration import Calibration, DeviceCalibration
-from finetune.planner.contract import Alternative, Estimate, Memory, Plan, Strategy
+from finetune.planner.contract import Alternative, Estimate, Layout, Memory, Plan, Strategy
 from finetune.planner.engines import ENGINES, why_not
 from finetune.planner.memory import Job, Runtime, make_job, memory, runtime, tensors_gb
 from finetune.planner.params import ParamCounts, count_params, lora_params
@@ -22,6 +22,7 @@ __all__ = [
     "DeviceCalibration",
     "Estimate",
     "Job",
+    "Layout",
     "Memory",
     "ParamCounts",
     "Plan",

@@ -130,14 +130,7 @@ def run(
     if rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         rundir.lock(run_dir)
-        preflight.check(cfg, run_dir, plan)
-        mismatch = preflight.check_machine(
-            cfg,
-            plan,
-            gpus=cfg.launch.nproc_per_node or plan.hardware.gpus_per_node,
-            device=plan.hardware.device,
-            allow_mismatch=cfg.launch.allow_mismatch,
-        ).mismatch
+        mismatch = _prechecks(cfg, run_dir, plan).mismatch
         if mismatch:
             log.warning("launch.allow_mismatch=true: training although %s", mismatch)
     transformers.utils.logging.disable_progress_bar()
@@ -294,6 +287,22 @@ def run(
     return metrics
 
 
+def _prechecks(cfg: Config, run_dir: Path, plan: Plan) -> preflight.MachineCheck:
+    """Rank 0: disk, resume, host RAM and this machine against the plan, unless the pipeline that started
+    this rank ran them already (`preflight.handoff`): each check runs once per launch."""
+    handed = preflight.handed_down(os.environ)
+    if handed is not None:
+        return handed
+    preflight.check(cfg, run_dir, plan)
+    return preflight.check_machine(
+        cfg,
+        plan,
+        gpus=plan.layout.nproc_per_node,
+        device=plan.hardware.device,
+        allow_mismatch=cfg.launch.allow_mismatch,
+    )
+
+
 def is_rank_zero() -> bool:
     """Global rank 0 (torchrun and accelerate set RANK; a single process is rank 0)."""
     return int(os.environ.get("RANK", "0")) == 0
@@ -426,7 +435,8 @@ def run_worker(run_dir: Union[str, Path]) -> dict:
     configure_rank_logging(is_rank_zero())
     if is_rank_zero() and Path(run_dir).is_dir():
         rundir.lock(Path(run_dir))  # before reading: a second writer must not start at all
-    cfg = replace(rundir.load_config(Path(run_dir)), run_dir=str(run_dir))
-    plan = rundir.load_plan(Path(run_dir), cfg.hardware)
+    plan = rundir.load_plan(Path(run_dir))
+    # The plan's profile: under hardware=auto the one chosen (config.yaml keeps `auto`, as asked).
+    cfg = replace(rundir.load_config(Path(run_dir)), hardware=plan.hardware, run_dir=str(run_dir))
     # The worker's base-vs-trained comparison answers as many held-out prompts as the eval stage would.
     return run(cfg, Path(run_dir), plan, max_generate=cfg.eval.num_samples)

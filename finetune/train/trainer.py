@@ -33,6 +33,7 @@ from finetune import checkpoints, rundir
 from finetune.chunked_loss import add_chunked_loss_head
 from finetune.collator import NUM_TOKENS_KEY, PackedCollator
 from finetune.config import Config
+from finetune.errors import LaunchError
 from finetune.planner import Plan
 from finetune.train import throughput
 from finetune.train.callbacks import RunMonitor
@@ -104,26 +105,26 @@ def build_sft_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torc
         # Every trainable parameter takes part in each forward; the search for unused ones is pure cost.
         ddp_find_unused_parameters=False,
     )
-    # The engine (DeepSpeed JSON or FSDP2 settings, use_cpu, collective timeout), as the launcher wrote it,
-    # for the ranks really running: DeepSpeed asserts its batch = micro x accumulation x world size.
-    kwargs.update(engine_trainer_kwargs(cfg, plan, run_dir))
+    # The engine (DeepSpeed JSON or FSDP2 settings, use_cpu, collective timeout), as the launcher wrote it
+    # for the plan's layout: DeepSpeed asserts its batch = micro x accumulation x world size.
+    kwargs.update(engine_trainer_kwargs(run_dir))
     kwargs.update(throughput.sft_kwargs(cfg))  # Liger's kernels through TRL's switch
     return SFTConfig(**kwargs)
 
 
-def engine_trainer_kwargs(cfg: Config, plan: Plan, run_dir: Path) -> dict[str, Any]:
-    """`engine_files(...)["trainer_kwargs"]` for this process group's world size (WORLD_SIZE; 1 when unset)."""
-    from dataclasses import replace
-
-    from finetune.launch.engines import launch_of, write_engine_files
-
-    launch = launch_of(cfg)
+def engine_trainer_kwargs(run_dir: Path) -> dict[str, Any]:
+    """The SFTConfig arguments of the engine the launcher set up (RUN_DIR/engine.json), for the world size
+    it was written for; a process group of another size is refused (one line) before anything loads."""
+    engine = rundir.load_engine(run_dir)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    nnodes = launch.nnodes or plan.hardware.nodes
-    if world % nnodes:
-        nnodes = 1
-    launch = replace(launch, nproc_per_node=world // nnodes, nnodes=nnodes, node_rank=0)
-    kwargs = write_engine_files(cfg, plan, Path(run_dir), launch).trainer_kwargs
+    if world != engine["world_size"]:
+        raise LaunchError(
+            f"{Path(run_dir) / rundir.ENGINE_FILE}: the engine ({engine['engine']}) is set up for "
+            f"{engine['world_size']} process(es), this rank's group has {world} (WORLD_SIZE): start the ranks "
+            f"with {Path(run_dir) / rundir.LAUNCH_SCRIPT} (written by mode=launch), or plan for {world} "
+            "(launch.nproc_per_node, launch.nnodes) and launch again"
+        )
+    kwargs = dict(engine["trainer_kwargs"])
     if kwargs.get("deepspeed") and os.environ.pop("ACCELERATE_USE_CPU", None) is not None:
         # accelerate would quietly replace DeepSpeed by DDP; use_cpu=True already selects gloo on the CPU.
         log.warning("ACCELERATE_USE_CPU unset for this DeepSpeed run (accelerate drops DeepSpeed under it)")
