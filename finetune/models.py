@@ -89,10 +89,19 @@ def load_tokenizer(model: ModelConfig) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=model.trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=model.trust_remote_code)
     except OSError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(f"model.hub_id={source}: cannot load the tokenizer ({first})") from None
+    if tok.pad_token is None:
+        # Llama 3.x and others ship no pad token; pad with eos as TRL's SFTTrainer does (padding is masked
+        # out of attention and loss, so which id fills it does not matter, only that one exists).
+        if tok.eos_token is None:
+            raise DataError(
+                f"model.hub_id={source}: the tokenizer has neither a pad nor an eos token to pad with"
+            )
+        tok.pad_token = tok.eos_token
+    return tok
 
 
 # ---------------------------------------------------------------- a model's config.json
