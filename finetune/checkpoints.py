@@ -33,6 +33,8 @@ from finetune.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+# Ours, not save_total_limit + get_last_checkpoint: those take the newest folder by name, a truncated one
+# included (scripts/bench_library_parts.py, BENCHMARKS.md), and rotation could delete the last good one.
 MANIFEST = "manifest.json"
 # What transformers writes into each checkpoint: the step, the log history, the callbacks' state.
 TRAINER_STATE_FILE = "trainer_state.json"

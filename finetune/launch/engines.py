@@ -64,8 +64,9 @@ def _bf16(cfg: Config, lay: Layout) -> bool:
 
 
 def deepspeed_config(cfg: Config, lay: Layout) -> dict[str, Any]:
-    """ZeRO stage 3 with the plan's offload, every batch number concrete (DeepSpeed asserts
-    train_batch_size == micro_batch x accumulation x world size at start-up)."""
+    """ZeRO stage 3 with the plan's offload, every value concrete, not "auto": DeepSpeed asserts
+    train_batch_size == micro_batch x accumulation x world size at start-up (a file for another world size is
+    refused), and transformers still compares each value with SFTConfig and refuses a mismatch."""
     s = lay.strategy
     h = cfg.model.hidden_size
     pin = lay.device == "cuda"  # pinned host buffers speed up PCIe copies; meaningless without a GPU
@@ -73,7 +74,8 @@ def deepspeed_config(cfg: Config, lay: Layout) -> dict[str, Any]:
         "stage": 3,
         "overlap_comm": True,
         "contiguous_gradients": True,
-        # HF's "auto" values, computed here from the model's hidden size.
+        # HF's "auto" values, computed here from the model's hidden size: zero.Init reads this file while the
+        # model loads, before the Trainer fills "auto", and would take DeepSpeed's own 5e8 / 5e7 / 1e5 (BENCHMARKS.md).
         "reduce_bucket_size": h * h,
         "stage3_prefetch_bucket_size": int(0.9 * h * h),
         "stage3_param_persistence_threshold": 10 * h,
