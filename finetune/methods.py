@@ -49,6 +49,10 @@ class MethodSpec:
     # FLOPs a weight costs a token: 2 forward, 2 the input gradient, 2 more when the weight itself trains.
     flops_per_weight: float
     merge: str  # one of MERGES
+    # vLLM serves the trained adapter on the base (`--enable-lora`, serve.sh's `lora` variant) besides the merged
+    # model. vLLM's LoRA loads plain LoRA adapters only: a DoRA entry would set False and be served merged
+    # (vllm-project/vllm#10849, DoRA support, is open).
+    serve_adapter: bool
     # Why FSDP2 / ZeRO-3 cannot shard it (one line), or None when they can.
     shard_refusal: Optional[str] = None
     # When a plan does not fit: the lighter method the planner tries on the same hardware, and the settings it
@@ -67,6 +71,8 @@ class MethodSpec:
             raise ValueError(
                 f"MethodSpec {self.name}: merge={self.merge!r} contradicts adapters={self.adapters}"
             )
+        if self.serve_adapter and not self.adapters:
+            raise ValueError(f"MethodSpec {self.name}: serve_adapter needs adapters")
         if self.trains_base_weights == self.adapters:
             raise ValueError(f"MethodSpec {self.name}: exactly one of the base weights or adapters trains")
 
@@ -85,6 +91,7 @@ METHODS: dict[str, MethodSpec] = {
         quantized_base=False,
         flops_per_weight=6.0,
         merge="cast",
+        serve_adapter=False,
         fallback="lora",
         fallback_settings=(("optimizer", None),),  # the planner picks LoRA's optimizer afresh
     ),
@@ -96,6 +103,7 @@ METHODS: dict[str, MethodSpec] = {
         quantized_base=False,
         flops_per_weight=4.0,
         merge="adapter",
+        serve_adapter=True,
         fallback="qlora",
         fallback_settings=(("adapter_dtype", "bf16"),),  # QLoRA's own default (configs/method/qlora.yaml)
     ),
@@ -107,6 +115,7 @@ METHODS: dict[str, MethodSpec] = {
         quantized_base=True,
         flops_per_weight=4.0,
         merge="adapter_quantized_base",
+        serve_adapter=True,
         shard_refusal="bitsandbytes' 4-bit weights stay whole on every GPU; use one GPU or ddp",
     ),
 }

@@ -34,7 +34,7 @@ def test_full_fine_tuning_spec():
     full = METHODS["full"]
     assert (full.trains_base_weights, full.adapters, full.quantized_base) == (True, False, False)
     assert full.flops_per_weight == 6.0
-    assert full.merge == "cast" and full.can_shard and full.shard_refusal is None
+    assert full.merge == "cast" and not full.serve_adapter and full.can_shard and full.shard_refusal is None
     assert (full.fallback, full.fallback_settings) == ("lora", (("optimizer", None),))
     assert full.lora_options == ()
 
@@ -43,7 +43,7 @@ def test_lora_spec():
     lora = METHODS["lora"]
     assert (lora.trains_base_weights, lora.adapters, lora.quantized_base) == (False, True, False)
     assert lora.flops_per_weight == 4.0
-    assert lora.merge == "adapter" and lora.can_shard
+    assert lora.merge == "adapter" and lora.serve_adapter and lora.can_shard
     assert (lora.fallback, lora.fallback_settings) == ("qlora", (("adapter_dtype", "bf16"),))
     assert lora.lora_options == ()
 
@@ -52,7 +52,7 @@ def test_qlora_spec():
     qlora = METHODS["qlora"]
     assert (qlora.trains_base_weights, qlora.adapters, qlora.quantized_base) == (False, True, True)
     assert qlora.flops_per_weight == 4.0
-    assert qlora.merge == "adapter_quantized_base"
+    assert qlora.merge == "adapter_quantized_base" and qlora.serve_adapter
     assert not qlora.can_shard
     assert qlora.shard_refusal == "bitsandbytes' 4-bit weights stay whole on every GPU; use one GPU or ddp"
     assert (qlora.fallback, qlora.fallback_settings) == (None, ())
@@ -76,6 +76,8 @@ def test_a_spec_that_contradicts_itself_is_refused():
         replace(METHODS["lora"], merge="squash")
     with pytest.raises(ValueError, match="exactly one of the base weights or adapters trains"):
         replace(METHODS["full"], adapters=True, merge="adapter")
+    with pytest.raises(ValueError, match="serve_adapter needs adapters"):
+        replace(METHODS["full"], serve_adapter=True)
 
 
 # ---------------------------------------------------------------- the configs name exactly the specs
@@ -176,6 +178,7 @@ def dora_test() -> Iterator[MethodSpec]:
         name="dora_test",
         description="DoRA: weight-decomposed LoRA adapters (test entry)",
         lora_options=(("use_dora", True),),
+        serve_adapter=False,  # vLLM serves no DoRA adapter: merged only
         fallback=None,
         fallback_settings=(),
     )
