@@ -22,8 +22,8 @@ from finetune.errors import ConfigError
 from finetune.evaluation.config import EvalConfig
 from finetune.export.config import ExportConfig
 from finetune.launch.config import LaunchConfig
+from finetune.methods import METHODS, MethodSpec
 
-METHODS = ("full", "lora", "qlora")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
 SHARDINGS = ("none", "ddp", "fsdp", "zero3")
 # train.attention: transformers' attention implementations (finetune/train/throughput.py maps the names).
@@ -134,7 +134,7 @@ class ModelConfig:
 
 @dataclass
 class MethodConfig:
-    """Full fine-tuning, LoRA or QLoRA, and the optimizer settings that belong to each."""
+    """Full fine-tuning, LoRA or QLoRA (finetune/methods.py says what each is), and the settings each takes."""
 
     name: str = "lora"
     # None: the planner chooses (adamw, or an 8-bit optimizer when memory needs it).
@@ -159,7 +159,7 @@ class MethodConfig:
     compute_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        _check_choice("method.name", self.name, METHODS)
+        _check_choice("method.name", self.name, tuple(METHODS))
         _check_choice("method.optimizer", self.optimizer, OPTIMIZERS, allow_none=True)
         _check_choice("method.precision", self.precision, ("auto", "bf16", "fp32"))
         _check_choice("method.adapter_dtype", self.adapter_dtype, ("bf16", "fp32"))
@@ -167,7 +167,7 @@ class MethodConfig:
         _check_choice("method.compute_dtype", self.compute_dtype, ("auto", "bf16", "fp32"))
         _check_positive("method.learning_rate", self.learning_rate)
         _check_positive("method.weight_decay", self.weight_decay, allow_zero=True)
-        if self.name != "full":
+        if self.spec.adapters:
             _check_positive("method.lora_rank", self.lora_rank)
             _check_positive("method.lora_alpha", self.lora_alpha)
             if not 0.0 <= self.lora_dropout < 1.0:
@@ -176,8 +176,13 @@ class MethodConfig:
                 raise ConfigError("method.target_modules is empty: name the projections to adapt")
 
     @property
+    def spec(self) -> MethodSpec:
+        """What this method is (finetune/methods.py): every distinction between methods is read from it."""
+        return METHODS[self.name]
+
+    @property
     def uses_adapters(self) -> bool:
-        return self.name in ("lora", "qlora")
+        return self.spec.adapters
 
     def dtype_on(self, device: str) -> str:
         """The training precision: `auto` is bf16 on GPUs and fp32 on the CPU; a set value is kept on

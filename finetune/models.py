@@ -9,7 +9,8 @@ can run code is logged.
 
 - the data stage renders with `load_tokenizer`; training, evaluation and export use
   the same one (the tiny tokenizer, or the model's own);
-- training loads with `load_for_training` (full / LoRA / QLoRA, as `method.name` says);
+- training loads with `load_for_training` (full / LoRA / QLoRA, as the method's spec says:
+  finetune/methods.py);
 - evaluation and export load the base, the trained output and the merged model with
   `load_base`, `attach_adapter` and `load_variant` (the base loads as training loaded
   it, so `base` and `trained` differ only by what training changed);
@@ -234,12 +235,9 @@ def training_dtype(cfg: Config) -> torch.dtype:
 def eval_dtype(cfg: Config) -> torch.dtype:
     """Evaluation runs in the training compute dtype (bf16 where native, else fp32)."""
     device = cfg.hardware.device
-    name = (
-        cfg.method.quant_compute_dtype_on(device)
-        if cfg.method.name == "qlora"
-        else cfg.method.dtype_on(device)
-    )
-    key = "method.compute_dtype" if cfg.method.name == "qlora" else "method.precision"
+    quantized = cfg.method.spec.quantized_base
+    name = cfg.method.quant_compute_dtype_on(device) if quantized else cfg.method.dtype_on(device)
+    key = "method.compute_dtype" if quantized else "method.precision"
     return resolve_dtype(name, cfg.hardware.device, key=key)
 
 
@@ -338,6 +336,7 @@ def lora_config(method: MethodConfig) -> Any:
         target_modules=list(method.target_modules),
         bias="none",
         task_type="CAUSAL_LM",
+        **dict(method.spec.lora_options),
     )
 
 
@@ -404,25 +403,25 @@ def load_for_training(cfg: Config) -> tuple[Any, torch.dtype]:
     """
     import torch
 
-    method = cfg.method
+    method, spec = cfg.method, cfg.method.spec
     device = cfg.hardware.device
     compute_dtype = training_dtype(cfg)
     # packed rows: finetune/train/throughput.py
     kwargs: dict[str, Any] = dict(attn_implementation=attn_implementation(cfg.train.attention))
-    if method.name == "full":
+    if spec.trains_base_weights:
         # fp32 master weights; bf16 autocast in the trainer where bf16 is native.
         kwargs["dtype"] = torch.float32
-    elif method.name == "lora":
-        kwargs["dtype"] = compute_dtype
-    else:  # qlora
+    elif spec.quantized_base:
         quant_dtype = resolve_dtype(method.quant_compute_dtype_on(device), device, key="method.compute_dtype")
         kwargs["dtype"] = quant_dtype
         kwargs["quantization_config"] = quantization_config(method, quant_dtype)
         kwargs["device_map"] = _training_device_map(cfg)
+    else:  # a frozen base in the compute dtype
+        kwargs["dtype"] = compute_dtype
     model = load_pretrained(cfg.model, model_source(cfg.model), **kwargs)
-    if method.name == "qlora":
+    if spec.quantized_base:
         model = prepare_kbit_model(model, quant_dtype)
-    if method.uses_adapters:
+    if spec.adapters:
         model = add_adapters(model, method)
     return model, compute_dtype
 
@@ -524,12 +523,12 @@ def load_variant(cfg: Config, run_dir: Path, variant: str, base: Optional[Any] =
     """One of base / trained / merged, ready for `eval()`. `base`: reuse a loaded base for `trained`."""
     dtype, devices = eval_dtype(cfg), device_map(cfg)
     if variant == "base":
-        return load_base(cfg, dtype, quantized=cfg.method.name == "qlora", devices=devices)
+        return load_base(cfg, dtype, quantized=cfg.method.spec.quantized_base, devices=devices)
     if variant == "trained":
         path = trained_dir(cfg, run_dir)
         if cfg.method.uses_adapters:
             if base is None:
-                base = load_base(cfg, dtype, quantized=cfg.method.name == "qlora", devices=devices)
+                base = load_base(cfg, dtype, quantized=cfg.method.spec.quantized_base, devices=devices)
             return attach_adapter(base, path)
         return load_trained_model(cfg, path, dtype=dtype, device_map=devices)
     if variant == "merged":

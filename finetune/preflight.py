@@ -112,7 +112,7 @@ def needs_bf16(cfg: Config) -> bool:
     m = cfg.method
     return (
         m.dtype_on("cuda") == "bf16"
-        or (m.name == "qlora" and m.compute_dtype == "bf16")
+        or (m.spec.quantized_base and m.compute_dtype == "bf16")
         or (m.uses_adapters and m.adapter_dtype == "bf16")
     )
 

@@ -102,7 +102,8 @@ def merged_model(cfg: Config, run_dir: Path, inputs: list[torch.Tensor]) -> tupl
     dtype = _DTYPES[dtype_name]
     info: dict[str, Any] = {"method": cfg.method.name, "dtype": dtype_name}
 
-    if not cfg.method.uses_adapters:
+    merge_kind = cfg.method.spec.merge  # finetune/methods.py: MERGES
+    if merge_kind == "cast":
         path = trained_dir(cfg, run_dir)
         model = load_trained_model(cfg, path, dtype="auto")
         reference = logits_on(model, inputs)
@@ -111,7 +112,7 @@ def merged_model(cfg: Config, run_dir: Path, inputs: list[torch.Tensor]) -> tupl
         return model, {**info, **compare_logits(reference, logits_on(model, inputs))}
 
     adapter = trained_dir(cfg, run_dir)
-    if cfg.method.name == "qlora" and x.allow_lossy_4bit_merge:
+    if merge_kind == "adapter_quantized_base" and x.allow_lossy_4bit_merge:
         log.warning(
             "export.allow_lossy_4bit_merge=true: merging into the 4-bit NF4 base re-quantizes W + BA "
             "and loses most of the update; the merge check will show how much"
@@ -123,7 +124,7 @@ def merged_model(cfg: Config, run_dir: Path, inputs: list[torch.Tensor]) -> tupl
         )
         base = load_base(cfg, compute, quantized=True)
         info.update(base="nf4 (lossy)", dtype="nf4")
-    elif cfg.method.name == "qlora" and x.qlora_merge_base == "dequantized":
+    elif merge_kind == "adapter_quantized_base" and x.qlora_merge_base == "dequantized":
         base = load_base(cfg, dtype, quantized=True)
         base.dequantize()
         info["base"] = "nf4 dequantized"

@@ -146,7 +146,7 @@ def serve_commands(
             *_common(cfg, plan, tp),
         ]  # fmt: skip
         note = _fit_note(cfg, "base bf16 + adapter", bf16, tp, fits)
-        if cfg.method.name == "qlora":
+        if cfg.method.spec.quantized_base:
             note += "; the adapter was trained on the NF4 base, served here on the bf16 one (as merged)"
         commands.append(ServeCommand("lora", tuple(argv), note))
     if merged and x.fp8 and not merged_4bit:

@@ -101,8 +101,8 @@ def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> 
         cfg,
         plan,
         merged=do_merge,
-        adapter=cfg.method.uses_adapters,
-        base_source=model_source(cfg.model) if cfg.method.uses_adapters else None,
+        adapter=cfg.method.spec.serve_adapter,
+        base_source=model_source(cfg.model) if cfg.method.spec.serve_adapter else None,
         merged_4bit=bool(summary.get("merge_check", {}).get("lossy")),
     )
     serve.write(cfg, out / rundir.SERVE_FILE, commands)
