@@ -362,7 +362,9 @@ def test_worker_entry_reads_config_and_plan(tmp_path, tiny_cache):
         capture_output=True,
         text=True,
     )
-    assert bad.returncode == 2 and "config.yaml" in bad.stderr
+    # The worker reads plan.json first (its hardware profile and layout), then config.yaml.
+    assert bad.returncode == 2
+    assert f"{tmp_path / 'nope' / 'plan.json'}: missing; run the plan stage" in bad.stderr
 
 
 @pytest.mark.slow
