@@ -126,8 +126,18 @@ def run(cfg: Config, run_dir: Path, *, tokenizer: Any = None) -> dict:
     console = _console()
     tokenizer = tokenizer if tokenizer is not None else models.load_tokenizer(cfg.model)
     path = cfg.data.path or str(tiny.bundled_data_path())
-    local = Path(path).expanduser()
+    entry, key, hit = _cache_entry(cfg, tokenizer, path, console)
+    result = json.loads((entry / cache.COMPLETE).read_text())
+    result["cache"] = {"fingerprint": key, "hit": hit, "dir": str(entry)}
+    _publish(entry, run_dir)
+    rundir.write_json(run_dir / rundir.DATA_STATS_FILE, result)
+    _report(console, result)
+    return result
 
+
+def _cache_entry(cfg: Config, tokenizer: Any, path: str, console) -> tuple[Path, str, bool]:
+    """(cache entry, its fingerprint, hit): the entry for these inputs, prepared (`_prepare`) on a miss."""
+    local = Path(path).expanduser()
     preloaded = None
     if local.exists():
         input_fp = sources.content_fingerprint(local)
@@ -135,31 +145,31 @@ def run(cfg: Config, run_dir: Path, *, tokenizer: Any = None) -> dict:
         preloaded, input_fp = sources.load(path)
     key = _fingerprint(cfg, input_fp, tokenizer)
     cache_root = cache.root(cfg.data.cache_dir)
-
     entry = cache.lookup(cache_root, key)
-    hit = entry is not None
-    if entry is None:
-        prepared: dict = {}
-        try:
-            with cache.building(cache_root, key) as tmp:
-                loaded = preloaded if preloaded is not None else sources.load(path)[0]
-                prepared = _prepare(cfg, tokenizer, loaded, path, console)
-                prepared["stats"]["input"]["fingerprint"] = input_fp
-                _save(prepared, tmp)
-                prepared["stats"]["cache"] = {"fingerprint": key, "hit": False, "dir": str(cache_root / key)}
-                rundir.write_json(tmp / cache.COMPLETE, prepared["stats"])
-        except OSError as exc:
-            if is_disk_full(exc):
-                raise DiskFullError(
-                    cache_root, _prepared_bytes(prepared), rundir.free_bytes(cache_root)
-                ) from None
-            raise
-        entry = cache_root / key
-    result = json.loads((entry / cache.COMPLETE).read_text())
-    result["cache"] = {"fingerprint": key, "hit": hit, "dir": str(entry)}
-
+    if entry is not None:
+        return entry, key, True
+    prepared: dict = {}
     try:
-        cache.publish_copy(entry, run_dir / rundir.DATA_DIR)  # hard links where it can: no bytes
+        with cache.building(cache_root, key) as tmp:
+            loaded = preloaded if preloaded is not None else sources.load(path)[0]
+            prepared = _prepare(cfg, tokenizer, loaded, path, console)
+            prepared["stats"]["input"]["fingerprint"] = input_fp
+            _save(prepared, tmp)
+            prepared["stats"]["cache"] = {"fingerprint": key, "hit": False, "dir": str(cache_root / key)}
+            rundir.write_json(tmp / cache.COMPLETE, prepared["stats"])
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise DiskFullError(
+                cache_root, _prepared_bytes(prepared), rundir.free_bytes(cache_root)
+            ) from None
+        raise
+    return cache_root / key, key, False
+
+
+def _publish(entry: Path, run_dir: Path) -> None:
+    """The cache entry into RUN_DIR/data (hard links where it can: no bytes), its histogram beside it."""
+    try:
+        cache.publish_copy(entry, run_dir / rundir.DATA_DIR)
         hist = entry / rundir.DATA_HISTOGRAM_FILE
         if hist.is_file():
             _copy_file(hist, run_dir / rundir.DATA_HISTOGRAM_FILE)
@@ -168,9 +178,6 @@ def run(cfg: Config, run_dir: Path, *, tokenizer: Any = None) -> dict:
             size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
             raise DiskFullError(run_dir / rundir.DATA_DIR, size, rundir.free_bytes(run_dir)) from None
         raise
-    rundir.write_json(run_dir / rundir.DATA_STATS_FILE, result)
-    _report(console, result)
-    return result
 
 
 def _prepared_bytes(prepared: dict) -> Optional[int]:
@@ -520,9 +527,6 @@ def _stats(
     """data_stats.json's content (less the cache, the input fingerprint and the seconds, filled in later)."""
     dc, seq_len = cfg.data, rows.seq_len
     train_lengths = rows.lengths[rows.train].tolist()
-    eval_lengths = rows.lengths[rows.evals].tolist()
-    overall = stats.summary(train_lengths + eval_lengths)
-    trainable = tokens.trainable(rows.lengths)
     return {
         "num_input": tally.num_input,
         "num_train": len(rows.train),
@@ -534,16 +538,7 @@ def _stats(
         "pii": dict(sorted(tally.pii.items())),
         "skipped_files": loaded.empty_files,
         "bad_input_examples": list(sources.iter_where(loaded.bad)),
-        "tokens": {
-            "train_total": sum(train_lengths),
-            "eval_total": sum(eval_lengths),
-            **{k: overall[k] for k in ("min", "p50", "p95", "p99", "max")},
-        },
-        "splits": {"train": stats.summary(train_lengths), "eval": stats.summary(eval_lengths)},
-        "trainable_tokens": {
-            "train": int(trainable[rows.train].sum()),
-            "eval": int(trainable[rows.evals].sum()),
-        },
+        **_token_stats(tokens, rows),
         "empty_masks": rows.empty_masks,
         "masks": {
             "train_on": dc.train_on,
@@ -567,6 +562,26 @@ def _stats(
         ),
         "input": {"path": path, "fingerprint": None},
         "seconds": None,
+    }
+
+
+def _token_stats(tokens: _Tokens, rows: _Rows) -> dict:
+    """data_stats.json's `tokens`, `splits` and `trainable_tokens`: lengths after the limits, by split."""
+    train_lengths = rows.lengths[rows.train].tolist()
+    eval_lengths = rows.lengths[rows.evals].tolist()
+    overall = stats.summary(train_lengths + eval_lengths)
+    trainable = tokens.trainable(rows.lengths)
+    return {
+        "tokens": {
+            "train_total": sum(train_lengths),
+            "eval_total": sum(eval_lengths),
+            **{k: overall[k] for k in ("min", "p50", "p95", "p99", "max")},
+        },
+        "splits": {"train": stats.summary(train_lengths), "eval": stats.summary(eval_lengths)},
+        "trainable_tokens": {
+            "train": int(trainable[rows.train].sum()),
+            "eval": int(trainable[rows.evals].sum()),
+        },
     }
 
 
