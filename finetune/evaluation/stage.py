@@ -19,6 +19,7 @@ import gc
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -136,6 +137,16 @@ def settings(cfg: Config) -> dict[str, Any]:
     }
 
 
+@dataclass
+class _Prompts:
+    """What every model answers: the held-out task items and the regression set, with the rows of
+    samples.jsonl their answers go into."""
+
+    items: list[dict]
+    reg_rows: list[dict]
+    rows: list[dict]
+
+
 def run(
     cfg: Config,
     run_dir: Path,
@@ -149,20 +160,37 @@ def run(
     re-evaluates all and replaces them. `eval_dataset` replaces the data stage's eval split (tests).
     """
     run_dir = Path(run_dir)
-    e = cfg.eval
-    metric_fns = metrics.resolve(e.metrics)  # a bad dotted path fails before any model loads
-    reg_rows = regression.load(e.regression_prompts) if e.regression else []
+    metric_fns = metrics.resolve(cfg.eval.metrics)  # a bad dotted path fails before any model loads
+    reg_rows = regression.load(cfg.eval.regression_prompts) if cfg.eval.regression else []
     if eval_dataset is None:
         eval_dataset = load_prepared(run_dir)[1]
     replace_all = variants is None
+    todo = _variants_to_evaluate(cfg, run_dir, variants)
+    out_dir = rundir.eval_dir(run_dir)
+    old_metrics = {} if replace_all else _read_json(out_dir / rundir.EVAL_METRICS_FILE)
+    prompts = _prompts(eval_dataset, reg_rows, cfg.eval.num_samples, out_dir, replace_all)
+    tokenizer = load_tokenizer(cfg.model)
+    result: dict[str, Any] = {v: old_metrics[v] for v in VARIANTS if v in old_metrics and v not in todo}
+    result.update(_evaluate_variants(cfg, run_dir, todo, tokenizer, eval_dataset, prompts, metric_fns))
+    ordered = _ordered(cfg, result, prompts)
+    _write_outputs(cfg, run_dir, out_dir, ordered, prompts.rows)
+    _print_table(ordered)
+    return ordered
+
+
+def _variants_to_evaluate(cfg: Config, run_dir: Path, variants: Optional[Sequence[str]]) -> list[str]:
     todo = list(variants) if variants is not None else available_variants(cfg, run_dir)
     for v in todo:
         if v not in VARIANTS:
             raise ValueError(f"unknown model variant {v!r}; one of {', '.join(VARIANTS)}")
+    return todo
 
-    out_dir = rundir.eval_dir(run_dir)
-    old_metrics = {} if replace_all else _read_json(out_dir / rundir.EVAL_METRICS_FILE)
-    items = task_items(eval_dataset, e.num_samples)
+
+def _prompts(
+    eval_dataset: Any, reg_rows: list[dict], num_samples: Optional[int], out_dir: Path, replace_all: bool
+) -> _Prompts:
+    """The prompts with their sample rows: earlier answers kept for a partial evaluation, cleared for a full one."""
+    items = task_items(eval_dataset, num_samples)
     rows = _sample_rows(items, reg_rows, _read_samples(out_dir / rundir.EVAL_SAMPLES_FILE))
     if replace_all:
         for row in rows:
@@ -170,9 +198,20 @@ def run(
                 row.pop(v, None)
             if "flags" in row:
                 row["flags"] = {}
-    tokenizer = load_tokenizer(cfg.model)
-    result: dict[str, Any] = {v: old_metrics[v] for v in VARIANTS if v in old_metrics and v not in todo}
+    return _Prompts(items, reg_rows, rows)
 
+
+def _evaluate_variants(
+    cfg: Config,
+    run_dir: Path,
+    todo: list[str],
+    tokenizer: Any,
+    eval_dataset: Any,
+    prompts: _Prompts,
+    metric_fns: Sequence[metrics.Metric],
+) -> dict[str, Any]:
+    """Each variant's scores, one model in memory at a time (an adapter goes onto the base just scored)."""
+    result: dict[str, Any] = {}
     model = None
     for v in todo:
         reuse = v == "trained" and cfg.method.uses_adapters and model is not None
@@ -181,33 +220,57 @@ def run(
             gc.collect()
             model = load_variant(cfg, run_dir, v)
         log.info("evaluating %s", v)
-        scores, answers, reg_answers = evaluate_model(
-            model, tokenizer, eval_dataset, items, reg_rows, e, metric_fns, v
-        )
-        task_rows = [r for r in rows if r["set"] == "task"]
-        for row, answer in zip(task_rows, answers):
-            row[v] = answer
-        reg_sample_rows = [r for r in rows if r["set"] == "regression"]
-        for row, spec, answer in zip(reg_sample_rows, reg_rows, reg_answers):
-            row[v] = answer
-            row["flags"][v] = regression.flags(answer, spec["check"], e.refusal_pattern)
-        if reg_rows:
-            scores.update(regression.summary(reg_sample_rows, v))
-        result[v] = scores
+        result[v] = _score_variant(model, tokenizer, eval_dataset, prompts, cfg.eval, metric_fns, v)
         if not (v == "base" and "trained" in todo and cfg.method.uses_adapters):
             model = None  # keep the base only to put the adapter on it next
 
     model = None
     gc.collect()
+    return result
+
+
+def _score_variant(
+    model: Any,
+    tokenizer: Any,
+    eval_dataset: Any,
+    prompts: _Prompts,
+    e: EvalConfig,
+    metric_fns: Sequence[metrics.Metric],
+    v: str,
+) -> dict[str, Any]:
+    """One model's scores; its answers and regression flags go into the sample rows."""
+    scores, answers, reg_answers = evaluate_model(
+        model, tokenizer, eval_dataset, prompts.items, prompts.reg_rows, e, metric_fns, v
+    )
+    task_rows = [r for r in prompts.rows if r["set"] == "task"]
+    for row, answer in zip(task_rows, answers):
+        row[v] = answer
+    reg_sample_rows = [r for r in prompts.rows if r["set"] == "regression"]
+    for row, spec, answer in zip(reg_sample_rows, prompts.reg_rows, reg_answers):
+        row[v] = answer
+        row["flags"][v] = regression.flags(answer, spec["check"], e.refusal_pattern)
+    if prompts.reg_rows:
+        scores.update(regression.summary(reg_sample_rows, v))
+    return scores
+
+
+def _ordered(cfg: Config, result: dict[str, Any], prompts: _Prompts) -> dict[str, Any]:
+    """eval/metrics.json's content: the variants in their order, the regressions against base, the settings."""
     ordered = {v: result[v] for v in VARIANTS if v in result}
-    reg_rows_out = [r for r in rows if r["set"] == "regression"]
+    reg_rows_out = [r for r in prompts.rows if r["set"] == "regression"]
     ordered["regression"] = (
         {v: regression.regressions(reg_rows_out, v) for v in VARIANTS if v != "base" and v in result}
-        if reg_rows
+        if prompts.reg_rows
         else {}
     )
     ordered["settings"] = settings(cfg)
+    return ordered
 
+
+def _write_outputs(
+    cfg: Config, run_dir: Path, out_dir: Path, ordered: dict[str, Any], rows: list[dict]
+) -> None:
+    """metrics.json, samples.jsonl, the loss curves and report.md into RUN_DIR/eval/."""
     rundir.write_json(out_dir / rundir.EVAL_METRICS_FILE, ordered)
     rundir.atomic_write_text(
         out_dir / rundir.EVAL_SAMPLES_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
@@ -217,8 +280,6 @@ def run(
     }
     drawn = curves.plot(run_dir, out_dir / rundir.EVAL_CURVES_FILE, reference)
     write_report(cfg, out_dir / rundir.EVAL_REPORT_FILE, ordered, rows, curves_drawn=drawn is not None)
-    _print_table(ordered)
-    return ordered
 
 
 def _print_table(result: dict[str, Any]) -> None:

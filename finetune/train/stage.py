@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -110,6 +110,40 @@ def _rss_gb() -> float:
     return psutil.Process().memory_info().rss / 1e9
 
 
+@dataclass
+class _Model:
+    """The model as loaded for training, with the trainer's arguments built before it (`_load_model`)."""
+
+    model: Any
+    tokenizer: Any
+    compute_dtype: Any
+    args: Any  # the SFTConfig
+    trainable: int
+    total: int
+    loaded_partitioned: bool
+
+
+@dataclass
+class _Session:
+    """The trainer, with the callbacks whose state the run reads back."""
+
+    trainer: Any
+    monitor: cb.RunMonitor
+    early: cb.EarlyStop
+    preemption: cb.Preemption
+    profiler: Optional[StepProfiler]
+
+
+@dataclass
+class _Trained:
+    """What training left for metrics.json: the resume point, the loop's seconds, the output and the engine."""
+
+    resumed_from: Optional[str]
+    seconds: float
+    out_dir: Path
+    engine: dict[str, Any]
+
+
 def run(
     cfg: Config,
     run_dir: Union[str, Path],
@@ -123,25 +157,58 @@ def run(
     `datasets` (train, eval) replaces the data stage's output (tests); `max_generate`
     caps the held-out prompts answered by generation (None: all).
     """
-    global phase
     run_dir = Path(run_dir)
     rank0 = is_rank_zero()
-    mismatch = None  # what launch.allow_mismatch=true let through (metrics.json)
-    if rank0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        rundir.lock(run_dir)
-        mismatch = _prechecks(cfg, run_dir, plan).mismatch
-        if mismatch:
-            log.warning("launch.allow_mismatch=true: training although %s", mismatch)
+    mismatch = _lock_and_precheck(cfg, run_dir, plan) if rank0 else None
     transformers.utils.logging.disable_progress_bar()
     throughput.check_runtime(cfg, plan.strategy.sharding)  # a lever this machine cannot run: one line, exit 2
     t0 = time.perf_counter()
     baseline_gb = _rss_gb()
-    phase = "loading the data"
-    if datasets is None:
-        datasets = load_prepared(run_dir)
-    train_ds, eval_ds = datasets
+    train_ds, eval_ds = _load_data(run_dir, datasets)
+    loaded = _load_model(cfg, plan, run_dir)
+    # Rank 0 alone evaluates, and only where it holds the whole model (one process, DDP); under
+    # ZeRO-3/FSDP the weights are partitioned across ranks and the eval stage (mode=eval, run by
+    # the pipeline after the launcher returns) scores the saved adapter or model instead.
+    in_worker_eval = rank0 and plan.strategy.sharding not in SHARDED
+    session = _build_session(cfg, plan, run_dir, loaded, (train_ds, eval_ds), baseline_gb, rank0)
+    try:
+        resumed_from, complete = _agreed_resume_point(session.trainer, cfg, run_dir, rank0)
+        if complete:
+            return _already_trained(run_dir, resumed_from, rank0)
+        base = _base_evaluation(loaded, eval_ds, max_generate) if in_worker_eval else None
+        seconds = _train(session, resumed_from, run_dir)
+    finally:
+        session.preemption.uninstall()
+    out_dir, engine = _save_trained(cfg, run_dir, session.trainer, loaded.tokenizer, rank0)
+    scores = _final_evaluation(loaded, eval_ds, max_generate, in_worker_eval)
+    trained = _Trained(resumed_from, seconds, out_dir, engine)
+    metrics = {
+        "train": _train_metrics(cfg, plan, session, loaded, trained, t0, mismatch),
+        "eval": {"base": base, "trained": scores} if in_worker_eval else _eval_skipped(plan, rank0),
+    }
+    _write_metrics(session.trainer, run_dir, metrics)
+    return metrics
 
+
+def _lock_and_precheck(cfg: Config, run_dir: Path, plan: Plan) -> Optional[str]:
+    """Rank 0: the run directory's lock, then the pre-checks; what launch.allow_mismatch=true let through."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rundir.lock(run_dir)
+    mismatch = _prechecks(cfg, run_dir, plan).mismatch
+    if mismatch:
+        log.warning("launch.allow_mismatch=true: training although %s", mismatch)
+    return mismatch
+
+
+def _load_data(run_dir: Path, datasets: Optional[tuple[Any, Any]]) -> tuple[Any, Any]:
+    global phase
+    phase = "loading the data"
+    return datasets if datasets is not None else load_prepared(run_dir)
+
+
+def _load_model(cfg: Config, plan: Plan, run_dir: Path) -> _Model:
+    """Tokenizer, seed, the trainer's arguments, then the model per method (partitioned where ZeRO-3 loads it)."""
+    global phase
     phase = "loading the model"
     tokenizer = models.load_tokenizer(cfg.model)
     transformers.set_seed(cfg.train.seed)  # the adapters' random init is part of the run's seed
@@ -168,12 +235,19 @@ def run(
         f"{trainable:,}",
         f"{total:,}",
     )
+    return _Model(model, tokenizer, compute_dtype, args, trainable, total, loaded_partitioned)
 
-    # Rank 0 alone evaluates, and only where it holds the whole model (one process, DDP); under
-    # ZeRO-3/FSDP the weights are partitioned across ranks and the eval stage (mode=eval, run by
-    # the pipeline after the launcher returns) scores the saved adapter or model instead.
-    in_worker_eval = rank0 and plan.strategy.sharding not in SHARDED
 
+def _build_session(
+    cfg: Config,
+    plan: Plan,
+    run_dir: Path,
+    loaded: _Model,
+    datasets: tuple[Any, Any],
+    baseline_gb: float,
+    rank0: bool,
+) -> _Session:
+    """The trainer with its callbacks: the run monitor, early stop, preemption, progress (and the profiler)."""
     monitor = cb.RunMonitor(cfg.hardware.device, plan.gpu_memory.total, baseline_gb=baseline_gb)
     early = cb.EarlyStop(cfg.train.loss_spike_factor, cfg.train.eval_rise_patience)
     preemption = cb.Preemption()
@@ -181,51 +255,58 @@ def run(
         cfg,
         plan,
         run_dir,
-        model,
-        tokenizer,
-        train_ds,
-        eval_ds,
-        compute_dtype,
+        loaded.model,
+        loaded.tokenizer,
+        *datasets,
+        loaded.compute_dtype,
         callbacks=[monitor, early, preemption, cb.RichProgress(monitor)],
         monitor=monitor,
-        args=args,
+        args=loaded.args,
     )
-    trainer.loaded_partitioned = loaded_partitioned
+    trainer.loaded_partitioned = loaded.loaded_partitioned
     profiler = (
         StepProfiler(cfg.hardware.device, run_dir if rank0 else None).attach(trainer)
         if cfg.train.profile
         else None
     )
-    try:
-        resumed_from, complete = _agreed_resume_point(trainer, cfg, run_dir, rank0)
-        if complete:
-            return _already_trained(run_dir, resumed_from, rank0)
-        base = None
-        if in_worker_eval:
-            # A signal here stops at once (the process's own handler): evaluation saves nothing.
-            phase = "the base evaluation"
-            base = heldout.evaluate(model, tokenizer, eval_ds, max_generate=max_generate)
-            release_memory()
-        t_train = time.perf_counter()
-        if resumed_from:
-            log.info("resuming from %s", resumed_from)
-            early.restore(resumed_from)
-        # From here a signal finishes the step and saves a checkpoint (`Preemption`).
-        phase = "training"
-        preemption.install()
-        trainer.train(resume_from_checkpoint=resumed_from)
-        if preemption.received is not None:
-            raise Preempted(
-                preemption.received,
-                trainer.state.global_step,
-                getattr(trainer, "last_checkpoint", None),
-                run_dir,
-                resume_point=Path(resumed_from) if resumed_from else None,
-            )
-        train_seconds = time.perf_counter() - t_train
-    finally:
-        preemption.uninstall()
+    return _Session(trainer, monitor, early, preemption, profiler)
 
+
+def _base_evaluation(loaded: _Model, eval_ds: Any, max_generate: Optional[int]) -> dict:
+    global phase
+    # A signal here stops at once (the process's own handler): evaluation saves nothing.
+    phase = "the base evaluation"
+    base = heldout.evaluate(loaded.model, loaded.tokenizer, eval_ds, max_generate=max_generate)
+    release_memory()
+    return base
+
+
+def _train(session: _Session, resumed_from: Optional[str], run_dir: Path) -> float:
+    """The training loop, from `resumed_from` where given; its seconds. Stopped by a signal: `Preempted`."""
+    global phase
+    t_train = time.perf_counter()
+    if resumed_from:
+        log.info("resuming from %s", resumed_from)
+        session.early.restore(resumed_from)
+    # From here a signal finishes the step and saves a checkpoint (`Preemption`).
+    phase = "training"
+    session.preemption.install()
+    trainer = session.trainer
+    trainer.train(resume_from_checkpoint=resumed_from)
+    if session.preemption.received is not None:
+        raise Preempted(
+            session.preemption.received,
+            trainer.state.global_step,
+            getattr(trainer, "last_checkpoint", None),
+            run_dir,
+            resume_point=Path(resumed_from) if resumed_from else None,
+        )
+    return time.perf_counter() - t_train
+
+
+def _save_trained(cfg: Config, run_dir: Path, trainer: Any, tokenizer: Any, rank0: bool) -> tuple[Path, dict]:
+    """The adapter or model with the tokenizer, and the engine that really ran: (output folder, engine)."""
+    global phase
     phase = "saving the trained output"
     out_dir = rundir.trained_dir(run_dir, cfg.method.uses_adapters)
     engine = engine_record(trainer)  # every rank takes part (it gathers)
@@ -234,57 +315,75 @@ def run(
     )  # every rank: ZeRO-3 and FSDP2 gather the partitioned weights; rank 0 writes
     if rank0:
         tokenizer.save_pretrained(str(out_dir))
+    return out_dir, engine
 
+
+def _final_evaluation(
+    loaded: _Model, eval_ds: Any, max_generate: Optional[int], in_worker_eval: bool
+) -> Optional[dict]:
+    """The trained model's scores, where this rank evaluates (None elsewhere)."""
+    global phase
     phase = "the final evaluation"
-    trained = (
-        heldout.evaluate(model, tokenizer, eval_ds, max_generate=max_generate, examples=5)
-        if in_worker_eval
-        else None
-    )
-    state = trainer.state
-    metrics = {
-        "train": {
-            "steps": state.global_step,
-            "final_loss": _final_loss(state.log_history),
-            "tokens_per_second": round(monitor.tokens_per_second, 2),
-            "peak_memory_gb": round(monitor.measured_gb(), 4),
-            "planned_memory_gb": round(plan.gpu_memory.total, 4),
-            "peak_memory_source": "cuda_max_allocated"
-            if cfg.hardware.device == "cuda"
-            else "process_peak_rss",
-            "memory_over_plan": monitor.warned,
-            "tokens": monitor.tokens_seen,
-            "train_seconds": round(train_seconds, 2),
-            # From the first step's start to the last step's end: no set-up, no end-of-run eval or save.
-            "loop_seconds": round(monitor.train_seconds, 2),
-            "wall_seconds": round(time.perf_counter() - t0, 2),
-            "stopped_early": early.reason,
-            "resumed_from": str(Path(resumed_from).resolve()) if resumed_from else None,
-            "already_complete": False,
-            "method": cfg.method.name,
-            "precision": "bf16" if str(compute_dtype).endswith("bfloat16") else "fp32",
-            "trainable_parameters": trainable,
-            "total_parameters": total,
-            "strategy": asdict(plan.strategy),
-            "output_dir": str(out_dir),
-            "engine": engine,
-            "machine_mismatch": mismatch,
-            "profile": profiler.summary() if profiler is not None else None,  # train.profile
-        },
-        "eval": {"base": base, "trained": trained}
-        if in_worker_eval
-        else {
-            "skipped": "rank 0 evaluates"
-            if not rank0
-            else f"sharding={plan.strategy.sharding}: the weights are split across ranks; the eval stage "
-            "(mode=eval) scores the saved output"
-        },
+    if not in_worker_eval:
+        return None
+    return heldout.evaluate(loaded.model, loaded.tokenizer, eval_ds, max_generate=max_generate, examples=5)
+
+
+def _train_metrics(
+    cfg: Config,
+    plan: Plan,
+    session: _Session,
+    loaded: _Model,
+    trained: _Trained,
+    t0: float,
+    mismatch: Optional[str],
+) -> dict:
+    """metrics.json's `train`: steps, loss, speed, memory against the plan, and what really ran."""
+    state, monitor = session.trainer.state, session.monitor
+    return {
+        "steps": state.global_step,
+        "final_loss": _final_loss(state.log_history),
+        "tokens_per_second": round(monitor.tokens_per_second, 2),
+        "peak_memory_gb": round(monitor.measured_gb(), 4),
+        "planned_memory_gb": round(plan.gpu_memory.total, 4),
+        "peak_memory_source": "cuda_max_allocated" if cfg.hardware.device == "cuda" else "process_peak_rss",
+        "memory_over_plan": monitor.warned,
+        "tokens": monitor.tokens_seen,
+        "train_seconds": round(trained.seconds, 2),
+        # From the first step's start to the last step's end: no set-up, no end-of-run eval or save.
+        "loop_seconds": round(monitor.train_seconds, 2),
+        "wall_seconds": round(time.perf_counter() - t0, 2),
+        "stopped_early": session.early.reason,
+        "resumed_from": str(Path(trained.resumed_from).resolve()) if trained.resumed_from else None,
+        "already_complete": False,
+        "method": cfg.method.name,
+        "precision": "bf16" if str(loaded.compute_dtype).endswith("bfloat16") else "fp32",
+        "trainable_parameters": loaded.trainable,
+        "total_parameters": loaded.total,
+        "strategy": asdict(plan.strategy),
+        "output_dir": str(trained.out_dir),
+        "engine": trained.engine,
+        "machine_mismatch": mismatch,
+        "profile": session.profiler.summary() if session.profiler is not None else None,  # train.profile
     }
+
+
+def _eval_skipped(plan: Plan, rank0: bool) -> dict:
+    """metrics.json's `eval` where this rank did not evaluate: why."""
+    if not rank0:
+        return {"skipped": "rank 0 evaluates"}
+    return {
+        "skipped": f"sharding={plan.strategy.sharding}: the weights are split across ranks; the eval stage "
+        "(mode=eval) scores the saved output"
+    }
+
+
+def _write_metrics(trainer: Any, run_dir: Path, metrics: dict) -> None:
+    """Global rank 0 merges them into metrics.json (the eval stage's keys stay)."""
     if trainer.is_world_process_zero():
         path = run_dir / rundir.METRICS_FILE
         existing = json.loads(path.read_text()) if path.is_file() else {}
         rundir.write_json(path, {**existing, **metrics})
-    return metrics
 
 
 def _prechecks(cfg: Config, run_dir: Path, plan: Plan) -> preflight.MachineCheck:
