@@ -496,6 +496,12 @@ def _length_limits(tokens: _Tokens, cfg: Config, hard: int, tally: _Tally) -> _R
     eval_rows = n_train + np.flatnonzero(keep[n_train:])
     if not len(train_rows):
         raise DataError(f"no training samples left after cleaning ({dict(tally.dropped)})")
+    if len(tokens.full_lengths) > n_train and not len(eval_rows):
+        # A held-out split was asked for and the limits emptied it: evaluation would report a NaN loss.
+        raise DataError(
+            f"no held-out samples left after the length limits (seq_len {seq_len}, all "
+            f"{len(tokens.full_lengths) - n_train} dropped): raise train.seq_len, or set data.eval_fraction=0"
+        )
     return _Rows(lengths, seq_len, truncated, empty_masks, train_rows, eval_rows)
 
 
