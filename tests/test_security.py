@@ -85,18 +85,17 @@ def test_planted_secrets_appear_in_no_file_and_no_output(tmp_path, tiny_cache):
         "+launch.env.DEPLOY=${oc.env:CI_DEPLOY_SECRET}",
     ]
     outputs = []
-    for mode in ("data", "plan"):
-        r = _run([sys.executable, "-m", "finetune", f"mode={mode}", *common], env, tmp_path)
+    # data, then plan + a launch dry run (launch.sh, engine.json: what the worker reads), then the worker itself
+    for mode in (["mode=data"], ["mode=launch", "launch.dry_run=true"]):
+        r = _run([sys.executable, "-m", "finetune", *mode, *common], env, tmp_path)
         assert r.returncode == 0, r.stderr[-2000:]
         outputs.append(r.stdout + r.stderr)
     r = _run([sys.executable, "-m", "finetune.train", str(run)], env, tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     outputs.append(r.stdout + r.stderr)
-    r = _run([sys.executable, "-m", "finetune", "mode=launch", "launch.dry_run=true", *common], env, tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
 
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
-    assert {"config.yaml", "plan.json", "metrics.json", "data_stats.json", "launch.sh"} <= {
+    assert {"config.yaml", "plan.json", "engine.json", "metrics.json", "data_stats.json", "launch.sh"} <= {
         p.name for p in files
     }
     assert any(p.name.startswith("events.out.tfevents") for p in files)
