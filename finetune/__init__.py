@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 # planner must import without torch, workers without Hydra).
 _API = {
     "Config": "finetune.config",
-    "compose": "finetune.cli",
+    "compose": "finetune.hydra_config",
     "main": "finetune.cli",
     "Plan": "finetune.planner",
     "make_plan": "finetune.planner",

@@ -8,7 +8,8 @@ either complete or was damaged afterwards; `verify` tells which, and
 `last_complete` walks back from the newest to the first that verifies, so a
 checkpoint truncated by a full disk or a dying node is skipped in favour of the
 previous one. `rotate` keeps the newest K complete checkpoints
-(`train.save_total_limit`) and deletes damaged ones.
+(`train.save_total_limit`) and deletes damaged ones. `resume_checkpoint` and
+`prepare_resume` apply the `resume` setting (true, false, or a checkpoint).
 
 Hashing reads each file once after it is written (from the page cache, about
 1 GB/s); verification on resume reads it again. For a resumable full
@@ -26,11 +27,17 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
+
+from finetune.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+# Ours, not save_total_limit + get_last_checkpoint: those take the newest folder by name, a truncated one
+# included (scripts/bench_library_parts.py, BENCHMARKS.md), and rotation could delete the last good one.
 MANIFEST = "manifest.json"
+# What transformers writes into each checkpoint: the step, the log history, the callbacks' state.
+TRAINER_STATE_FILE = "trainer_state.json"
 STAGING_DIR = ".staging"
 SUPERSEDED_PREFIX = "superseded-"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -231,3 +238,74 @@ def discard_all(folder: Path) -> int:
         shutil.rmtree(path, ignore_errors=True)
     clean_staging(folder)
     return len(paths)
+
+
+# ---------------------------------------------------------------- the `resume` setting
+
+
+def resume_checkpoint(resume: Union[bool, str], folder: Path) -> Optional[str]:
+    """Where training continues from: None (start fresh) or a complete checkpoint folder.
+
+    `folder` is the run's checkpoint folder (RUN_DIR/checkpoints).
+    - `resume=true`: the newest checkpoint under `folder` that verifies
+      (manifest, sizes, SHA-256); damaged newer ones are logged and skipped.
+    - `resume=false`: None.
+    - `resume=PATH` (or `resume=checkpoint-N`, looked up under `folder`): that
+      checkpoint; refused when it is damaged. One without a manifest (written by another
+      tool) is accepted with a warning when it has a trainer_state.json.
+    """
+    folder = Path(folder)
+    if resume is False:
+        return None
+    if resume is True:
+        last = last_complete(folder)
+        return str(last) if last else None
+    path = Path(resume)
+    if not path.is_dir() and (folder / resume).is_dir():
+        path = folder / resume
+    if not path.is_dir():
+        complete = [p.name for p in listing(folder)]
+        raise ConfigError(
+            f"resume={resume}: no such checkpoint folder"
+            + (f" (this run has: {', '.join(complete)})" if complete else "")
+        )
+    problem = verify(path)
+    if problem is not None:
+        if (path / MANIFEST).exists() or not (path / TRAINER_STATE_FILE).is_file():
+            raise ConfigError(
+                f"resume={resume}: damaged checkpoint ({problem}); pick another, or resume=true for the "
+                "newest complete one"
+            )
+        log.warning("resume=%s: no checksums to verify (not written by finetune); using it as is", path)
+    return str(path)
+
+
+def prepare_resume(resume: Union[bool, str], folder: Path) -> Optional[str]:
+    """Rank 0, before training: clear a crashed save's leftovers, apply `resume`, return the checkpoint to resume.
+
+    resume=false discards the previous checkpoints (so a later resume=true cannot pick
+    one of them); resuming an earlier checkpoint of this run renames the later ones
+    `superseded-checkpoint-N` (kept for inspection, never resumed).
+    """
+    folder = Path(folder)
+    clean_staging(folder)
+    if resume is False:
+        n = discard_all(folder)
+        if n:
+            log.warning("resume=false: discarded %d checkpoint(s) of the previous run in %s", n, folder)
+        return None
+    path = resume_checkpoint(resume, folder)
+    if path is not None:
+        step = step_of(Path(path))
+        if step is not None and Path(path).parent.resolve() == folder.resolve():
+            supersede_after(folder, step)
+    return path
+
+
+def newest_by_size(folder: Path) -> Optional[Path]:
+    """The newest checkpoint whose files all have their recorded sizes (no checksums: a signal's grace
+    period is short); what `resume=true` will pick unless a file's content was damaged."""
+    for path in reversed(listing(folder)):
+        if verify(path, checksums=False) is None:
+            return path
+    return None

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune import rundir
+from finetune.config import RUNS_DIR
 from finetune.errors import ConfigError
+from finetune.models import VARIANTS
 
-VARIANTS = ("base", "trained", "merged")
 # Config keys that differ between any two runs without being a knob of the experiment.
 IGNORED_KEYS = ("run_dir", "mode", "runs", "plan.out", "resume", "name", "data.cache_dir")
 TRAIN_KEYS = ("steps", "final_loss", "tokens_per_second", "peak_memory_gb", "train_seconds", "stopped_early")
@@ -33,7 +34,7 @@ LOWER_IS_BETTER = (
 )
 
 
-def resolve_run(name: str, root: Path = Path("runs")) -> Path:
+def resolve_run(name: str, root: Path = Path(RUNS_DIR)) -> Path:
     for path in (Path(name), root / name):
         if path.is_dir():
             return path
@@ -58,13 +59,13 @@ def _config(path: Path) -> dict[str, Any]:
 
 def _metrics(path: Path) -> tuple[dict[str, dict], dict[str, Any], str]:
     """({variant: metrics}, training summary, source file) of one run."""
-    evaluation = path / "eval" / "metrics.json"
-    training = path / "metrics.json"
+    evaluation = rundir.eval_dir(path) / rundir.EVAL_METRICS_FILE
+    training = path / rundir.METRICS_FILE
     train_doc = json.loads(training.read_text()) if training.is_file() else {}
     if evaluation.is_file():
-        doc, source = json.loads(evaluation.read_text()), "eval/metrics.json"
+        doc, source = json.loads(evaluation.read_text()), f"{rundir.EVAL_DIR}/{rundir.EVAL_METRICS_FILE}"
     else:
-        doc, source = train_doc.get("eval", {}), "metrics.json"
+        doc, source = train_doc.get("eval", {}), rundir.METRICS_FILE
     variants = {v: doc[v] for v in VARIANTS if isinstance(doc.get(v), dict)}
     return variants, train_doc.get("train", {}), source
 
@@ -170,6 +171,6 @@ def run(runs: Sequence[str], out_dir: Path, console: Optional[Any] = None) -> di
     table = collect([resolve_run(r) for r in runs])
     print_table(table, console)
     out_dir = Path(out_dir)
-    rundir.write_json(out_dir / "compare.json", table)
-    rundir.atomic_write_text(out_dir / "compare.md", markdown(table))
+    rundir.write_json(out_dir / rundir.COMPARE_JSON_FILE, table)
+    rundir.atomic_write_text(out_dir / rundir.COMPARE_MD_FILE, markdown(table))
     return table

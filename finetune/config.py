@@ -1,9 +1,8 @@
-"""Typed configuration: one dataclass per concern, registered in Hydra's ConfigStore.
+"""Typed configuration: one dataclass per concern (the schemas; pure, stdlib only).
 
-The YAML files under `configs/` extend these schemas; `recipes/*.yaml` are
-registered as the group `recipe` (package `_global_`) so `+recipe=NAME` works
-although the folder is called `recipes/`. The entry point composes once and
-converts once (`OmegaConf.to_object`): everything downstream gets these
+The YAML files under `configs/` extend these schemas; finetune/hydra_config.py
+registers them in Hydra's ConfigStore and composes configs/, recipes/ and the
+command line once (`OmegaConf.to_object`): everything downstream gets these
 objects, never a dict. Cross-field checks live in `__post_init__` and raise
 `ConfigError` with the key's name.
 """
@@ -23,13 +22,15 @@ from finetune.errors import ConfigError
 from finetune.evaluation.config import EvalConfig
 from finetune.export.config import ExportConfig
 from finetune.launch.config import LaunchConfig
+from finetune.methods import METHODS, MethodSpec
 
-METHODS = ("full", "lora", "qlora")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
 SHARDINGS = ("none", "ddp", "fsdp", "zero3")
 # train.attention: transformers' attention implementations (finetune/train/throughput.py maps the names).
 ATTENTIONS = ("sdpa", "flex", "eager", "flash")
 MODES = ("all", "plan", "data", "train", "eval", "export", "launch", "compare")
+# Where runs go by default: runs/<name> (mode=compare looks names up here too).
+RUNS_DIR = "runs"
 
 
 def _check_choice(key: str, value: Any, valid: tuple, allow_none: bool = False) -> None:
@@ -133,7 +134,7 @@ class ModelConfig:
 
 @dataclass
 class MethodConfig:
-    """Full fine-tuning, LoRA or QLoRA, and the optimizer settings that belong to each."""
+    """Full fine-tuning, LoRA or QLoRA (finetune/methods.py says what each is), and the settings each takes."""
 
     name: str = "lora"
     # None: the planner chooses (adamw, or an 8-bit optimizer when memory needs it).
@@ -158,7 +159,7 @@ class MethodConfig:
     compute_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        _check_choice("method.name", self.name, METHODS)
+        _check_choice("method.name", self.name, tuple(METHODS))
         _check_choice("method.optimizer", self.optimizer, OPTIMIZERS, allow_none=True)
         _check_choice("method.precision", self.precision, ("auto", "bf16", "fp32"))
         _check_choice("method.adapter_dtype", self.adapter_dtype, ("bf16", "fp32"))
@@ -166,7 +167,7 @@ class MethodConfig:
         _check_choice("method.compute_dtype", self.compute_dtype, ("auto", "bf16", "fp32"))
         _check_positive("method.learning_rate", self.learning_rate)
         _check_positive("method.weight_decay", self.weight_decay, allow_zero=True)
-        if self.name != "full":
+        if self.spec.adapters:
             _check_positive("method.lora_rank", self.lora_rank)
             _check_positive("method.lora_alpha", self.lora_alpha)
             if not 0.0 <= self.lora_dropout < 1.0:
@@ -175,8 +176,13 @@ class MethodConfig:
                 raise ConfigError("method.target_modules is empty: name the projections to adapt")
 
     @property
+    def spec(self) -> MethodSpec:
+        """What this method is (finetune/methods.py): every distinction between methods is read from it."""
+        return METHODS[self.name]
+
+    @property
     def uses_adapters(self) -> bool:
-        return self.name in ("lora", "qlora")
+        return self.spec.adapters
 
     def dtype_on(self, device: str) -> str:
         """The training precision: `auto` is bf16 on GPUs and fp32 on the CPU; a set value is kept on
@@ -408,43 +414,4 @@ class Config:
 
     @property
     def resolved_run_dir(self) -> Path:
-        return Path(self.run_dir if self.run_dir else Path("runs") / self.name)
-
-
-def package_dir(name: str) -> Path:
-    """`configs/` or `recipes/`: inside the installed package, else at the repository root."""
-    here = Path(__file__).resolve().parent
-    installed = here / f"_{name}"
-    return installed if installed.is_dir() else here.parent / name
-
-
-def register_configs() -> None:
-    """Register the schemas and the recipes (group `recipe`, package `_global_`) in Hydra's ConfigStore."""
-    import yaml
-    from hydra.core.config_store import ConfigStore
-
-    cs = ConfigStore.instance()
-    cs.store(name="config_schema", node=Config)
-    for group, schema in (
-        ("model", ModelConfig),
-        ("method", MethodConfig),
-        ("hardware", HardwareConfig),
-        ("data", DataConfig),
-        ("train", TrainConfig),
-        ("plan", PlanConfig),
-        ("launch", LaunchConfig),
-        ("eval", EvalConfig),
-        ("export", ExportConfig),
-    ):
-        cs.store(group=group, name=f"{group}_schema", node=schema)
-    for path in sorted(package_dir("recipes").glob("*.yaml")):
-        node = yaml.safe_load(path.read_text()) or {}
-        cs.store(group="recipe", name=path.stem, node=node, package="_global_")
-
-
-def recipe_names() -> list[str]:
-    return sorted(p.stem for p in package_dir("recipes").glob("*.yaml"))
-
-
-def group_choices(group: str) -> list[str]:
-    return sorted(p.stem for p in (package_dir("configs") / group).glob("*.yaml"))
+        return Path(self.run_dir if self.run_dir else Path(RUNS_DIR) / self.name)

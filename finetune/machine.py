@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 from finetune.config import HardwareConfig
+from finetune.hydra_config import load_profiles
 
 GB = 1e9
 GIB_PER_GB = 2**30 / GB
@@ -287,10 +288,23 @@ def resolve_local(
     if hw.name != "local" or hw.gpu_memory_gb is not None:
         return hw
     if profiles is None:
-        from finetune.cli import load_profiles
-
         profiles = load_profiles()
     return local_profile((read or read_machine)(run_dir), profiles, nodes, base=hw)
+
+
+def resolve_host_hardware(hw: HardwareConfig) -> HardwareConfig:
+    """`hardware=cpu`: the memory and cores of this machine, read now (RAM stands in for GPU memory)."""
+    if hw.device != "cpu":
+        return hw
+    import psutil
+
+    ram_gb = psutil.virtual_memory().total / 1e9
+    return replace(
+        hw,
+        gpu_memory_gb=hw.gpu_memory_gb or round(ram_gb, 2),
+        host_memory_gb=hw.host_memory_gb or round(ram_gb, 2),
+        vcpus=hw.vcpus or os.cpu_count(),
+    )
 
 
 # ---------------------------------------------------------------- does this machine run the plan?

@@ -14,6 +14,10 @@
   running its dtype (bf16: compute capability 8.0 or later). A mismatch exits 2 unless
   `launch.allow_mismatch=true`; more GPUs than planned: the first ones are used.
 
+Each check runs once per launch: the pipeline runs both before it starts the ranks itself and
+hands the verdict down (`handoff`, read back by `handed_down`); ranks started any other way
+(launch.sh by hand, tmux, SLURM, `python -m finetune.train`) run them on rank 0.
+
 `disk_usage`, `memory` and `read` are parameters so tests can stand in for a full disk,
 a small machine or another machine's GPUs.
 """
@@ -23,18 +27,22 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from finetune import checkpoints, machine
+from finetune import checkpoints, machine, rundir
 from finetune.config import Config
 from finetune.errors import LaunchError, format_bytes
+from finetune.planner import Plan
 
 log = logging.getLogger(__name__)
 
 GB = 1e9
+# Set by the pipeline for the ranks it starts itself: it ran `check` and `check_machine` for them.
+PRECHECKED_ENV = "FINETUNE_PRECHECKED"
+MISMATCH_ENV = "FINETUNE_MACHINE_MISMATCH"  # what launch.allow_mismatch=true let through
 
 
 def _virtual_memory() -> Any:
@@ -43,7 +51,7 @@ def _virtual_memory() -> Any:
     return psutil.virtual_memory()
 
 
-def disk_needed_gb(plan: Any, keep: int, existing: int) -> float:
+def disk_needed_gb(plan: Plan, keep: int, existing: int) -> float:
     """Checkpoints written before rotation frees old ones (K + 1 at once, less those already on disk) + the output."""
     new = max(1, keep + 1 - existing)
     return plan.disk_checkpoint_gb * new + plan.disk_checkpoint_gb
@@ -52,7 +60,7 @@ def disk_needed_gb(plan: Any, keep: int, existing: int) -> float:
 def check(
     cfg: Config,
     run_dir: Path,
-    plan: Any,
+    plan: Plan,
     *,
     disk_usage: Callable[[str], Any] = shutil.disk_usage,
     memory: Callable[[], Any] = _virtual_memory,
@@ -61,10 +69,8 @@ def check(
     """Raise LaunchError when the run cannot finish on this machine (ConfigError for a bad `resume=PATH`)."""
     run_dir = Path(run_dir)
     if isinstance(cfg.resume, str):  # resume=true/false cannot be wrong; a path can
-        from finetune.train.stage import resume_checkpoint
-
-        resume_checkpoint(cfg, run_dir)
-    folder = checkpoint_dir or run_dir / "checkpoints"
+        checkpoints.resume_checkpoint(cfg.resume, rundir.checkpoint_dir(run_dir))
+    folder = checkpoint_dir or rundir.checkpoint_dir(run_dir)
     existing = sum(1 for p in checkpoints.listing(folder) if checkpoints.verify(p, checksums=False) is None)
     keep = cfg.train.save_total_limit
     need = disk_needed_gb(plan, keep, existing)
@@ -106,14 +112,14 @@ def needs_bf16(cfg: Config) -> bool:
     m = cfg.method
     return (
         m.dtype_on("cuda") == "bf16"
-        or (m.name == "qlora" and m.compute_dtype == "bf16")
+        or (m.spec.quantized_base and m.compute_dtype == "bf16")
         or (m.uses_adapters and m.adapter_dtype == "bf16")
     )
 
 
 def check_machine(
     cfg: Config,
-    plan: Any,
+    plan: Plan,
     *,
     gpus: int,
     device: str,
@@ -122,14 +128,13 @@ def check_machine(
 ) -> MachineCheck:
     """Refuse (LaunchError) to start `plan` on a machine that cannot run it; see the module doc.
 
-    `gpus` and `device`: what this node starts (the launch layout's processes per node). `plan` is a
-    `Plan` or plan.json's dict; `read` stands in for `machine.read_machine` in tests.
+    `gpus` and `device`: what this node starts (the launch layout's processes per node); `read` stands
+    in for `machine.read_machine` in tests.
     """
     if device != "cuda":
         return MachineCheck({})
-    hw = plan["hardware"] if isinstance(plan, dict) else plan.hardware
-    name, memory = (hw["name"], hw["gpu_memory_gb"]) if isinstance(hw, dict) else (hw.name, hw.gpu_memory_gb)
-    req = machine.Requirement(str(name), device, gpus, memory, needs_bf16(cfg))
+    hw = plan.hardware
+    req = machine.Requirement(hw.name, device, gpus, hw.gpu_memory_gb, needs_bf16(cfg))
     here = (read or machine.read_machine)(None)
     problem = machine.mismatch(req, here)
     if problem is not None:
@@ -143,3 +148,15 @@ def check_machine(
         {"CUDA_VISIBLE_DEVICES": visible},
         (f"this machine has {len(here.gpus)} GPUs, the plan uses {gpus}: CUDA_VISIBLE_DEVICES={visible}",),
     )
+
+
+def handoff(checked: MachineCheck) -> dict[str, str]:
+    """The environment that tells the ranks this process starts: the checks ran, and what they let through."""
+    return {PRECHECKED_ENV: "1", **({MISMATCH_ENV: checked.mismatch} if checked.mismatch else {})}
+
+
+def handed_down(environ: Mapping[str, str]) -> Optional[MachineCheck]:
+    """The pipeline's verdict when it started this rank after checking (`handoff`); None: check here."""
+    if environ.get(PRECHECKED_ENV) != "1":
+        return None
+    return MachineCheck({}, mismatch=environ.get(MISMATCH_ENV) or None)

@@ -20,12 +20,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from finetune import rundir
+from finetune import rundir, stages
 from finetune.config import Config
+from finetune.data.stage import load_prepared
 from finetune.errors import FinetuneError, LaunchError
+from finetune.hydra_config import compose
 
-SMOKE_DIR = "smoke"
-REPORT_FILE = "smoke_report.json"
 RESUME_EXTRA_STEPS = 2
 
 # Overrides that belong to the real run only: the sibling recipe sets its own.
@@ -57,7 +57,7 @@ def sibling_overrides(cfg: Config, overrides: Sequence[str], sibling: str) -> li
     return [
         f"+recipe={sibling}",
         *carried,
-        f"run_dir={cfg.resolved_run_dir / SMOKE_DIR}",
+        f"run_dir={cfg.resolved_run_dir / rundir.SMOKE_DIR}",
         "mode=all",
         "resume=false",
         f"train.max_steps={steps}",
@@ -74,9 +74,6 @@ def _check(report: list[dict[str, Any]], name: str, ok: bool, detail: str) -> No
 
 def run(cfg: Config, overrides: Sequence[str], hub_check: Any = hub_reachable) -> dict[str, Any]:
     """Run the smoke pipeline; raise LaunchError (exit 2) if any check fails, so the real run never starts."""
-    from finetune.cli import compose
-    from finetune.stages import run as run_stages
-
     sibling = cfg.smoke.sibling or "tiny"
     notes: list[str] = []
     if sibling != "tiny":
@@ -93,8 +90,8 @@ def run(cfg: Config, overrides: Sequence[str], hub_check: Any = hub_reachable) -
     report: list[dict[str, Any]] = []
     steps = cfg.smoke.steps
     try:
-        run_stages(smoke_cfg)
-        metrics = json.loads((smoke_dir / "metrics.json").read_text())["train"]
+        stages.run(smoke_cfg)
+        metrics = json.loads((smoke_dir / rundir.METRICS_FILE).read_text())["train"]
         _check(
             report,
             "train",
@@ -109,19 +106,19 @@ def run(cfg: Config, overrides: Sequence[str], hub_check: Any = hub_reachable) -
             not metrics.get("memory_over_plan", False),
             f"peak {metrics['peak_memory_gb']:.2f} GB, planned {metrics['planned_memory_gb']:.2f} GB",
         )
-        checkpoint = smoke_dir / "checkpoints" / f"checkpoint-{steps}"
+        checkpoint = rundir.checkpoint_dir(smoke_dir) / f"checkpoint-{steps}"
         _check(report, "save", checkpoint.is_dir(), str(checkpoint))
         # Later overrides win: the same smoke run, resumed for two more steps.
         resumed_cfg = compose(
             [*smoke_overrides, "mode=train", "resume=true", f"train.max_steps={steps + RESUME_EXTRA_STEPS}"]
         )
-        run_stages(resumed_cfg)
-        resumed = json.loads((smoke_dir / "metrics.json").read_text())["train"]
+        stages.run(resumed_cfg)
+        resumed = json.loads((smoke_dir / rundir.METRICS_FILE).read_text())["train"]
         ok = resumed["steps"] == steps + RESUME_EXTRA_STEPS and str(resumed.get("resumed_from", "")).endswith(
             f"checkpoint-{steps}"
         )
         _check(report, "resume", ok, f"resumed from {resumed.get('resumed_from')} to step {resumed['steps']}")
-        merge = json.loads((smoke_dir / "export" / "merge_check.json").read_text())
+        merge = json.loads((rundir.export_dir(smoke_dir) / rundir.MERGE_CHECK_FILE).read_text())
         _check(report, "merge", merge["ok"], f"max |logit diff| {merge['max_abs_diff']:.3g}")
     except FinetuneError as exc:
         _check(report, "pipeline", False, str(exc))
@@ -135,19 +132,17 @@ def run(cfg: Config, overrides: Sequence[str], hub_check: Any = hub_reachable) -
         "ok": all(c["ok"] for c in report),
     }
     smoke_dir.mkdir(parents=True, exist_ok=True)
-    rundir.write_json(smoke_dir / REPORT_FILE, result)
+    rundir.write_json(smoke_dir / rundir.SMOKE_REPORT_FILE, result)
     if not result["ok"]:
         failed = ", ".join(c["check"] for c in report if not c["ok"])
         raise LaunchError(
-            f"smoke run failed ({failed}; see {smoke_dir / REPORT_FILE}): the real run was not launched"
+            f"smoke run failed ({failed}; see {smoke_dir / rundir.SMOKE_REPORT_FILE}): the real run was not launched"
         )
     print(f"smoke: all {len(report)} checks passed; starting the real run")
     return result
 
 
 def _first_batch_has_longest(run_dir: Path) -> tuple[bool, str]:
-    from finetune.data.stage import load_prepared
-
     train, _ = load_prepared(run_dir)
     longest = max(max(row) for row in train["seq_lengths"])
     first = max(train[0]["seq_lengths"])

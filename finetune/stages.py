@@ -7,15 +7,20 @@ stage can be re-run or resumed without redoing the others.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from finetune import rundir
-from finetune.config import Config, ModelConfig
-from finetune.errors import ConfigError, LaunchError, PlanError
+from finetune import compare, machine, models, rundir
+from finetune.config import RUNS_DIR, Config
+from finetune.data import stage as data_stage
+from finetune.errors import INTERRUPTED_EXIT_CODE, ConfigError, LaunchError, PlanError
+from finetune.hydra_config import load_profiles
+from finetune.launch import stage as launch_stage
 from finetune.planner import Plan, make_plan
+from finetune.report import print_plan
 
 # What the pipeline is doing now, for the one line a signal leaves (`cli.main`).
 current_stage = "the set-up"
@@ -26,93 +31,17 @@ def _enter(stage: str) -> None:
     current_stage = stage
 
 
-def model_from_config_json(model: ModelConfig) -> ModelConfig:
-    """`model.config_path=PATH`: architecture facts from a local Hugging Face config.json.
-
-    Read through transformers' AutoConfig, offline, so every key the file leaves out takes the model class's
-    own default (Gemma's tied embeddings, a missing max_position_embeddings), exactly as loading the model
-    would. The planner then gets a typed ModelConfig; families it does not model are refused here with one
-    line (finetune/architectures.py).
-    """
-    if not model.config_path:
-        return model
-    path = Path(model.config_path)
-    if not path.is_file():
-        raise ConfigError(f"model.config_path={path}: no such file")
-    try:
-        json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"model.config_path={path}: not a readable JSON file ({exc})") from None
-    from transformers import AutoConfig
-
-    try:
-        hf = AutoConfig.from_pretrained(
-            str(path), local_files_only=True, trust_remote_code=model.trust_remote_code
-        ).get_text_config()
-    except (OSError, ValueError, KeyError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"model.config_path={path}: transformers cannot read it ({first})") from None
-    return model_from_hf_config(model, hf, path)
-
-
-def model_from_hf_config(model: ModelConfig, hf: Any, path: Path) -> ModelConfig:
-    """The ModelConfig of a transformers config object (its class defaults included)."""
-    from finetune.architectures import ARCHITECTURES, refusal
-
-    model_type = hf.model_type
-    experts = int(getattr(hf, "num_local_experts", 0) or getattr(hf, "num_experts", 0) or 0)
-    why = refusal(model_type)
-    if why is not None:
-        raise ConfigError(f"model.config_path={path}: {why}")
-    arch = ARCHITECTURES[model_type]
-    heads = int(hf.num_attention_heads)
-    hidden = int(hf.hidden_size)
-    rope = getattr(hf, "rope_parameters", None) or {}
-    try:
-        return replace(
-            model,
-            name=_model_name(hf, path, model),
-            architecture=model_type,
-            hidden_size=hidden,
-            num_layers=int(hf.num_hidden_layers),
-            num_heads=heads,
-            num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(hf, "head_dim", None) or hidden // heads),
-            intermediate_size=int(hf.intermediate_size),
-            vocab_size=int(hf.vocab_size),
-            tie_embeddings=bool(hf.tie_word_embeddings),
-            attention_bias=bool(getattr(hf, "attention_bias", arch.attention_bias) or arch.attention_bias),
-            max_position_embeddings=int(hf.max_position_embeddings),
-            rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", model.rope_theta))),
-            rms_norm_eps=float(getattr(hf, "rms_norm_eps", model.rms_norm_eps)),
-            num_experts=experts,
-            num_experts_per_token=int(getattr(hf, "num_experts_per_tok", 0) or 0) if experts else 0,
-            hub_id=model.hub_id,
-        )
-    except (AttributeError, TypeError) as exc:
-        raise ConfigError(f"model.config_path={path}: {exc}") from None
-
-
-def _model_name(hf: Any, path: Path, model: ModelConfig) -> str:
-    """The config's own name when it names one (not the file path transformers records), else its folder's."""
-    name = str(getattr(hf, "_name_or_path", "") or "")
-    if name and not Path(name).is_absolute() and Path(name) != path:
-        return name
-    return path.parent.name or model.name
-
-
 def resolve(cfg: Config) -> Config:
     """Facts read at the edge: a local config.json, this machine for hardware=local, its memory for hardware=cpu."""
-    from finetune.cli import resolve_host_hardware
-    from finetune.machine import resolve_local
-
-    hardware = resolve_local(cfg.hardware, cfg.launch.nnodes or 1, cfg.resolved_run_dir)
-    return replace(cfg, model=model_from_config_json(cfg.model), hardware=resolve_host_hardware(hardware))
+    hardware = machine.resolve_local(cfg.hardware, cfg.launch.nnodes or 1, cfg.resolved_run_dir)
+    return replace(
+        cfg, model=models.model_from_config_json(cfg.model), hardware=machine.resolve_host_hardware(hardware)
+    )
 
 
 def data_seq_len(run_dir: Path) -> Optional[int]:
     """The sequence length the data stage resolved for train.seq_len=auto, if it ran."""
-    stats = run_dir / "data_stats.json"
+    stats = run_dir / rundir.DATA_STATS_FILE
     if not stats.is_file():
         return None
     value = json.loads(stats.read_text()).get("seq_len")
@@ -120,9 +49,6 @@ def data_seq_len(run_dir: Path) -> Optional[int]:
 
 
 def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
-    from finetune.cli import load_profiles
-    from finetune.report import print_plan
-
     seq_len = None
     if cfg.train.seq_len == "auto":
         seq_len = data_seq_len(run_dir)
@@ -132,6 +58,7 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
         cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles(), seq_len=seq_len
     )
     plan = replace(plan, reasons=(*cfg.hardware.notes, *plan.reasons))  # hardware=local: what was detected
+    plan = plan.with_processes(cfg.launch.nproc_per_node, cfg.launch.nnodes)  # the layout the launcher starts
     payload = plan.to_dict()
     rundir.write_json(run_dir / rundir.PLAN_FILE, payload)
     if cfg.plan.out:
@@ -148,15 +75,19 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
     return plan
 
 
+def launch_ranks(cfg: Config, run_dir: Path, plan: Plan) -> int:
+    """mode=launch (and training): the launcher starts the ranks, or prints how (dry run, SLURM, detach).
+
+    When it starts them here and waits, the pre-checks run once, in this process (the machine, disk, resume,
+    host RAM), and the ranks are told so (`preflight.handoff`).
+    """
+    return launch_stage.run(cfg, run_dir, plan, precheck=True)
+
+
 def train_stage(cfg: Config, run_dir: Path, plan: Plan) -> int:
     """Train through the launcher, so one CPU process and 8 GPUs take the same path (`python -m finetune.train`)."""
-    from finetune import preflight
-    from finetune.launch import stage as launch_stage
-    from finetune.train.stage import PREEMPTED_EXIT_CODE
-
-    preflight.check(cfg, run_dir, plan)
-    code = launch_stage.run(cfg, run_dir, plan)
-    if code == PREEMPTED_EXIT_CODE:
+    code = launch_ranks(cfg, run_dir, plan)
+    if code == INTERRUPTED_EXIT_CODE:
         # The worker's own line above says what it saved; this one must not claim more.
         print(
             "finetune: training was stopped by a signal (what it saved is said above); run the same command "
@@ -165,8 +96,6 @@ def train_stage(cfg: Config, run_dir: Path, plan: Plan) -> int:
         )
         return code
     if code < 0:  # killed by a signal it could not handle (SIGKILL: kill -9 or the out-of-memory killer)
-        import signal
-
         try:
             name = signal.Signals(-code).name
         except ValueError:
@@ -176,7 +105,7 @@ def train_stage(cfg: Config, run_dir: Path, plan: Plan) -> int:
             "run the same command again to resume from the newest complete checkpoint",
             file=sys.stderr,
         )
-        return PREEMPTED_EXIT_CODE
+        return INTERRUPTED_EXIT_CODE
     if code != 0:
         raise LaunchError(
             f"training exited with code {code}; its log is above (resume: run the same command again)"
@@ -184,21 +113,38 @@ def train_stage(cfg: Config, run_dir: Path, plan: Plan) -> int:
     return 0
 
 
-def _print_summary(run_dir: Path) -> None:
-    from finetune.evaluation.stage import EVAL_DIR, METRICS_FILE
+# The evaluation and export stages are imported when they run: the one exception to this module's
+# module-level imports (tests/test_architecture.py). They load torch, transformers and PEFT on import
+# (the chunked loss and the collator are torch modules), and mode=plan, data and launch load none of them.
 
-    metrics_path = run_dir / EVAL_DIR / METRICS_FILE
+
+def eval_stage(cfg: Config, run_dir: Path) -> None:
+    """mode=eval: base, trained and merged models on the same held-out prompts (finetune/evaluation/stage.py)."""
+    from finetune.evaluation import stage as evaluation
+
+    evaluation.run(cfg, run_dir)
+
+
+def export_stage(cfg: Config, run_dir: Path, plan: Plan) -> None:
+    """mode=export: merge, check, save, serve.sh (finetune/export/stage.py)."""
+    from finetune.export import stage as export
+
+    export.run(cfg, run_dir, plan)
+
+
+def _print_summary(run_dir: Path) -> None:
+    metrics_path = rundir.eval_dir(run_dir) / rundir.EVAL_METRICS_FILE
     print(f"\nrun directory: {run_dir}")
     for name in (
-        "config.yaml",
-        "plan.json",
-        "data_stats.json",
-        "metrics.json",
-        f"{EVAL_DIR}/{METRICS_FILE}",
-        f"{EVAL_DIR}/report.md",
-        "export/merged",
-        "export/adapter",
-        "export/serve.sh",
+        rundir.CONFIG_FILE,
+        rundir.PLAN_FILE,
+        rundir.DATA_STATS_FILE,
+        rundir.METRICS_FILE,
+        f"{rundir.EVAL_DIR}/{rundir.EVAL_METRICS_FILE}",
+        f"{rundir.EVAL_DIR}/{rundir.EVAL_REPORT_FILE}",
+        f"{rundir.EXPORT_DIR}/{rundir.MERGED_DIR}",
+        f"{rundir.EXPORT_DIR}/{rundir.EXPORT_ADAPTER_DIR}",
+        f"{rundir.EXPORT_DIR}/{rundir.SERVE_FILE}",
     ):
         if (run_dir / name).exists():
             print(f"  {name}")
@@ -217,9 +163,7 @@ def _print_summary(run_dir: Path) -> None:
 def run(cfg: Config) -> int:
     cfg = resolve(cfg)
     if cfg.mode == "compare":
-        from finetune import compare
-
-        out = Path(cfg.run_dir) if cfg.run_dir else Path("runs") / "compare"
+        out = Path(cfg.run_dir) if cfg.run_dir else Path(RUNS_DIR) / rundir.COMPARE_DIR
         rundir.check_run_dir(out)
         compare.run(cfg.runs, out)
         rundir.mark_owned(out)
@@ -232,33 +176,28 @@ def run(cfg: Config) -> int:
         plan_stage(cfg, run_dir)
         return 0
     if mode in ("data", "all"):
-        from finetune.data import stage as data_stage
-
         _enter("the data stage")
         data_stage.run(cfg, run_dir)
         if mode == "data":
             return 0
     if mode == "launch":
-        from finetune.launch import stage as launch_stage
-
         _enter("the launch stage")
-        return launch_stage.run(cfg, run_dir, plan_stage(cfg, run_dir, quiet=True))
+        return launch_ranks(cfg, run_dir, plan_stage(cfg, run_dir, quiet=True))
     _enter("the plan stage")
     plan = plan_stage(cfg, run_dir, quiet=mode in ("eval", "export"))
+    cfg = replace(
+        cfg, hardware=plan.hardware
+    )  # from here on the plan's profile (hardware=auto: the chosen one)
     if mode in ("train", "all"):
         _enter("the training stage")
         code = train_stage(cfg, run_dir, plan)
         if code:
             return code
     if mode in ("eval", "all"):
-        from finetune.evaluation import stage as eval_stage
-
         _enter("the evaluation stage")
-        eval_stage.run(cfg, run_dir)
+        eval_stage(cfg, run_dir)
     if mode in ("export", "all"):
-        from finetune.export import stage as export_stage
-
         _enter("the export stage")
-        export_stage.run(cfg, run_dir, plan)
+        export_stage(cfg, run_dir, plan)
     _print_summary(run_dir)
     return 0

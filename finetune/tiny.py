@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from finetune.config import ModelConfig
+from finetune.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -131,8 +132,6 @@ def tokenizer_dir(vocab_size: int) -> Path:
         fast.save_pretrained(out)
 
     if vocab_size < len(SPECIAL_TOKENS) + 256:
-        from finetune.errors import ConfigError
-
         raise ConfigError(
             f"model.vocab_size={vocab_size} is too small for the tiny byte-level tokenizer (>= 262)"
         )

@@ -74,8 +74,9 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     from dataclasses import replace
 
     os.environ["FINETUNE_CACHE"] = spec["cache"]
-    from finetune.cli import compose, load_profiles
     from finetune.data import stage as data_stage
+    from finetune.hydra_config import compose, load_profiles
+    from finetune.launch.engines import write_engine_files
     from finetune.planner import make_plan
     from finetune.stages import resolve
     from finetune.train import stage
@@ -109,10 +110,12 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     strategy = replace(
         plan.strategy, micro_batch_size=shape["micro_batch"], grad_accum_steps=1, chunked_loss=True
     )
+    plan = replace(plan, strategy=strategy)
+    write_engine_files(cfg, plan, Path(spec["run_dir"]))  # what the launcher writes for the ranks
     metrics = stage.run(
         cfg,
         Path(spec["run_dir"]),
-        replace(plan, strategy=strategy),
+        plan,
         datasets=(train.select(range(shape["n_train"])), evals.select(range(4))),
         max_generate=1,
     )

@@ -20,8 +20,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from finetune.cli import compose, load_profiles  # noqa: E402
-from finetune.config import recipe_names  # noqa: E402
+from finetune.hydra_config import (  # noqa: E402
+    compose,
+    load_profiles,
+    recipe_names,  # noqa: E402
+)
 from finetune.planner import make_plan  # noqa: E402
 
 

@@ -84,7 +84,8 @@ def trainer_case(case: dict[str, Any]) -> dict[str, Any]:
 def model_config(case: dict[str, Any]) -> Any:
     import yaml
 
-    from finetune.config import ModelConfig, package_dir
+    from finetune.config import ModelConfig
+    from finetune.hydra_config import package_dir
 
     raw = yaml.safe_load((package_dir("configs") / "model" / f"{case['model']}.yaml").read_text())
     m = ModelConfig(**raw)
@@ -94,7 +95,7 @@ def model_config(case: dict[str, Any]) -> Any:
 
 @functools.lru_cache(maxsize=1)
 def _profiles() -> dict[str, Any]:
-    from finetune.cli import load_profiles
+    from finetune.hydra_config import load_profiles
 
     return load_profiles()
 
@@ -185,8 +186,8 @@ def build(case: dict[str, Any], device: str) -> tuple[Any, Any]:
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+    from finetune.chunked_loss import add_chunked_loss_head
     from finetune.tiny import hf_config
-    from finetune.train.chunked_loss import add_chunked_loss_head
 
     m = model_config(case)
     cfg = hf_config(m, max_position_embeddings=max(m.max_position_embeddings, case["seq_len"]))
@@ -213,7 +214,7 @@ def build(case: dict[str, Any], device: str) -> tuple[Any, Any]:
         add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))  # as SFTTrainer, before PEFT
     if case["method"] == "qlora":
         _quantize_linears(model, device)
-        from finetune.train.models import prepare_kbit_model
+        from finetune.models import prepare_kbit_model
 
         model = prepare_kbit_model(model, torch.bfloat16)  # the trainer's preparation
     if case["method"] in ("lora", "qlora"):
@@ -352,7 +353,7 @@ def detect_gpu() -> dict[str, Any]:
     """The profile matching the visible GPU (by name, else by memory), and its facts."""
     import torch
 
-    from finetune.cli import load_profiles
+    from finetune.hydra_config import load_profiles
 
     name = torch.cuda.get_device_name(0)
     memory_gb = torch.cuda.get_device_properties(0).total_memory / GB

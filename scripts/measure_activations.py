@@ -1,6 +1,6 @@
 """Measure the bytes a decoder layer saves for backward, per token.
 
-The pre-flight planner's activation formulas (finetune/planner/_activations.py)
+The pre-flight planner's activation formulas (finetune/planner/activations.py)
 are fitted to these measurements. For each layer shape and training case this
 builds one transformers decoder layer (LlamaDecoderLayer; Qwen2DecoderLayer for
 shapes with q/k/v biases) with bf16 weights, runs a forward pass on CPU (batch
@@ -267,7 +267,7 @@ def measure_layer(
     if fp32:
         layer = layer.float()
         if kw.get("adapter_bytes") == 2 and kw["method"] != "full":
-            for p in layer.parameters():  # finetune/train/models.py's cast of bf16 adapters
+            for p in layer.parameters():  # finetune/models.py's cast of bf16 adapters
                 if p.requires_grad:
                     p.data = p.data.to(torch.bfloat16)
     layer.train()
@@ -325,7 +325,7 @@ def measure_head(hidden: int, vocab: int, tokens: int, trainable_head: bool, aut
 
 
 def formula(shape: tuple[int, int, int, int, int, bool], case: str) -> int:
-    from finetune.planner._activations import layer_bytes_per_token
+    from finetune.planner.activations import layer_bytes_per_token
 
     hidden, inter, heads, kv, head_dim, bias = shape
     return layer_bytes_per_token(
@@ -342,7 +342,7 @@ def formula(shape: tuple[int, int, int, int, int, bool], case: str) -> int:
 def formula_bytes(row: dict[str, Any]) -> int:
     """The formula's bytes for a stored layer row: per token x tokens, plus the packed mask's bias and, under
     autocast, the bf16 copies of the adapters' fp32 weights (constants per layer)."""
-    from finetune.planner._activations import attention_mask_bytes, autocast_weight_copy_bytes
+    from finetune.planner.activations import attention_mask_bytes, autocast_weight_copy_bytes
 
     kw = CASES[row["case"]]
     tokens = row["tokens"]
@@ -438,7 +438,7 @@ def measure_all(only: Any = None) -> list[dict[str, Any]]:
 
 def report(rows: list[dict[str, Any]]) -> float:
     """Print measured vs formula; return the worst relative error."""
-    from finetune.planner._activations import model_bytes_per_token
+    from finetune.planner.activations import model_bytes_per_token
 
     worst = 0.0
     print(f"{'shape':16s} {'case':26s} {'tokens':>6s} {'measured':>14s} {'formula':>14s} {'error':>8s}")

@@ -29,7 +29,8 @@ def tiny_model_cfg():
     """The `model=tiny` config group, as composed."""
     import yaml
 
-    from finetune.config import ModelConfig, package_dir
+    from finetune.config import ModelConfig
+    from finetune.hydra_config import package_dir
 
     raw = yaml.safe_load((package_dir("configs") / "model" / "tiny.yaml").read_text())
     return ModelConfig(**raw)

@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-from finetune.planner._activations import (
+from finetune.planner.activations import (
     attention_mask_bytes,
     autocast_weight_copy_bytes,
     layer_bytes_per_token,
@@ -204,6 +204,6 @@ def test_autocast_changes_nothing_for_bf16_adapters_and_needs_a_bf16_base():
 
 
 def test_import_does_not_load_torch():
-    code = "import sys, finetune.planner._activations; print('torch' in sys.modules, 'numpy' in sys.modules)"
+    code = "import sys, finetune.planner.activations; print('torch' in sys.modules, 'numpy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.split() == ["False", "False"]

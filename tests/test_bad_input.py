@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_eval_support import write_engine
+
 REPO = Path(__file__).resolve().parent.parent
 
 NEW = "{tmp}/new"  # a fresh run directory
@@ -196,7 +198,7 @@ def world(tmp_path_factory, tiny_cache):
     rundir.prepare(cfg)
     rundir.save_config(cfg, old)
     data_stage.run(cfg, old)
-    plan_stage(cfg, old, quiet=True)
+    write_engine(cfg, plan_stage(cfg, old, quiet=True), old)  # as the launcher writes them
     staged = old / "checkpoints" / checkpoints.STAGING_DIR / "checkpoint-2"
     staged.mkdir(parents=True)
     (staged / "adapter_model.safetensors").write_bytes(b"\0" * 64)
@@ -298,10 +300,16 @@ WORKER_CASES = [
         "resume=/no/such/checkpoint",
     ),
     ("plan_missing", lambda run: (run / "plan.json").unlink(), "plan.json: missing"),
+    ("plan_from_an_older_finetune", _edit_plan(layout=None), "plan.json was written by an older finetune"),
+    (
+        "engine_missing",
+        lambda run: (run / "engine.json").unlink(),
+        "engine.json: missing; the launcher writes it",
+    ),
     ("data_missing", lambda run: __import__("shutil").rmtree(run / "data"), "no prepared data"),
     pytest.param(
         "cuda_plan_without_cuda",
-        _edit_config("device: cpu", "device: cuda"),
+        _edit_plan(**{"hardware.device": "cuda"}),  # plan.json's profile is what the worker runs
         "plans for 1 CUDA GPU(s)",
         marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA"),
         id="cuda_plan_without_cuda",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +143,26 @@ def test_bench_planner_quick_prints_measured_vs_planned(tmp_path: Path):
         assert m["activations"] == pytest.approx(p["activations"], rel=0.10)
         assert m["logits"] == pytest.approx(p["logits"], rel=0.10)  # either loss path, as the trainer runs it
         assert m["total"] == pytest.approx(p["total"], rel=0.05)
+
+
+def test_bench_library_parts_measures_each_kept_part(tmp_path: Path):
+    """The reasons written beside the kept hand-written parts, re-measured (BENCHMARKS.md's section)."""
+    env_cache = {"FINETUNE_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_library_parts.py"), "--convs", "300"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **env_cache},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "| finetune PackedCollator | (3, 128) | yes | (3, 1, 128, 128) |" in out
+    assert "| TRL DataCollatorForLanguageModeling (padded, position ids) | (3, 128) | NO |" in out
+    assert "| TRL DataCollatorForLanguageModeling (padding_free) | (1, 312) | yes |" in out
+    assert "0.27 GB for rows kept apart and 1.07 GB (4x)" in out
+    assert '| include_num_input_tokens_seen="non_padding" (ids != pad) | 58,834 | -9.4% |' in out
+    assert "| reduce_bucket_size | 500,000,000 | 67,108,864 | 67,108,864 |" in out
+    assert "| transformers get_last_checkpoint | checkpoint-2 (truncated) |" in out
+    assert "| finetune checkpoints.last_complete (manifest sizes + SHA-256) | checkpoint-1 |" in out

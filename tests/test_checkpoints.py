@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -109,8 +108,8 @@ def test_supersede_and_discard(tmp_path):
 
 
 def test_resume_setting_picks_the_checkpoint(tmp_path):
+    from finetune.checkpoints import resume_checkpoint
     from finetune.cli import compose
-    from finetune.train.stage import resume_checkpoint
 
     run = tmp_path / "run"
     folder = run / "checkpoints"
@@ -118,20 +117,20 @@ def test_resume_setting_picks_the_checkpoint(tmp_path):
         _fake(folder, step)
     (folder / "checkpoint-8" / "optimizer.pt").write_bytes(b"")
     cfg = compose([f"run_dir={run}"])
-    assert resume_checkpoint(cfg, run) == str(folder / "checkpoint-4")  # resume=true: newest complete
-    assert resume_checkpoint(replace(cfg, resume=False), run) is None
-    assert resume_checkpoint(replace(cfg, resume="checkpoint-4"), run) == str(folder / "checkpoint-4")
-    assert resume_checkpoint(replace(cfg, resume=str(folder / "checkpoint-4")), run) == str(
+    assert resume_checkpoint(cfg.resume, folder) == str(
         folder / "checkpoint-4"
-    )
+    )  # resume=true: newest complete
+    assert resume_checkpoint(False, folder) is None
+    assert resume_checkpoint("checkpoint-4", folder) == str(folder / "checkpoint-4")
+    assert resume_checkpoint(str(folder / "checkpoint-4"), folder) == str(folder / "checkpoint-4")
     with pytest.raises(
         ConfigError, match=r"resume=checkpoint-8: damaged checkpoint \(optimizer.pt has 0 bytes"
     ):
-        resume_checkpoint(replace(cfg, resume="checkpoint-8"), run)
+        resume_checkpoint("checkpoint-8", folder)
     with pytest.raises(
         ConfigError, match="no such checkpoint folder .this run has: checkpoint-4, checkpoint-8"
     ):
-        resume_checkpoint(replace(cfg, resume="checkpoint-99"), run)
+        resume_checkpoint("checkpoint-99", folder)
 
 
 # ---------------------------------------------------------------- through the real trainer

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from finetune.planner.contract import CONTRACT_HARDWARE
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -84,9 +86,10 @@ def test_hardware_local_on_this_machine_plans_for_what_it_finds(tmp_path: Path):
         assert plan["hardware"]["gpus"] == torch.cuda.device_count()
         assert plan["reasons"][0].startswith(f"hardware=local: {torch.cuda.device_count()} x ")
     else:
-        assert plan["hardware"] == {
+        assert {k: plan["hardware"][k] for k in CONTRACT_HARDWARE} == {
             "name": "local", "gpus": 1, "gpu_memory_gb": ram, "host_memory_gb": ram, "usd_per_month": None,
         }  # fmt: skip
+        assert plan["hardware"]["device"] == "cpu" and plan["hardware"]["vcpus"] == os.cpu_count()
         assert plan["reasons"][0].startswith("hardware=local: no CUDA GPU on this machine")
         assert "planning for the CPU as hardware=cpu does" in plan["reasons"][0]
         assert "on local (" in r.stdout and f"free under {tmp_path / 'r'}" in plan["reasons"][0]

@@ -470,3 +470,22 @@ def test_unencodable_text_is_skipped_and_counted_or_one_line(tmp_path, tokenizer
     s = _run(_cfg(tmp_path, path, on_error="skip"), tmp_path, tokenizer)
     assert s["dropped"]["unencodable_text"] == 2
     assert s["num_input"] == 32 == s["num_train"] + s["num_eval"] + sum(s["dropped"].values())
+
+
+def test_limits_that_empty_the_held_out_split_are_refused(tmp_path, tiny_tokenizer):
+    """The bundled data at seq_len 16 keeps 2 training samples and no held-out one: the evaluation would
+    have reported a NaN loss for every model; the data stage refuses it in one line instead."""
+    from finetune.hydra_config import compose
+
+    cfg = compose(["train.seq_len=16", f"data.cache_dir={tmp_path / 'cache'}"])
+    with pytest.raises(
+        DataError, match=r"^no held-out samples left after the length limits \(seq_len 16, all 300 "
+    ):
+        stage.run(cfg, tmp_path / "run", tokenizer=tiny_tokenizer)
+    assert not (tmp_path / "run" / "data").exists() and not list((tmp_path / "cache").glob("*/stats.json"))
+    kept = stage.run(
+        compose(["train.seq_len=16", "data.eval_fraction=0", f"data.cache_dir={tmp_path / 'cache'}"]),
+        tmp_path / "run0",
+        tokenizer=tiny_tokenizer,
+    )
+    assert (kept["num_train"], kept["num_eval"]) == (2, 0)

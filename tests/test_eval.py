@@ -65,7 +65,7 @@ def test_metric_names_fail_early_and_clearly():
 def test_eval_yaml_matches_the_schema():
     import yaml
 
-    from finetune.config import package_dir
+    from finetune.hydra_config import package_dir
 
     raw = yaml.safe_load((package_dir("configs") / "eval" / "default.yaml").read_text())
     defaults = dict(EvalConfig().__dict__)
@@ -251,7 +251,7 @@ def test_an_adapter_saved_under_wrapper_names_is_refused_not_scored_as_the_base(
     from finetune import tiny
     from finetune.config import MethodConfig
     from finetune.errors import LaunchError
-    from finetune.evaluation.loading import attach_adapter
+    from finetune.models import attach_adapter
 
     adapter = make_adapter_run(tmp_path / "run", tiny_model_cfg, MethodConfig(lora_dropout=0.0))
     attach_adapter(tiny.load_model(tiny_model_cfg), adapter)  # as saved: loads

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.test_eval_support import compose_tiny, with_stages
+from tests.test_eval_support import compose_tiny, with_stages, write_engine
 
 
 @pytest.mark.slow
@@ -27,6 +27,7 @@ def test_tiny_pipeline_trained_and_merged_beat_the_base(tmp_path, tiny_cache):
     cfg = stages.resolve(cfg)
     data_stage.run(cfg, run)
     plan = stages.plan_stage(cfg, run, quiet=True)
+    write_engine(cfg, plan, run)  # as the launcher writes them
     train_stage.run(cfg, run, plan, max_generate=16)
     eval_stage.run(cfg, run)
     export_stage.run(cfg, run, plan)

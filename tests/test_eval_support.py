@@ -37,13 +37,36 @@ def plan_for(cfg: Config, **strategy: Any) -> Any:
     with strategy fields overridden."""
     from dataclasses import replace
 
-    from finetune.cli import load_profiles
+    from finetune.hydra_config import load_profiles
     from finetune.planner import make_plan
     from finetune.stages import resolve
 
     cfg = resolve(cfg)
     plan = make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
     return replace(plan, strategy=replace(plan.strategy, **strategy)) if strategy else plan
+
+
+def write_engine(cfg: Config, plan: Any, run_dir: Path) -> None:
+    """What the launcher writes before the ranks start (engine.json and the engine's files): the in-process
+    runs below skip the launcher, and the worker reads them."""
+    from finetune.launch.engines import write_engine_files
+
+    write_engine_files(cfg, plan, Path(run_dir))
+
+
+def prepare_run(cfg: Config) -> Path:
+    """A run directory as `python -m finetune mode=train` leaves it for the worker: config.yaml, the data,
+    plan.json and the launcher's engine files (the ranks are not started)."""
+    from finetune import rundir
+    from finetune.data import stage as data_stage
+    from finetune.stages import plan_stage, resolve
+
+    cfg = resolve(cfg)
+    run = rundir.prepare(cfg)
+    rundir.save_config(cfg, run)
+    data_stage.run(cfg, run)
+    write_engine(cfg, plan_stage(cfg, run, quiet=True), run)
+    return run
 
 
 def train_in_process(
@@ -65,9 +88,9 @@ def train_in_process(
     if n_train:
         train = train.select(range(n_train))
     datasets = (train, evals.select(range(n_eval)))
-    return stage.run(
-        cfg, Path(cfg.run_dir), plan_for(cfg, **strategy), datasets=datasets, max_generate=max_generate
-    )
+    plan = plan_for(cfg, **strategy)
+    write_engine(cfg, plan, Path(cfg.run_dir))
+    return stage.run(cfg, Path(cfg.run_dir), plan, datasets=datasets, max_generate=max_generate)
 
 
 def with_stages(cfg: Config, eval: Optional[EvalConfig] = None, export: Optional[ExportConfig] = None) -> Any:
@@ -100,7 +123,7 @@ def make_adapter_run(run_dir: Path, model_cfg: Any, method: Any, seed: int = 0, 
     from peft import get_peft_model
 
     from finetune import tiny
-    from finetune.train.models import lora_config
+    from finetune.models import lora_config
 
     torch.manual_seed(seed)
     model = tiny.load_model(model_cfg)

@@ -42,7 +42,7 @@ def _inputs(held_out, n=3):
 
 def test_lora_merge_matches_the_adapter_model_and_ships_everything(tmp_path, tiny_cache, held_out):
     from finetune import tiny
-    from finetune.evaluation.loading import attach_adapter
+    from finetune.models import attach_adapter
 
     run = tmp_path / "run"
     cfg = _cfg(run)
@@ -89,7 +89,7 @@ def test_qlora_merges_into_a_16_bit_base_exactly(tmp_path, tiny_cache, held_out,
     """QLoRA: merged in fp32/bf16, never NF4; equals the adapter on that (original or dequantized) base."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.evaluation.loading import attach_adapter, load_base
+    from finetune.models import attach_adapter, load_base
 
     run = tmp_path / "run"
     cfg = _cfg(run, "qlora", qlora_merge_base=merge_base)
@@ -205,7 +205,7 @@ def test_export_config_validation():
 def test_export_yaml_matches_the_schema():
     import yaml
 
-    from finetune.config import package_dir
+    from finetune.hydra_config import package_dir
 
     raw = yaml.safe_load((package_dir("configs") / "export" / "default.yaml").read_text())
     assert raw == {k: v for k, v in ExportConfig().__dict__.items()}

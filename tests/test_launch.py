@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shlex
 import socket
@@ -17,9 +18,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from finetune import rundir
-from finetune.cli import compose, load_profiles
-from finetune.config import Config, package_dir
+from finetune.config import Config
 from finetune.errors import ConfigError, LaunchError
+from finetune.hydra_config import compose, load_profiles, package_dir
 from finetune.launch import LaunchConfig, stage
 from finetune.launch.runner import subprocess_runner, wait_for_rendezvous
 from finetune.machine import GPU, Machine
@@ -470,3 +471,67 @@ def test_cli_dry_run_llama70b_full(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "--nproc_per_node=8" in r.stdout and "DeepSpeed ZeRO-3" in r.stdout and "optimizer" in r.stdout
     assert (tmp_path / "run" / "launch.sh").is_file() and (tmp_path / "run" / "deepspeed.json").is_file()
+
+
+# ---------------------------------------------------------------- plan.json is the single source after planning
+
+
+@pytest.mark.parametrize("recipe", ["llama70b_full", "llama70b_lora", "qwen32b_full"])
+def test_the_launcher_and_the_ranks_read_the_layout_plan_json_carries(tmp_path, recipe, capsys):
+    """The pipeline's plan.json carries the layout; the launcher starts exactly that many ranks, and
+    engine.json (what each rank reads) says the same engine and world size."""
+    from finetune.stages import plan_stage
+
+    cfg = resolve(compose([f"+recipe={recipe}", f"run_dir={tmp_path / 'run'}"]))
+    run_dir = rundir.prepare(cfg)
+    rundir.save_config(cfg, run_dir)
+    plan = plan_stage(cfg, run_dir, quiet=True)
+    assert stage.run(cfg, run_dir, plan, launch=replace(cfg.launch, dry_run=True)) == 0
+    written = json.loads((run_dir / rundir.PLAN_FILE).read_text())["layout"]
+    engine = json.loads((run_dir / rundir.ENGINE_FILE).read_text())
+    assert written == plan.layout.to_dict() == rundir.load_plan(run_dir).layout.to_dict()
+    assert (engine["engine"], engine["world_size"]) == (written["engine"], written["world_size"])
+    assert f"--nproc_per_node={written['processes_per_node']}" in capsys.readouterr().out
+    assert engine["trainer_kwargs"]["per_device_train_batch_size"] == plan.strategy.micro_batch_size
+
+
+def test_hardware_auto_plan_json_carries_the_chosen_profile(tmp_path):
+    """Under hardware=auto the ranks read the profile the planner chose (config.yaml keeps `auto`)."""
+    from finetune.stages import plan_stage
+
+    cfg = resolve(compose(["+recipe=llama70b_lora", "hardware=auto", f"run_dir={tmp_path / 'run'}"]))
+    run_dir = rundir.prepare(cfg)
+    plan = plan_stage(cfg, run_dir, quiet=True)
+    loaded = rundir.load_plan(run_dir)
+    assert cfg.hardware.name == "auto" and loaded.hardware.name == plan.hardware.name != "auto"
+    assert loaded.hardware == plan.hardware == load_profiles()[plan.hardware.name]
+    assert loaded.layout == plan.layout and loaded.layout.nproc_per_node == plan.hardware.gpus_per_node
+
+
+def test_the_pipeline_runs_the_prechecks_once_and_hands_them_to_the_ranks(run70, monkeypatch):
+    """precheck=True (the pipeline): disk, resume and RAM are checked here, before the ranks start, and the
+    ranks are told so; launch.sh (run later, elsewhere) carries no such promise."""
+    from finetune import preflight
+
+    cfg, plan, run_dir = run70
+    calls = []
+    monkeypatch.setattr(stage, "check", lambda *a, **k: calls.append(a[1]))
+    runner = Capture()
+    assert stage.run(cfg, run_dir, plan, launch=LaunchConfig(), runner=runner, precheck=True) == 0
+    [(_, env, _)] = runner.calls
+    assert calls == [run_dir] and env[preflight.PRECHECKED_ENV] == "1"
+    assert preflight.MISMATCH_ENV not in env
+    assert preflight.PRECHECKED_ENV not in (run_dir / "launch.sh").read_text()
+    assert preflight.handed_down(env) == preflight.MachineCheck({}) and preflight.handed_down({}) is None
+    calls.clear()
+    for launch in (LaunchConfig(dry_run=True), LaunchConfig(detach=True)):  # the ranks check for themselves
+        runner = Capture()
+        stage.run(cfg, run_dir, plan, launch=launch, runner=runner, which=lambda n: None, precheck=True)
+        assert calls == [] and all(preflight.PRECHECKED_ENV not in env for _, env, _ in runner.calls)
+    with pytest.raises(LaunchError, match="disk: "):  # the real check, on this small disk, before any start
+        monkeypatch.setattr(stage, "check", preflight.check)
+        stage.run(cfg, run_dir, plan, launch=LaunchConfig(), runner=(runner := Capture()), precheck=True)
+    assert runner.calls == []
+    mismatch = "hardware=h200x8 plans for 8 CUDA GPU(s) ..."
+    handed = preflight.handoff(preflight.MachineCheck({}, mismatch=mismatch))
+    assert preflight.handed_down(handed) == preflight.MachineCheck({}, mismatch=mismatch)

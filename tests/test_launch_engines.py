@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
 from finetune import rundir
-from finetune.cli import compose, load_profiles
 from finetune.config import Config
-from finetune.launch import LaunchConfig, engine_files
-from finetune.launch.engines import layout, nccl_env, write_engine_files
+from finetune.hydra_config import compose, load_profiles
+from finetune.launch import LaunchConfig
+from finetune.launch.engines import engine_files, layout, nccl_env, write_engine_files
 from finetune.planner import Plan, make_plan
 from finetune.stages import resolve
 
@@ -117,7 +117,7 @@ def test_cpu_two_process_zero3_is_fp32_unpinned_and_says_use_cpu(tmp_path, monke
     assert ds.bfloat16_config.enabled is False  # bf16 is slow on the CPU: method.precision=auto is fp32 there
     assert ds.zero_config.offload_optimizer.pin_memory is False
     assert files.trainer_kwargs["use_cpu"] is True  # gives the gloo group (without it each rank trains alone)
-    env = nccl_env(LaunchConfig(), layout(cfg, plan))
+    env = nccl_env(LaunchConfig(), layout(plan))
     # The other trap: under ACCELERATE_USE_CPU accelerate drops DeepSpeed and runs DDP (test_distributed.py).
     assert "ACCELERATE_USE_CPU" not in env
 
@@ -300,8 +300,9 @@ def test_every_rung_on_every_profile_gets_the_engine_settings_it_plans(tmp_path,
         cfg, rungs = _rungs(overrides, profile)
         assert rungs, (overrides, profile)
         gpus = cfg.hardware.total_gpus
+        made = make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
         for s in rungs:
-            plan = {"strategy": asdict(s), "hardware": {"gpus": gpus}}
+            plan = replace(made, strategy=s)  # the rung as a plan.json would carry it
             files = write_engine_files(cfg, plan, tmp_path)
             kw = files.trainer_kwargs
             engine = engines[s.sharding] if s.sharding != "none" or gpus == 1 else "ddp"

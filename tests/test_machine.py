@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from finetune import machine, preflight, rundir
-from finetune.cli import compose, load_profiles
 from finetune.errors import LaunchError
+from finetune.hydra_config import compose, load_profiles
 from finetune.machine import GPU, Machine, Requirement, local_profile, mismatch
-from finetune.planner import make_plan
+from finetune.planner import Plan, make_plan
+from finetune.planner.contract import CONTRACT_HARDWARE
 from tests.test_eval_support import train_in_process
 
 PROFILES = load_profiles()
@@ -62,13 +63,21 @@ def test_two_a100_80gb_plan_with_detected_memory_and_the_a100_profiles_facts():
     cfg = compose(["model=llama3_1_8b", "method=lora", "train.seq_len=4096", "train.max_steps=100"])
     plan = make_plan(cfg.model, cfg.method, hw, cfg.train, cfg.plan, PROFILES)
     d = plan.to_dict()["hardware"]
-    assert d == {
+    assert {k: d[k] for k in CONTRACT_HARDWARE} == {
         "name": "local",
         "gpus": 2,
         "gpu_memory_gb": 85.1,
         "host_memory_gb": 1000.0,
         "usd_per_month": None,
     }
+    # the whole profile read from the machine, not `local`'s YAML: what the ranks run with
+    assert (d["device"], d["gpus_per_node"], d["gpu_names"], d["peak_bf16_tflops"]) == (
+        "cuda",
+        2,
+        ["NVIDIA A100-SXM4-80GB"],
+        312,
+    )
+    assert Plan.from_dict(plan.to_dict()).hardware == hw
     assert plan.usable_gpu_memory_gb == pytest.approx(85.1 * (1 - cfg.plan.headroom))
     assert plan.estimate.tokens_per_second is not None and plan.estimate.usd is None
 
@@ -201,9 +210,7 @@ def test_check_machine_refuses_allows_and_narrows(monkeypatch):
     kw = {"gpus": 1, "device": "cuda", "allow_mismatch": False}
     with pytest.raises(LaunchError, match="no CUDA GPU"):
         preflight.check_machine(cfg, plan, **kw, read=lambda _: box())
-    allowed = preflight.check_machine(
-        cfg, plan.to_dict(), **{**kw, "allow_mismatch": True}, read=lambda _: box()
-    )
+    allowed = preflight.check_machine(cfg, plan, **{**kw, "allow_mismatch": True}, read=lambda _: box())
     assert allowed.env == {} and allowed.mismatch.startswith(
         "hardware=h100 plans for 1 CUDA GPU(s) with 80 GB"
     )

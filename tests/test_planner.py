@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 
-from finetune.cli import compose, load_profiles
-from finetune.config import Config, HardwareConfig, ModelConfig, group_choices
+from finetune.config import Config, HardwareConfig, ModelConfig
 from finetune.errors import PlanError
+from finetune.hydra_config import compose, group_choices, load_profiles
 from finetune.planner import (
     Calibration,
     Plan,
@@ -25,7 +25,8 @@ from finetune.planner import (
     runtime,
 )
 from finetune.planner import search as search_module
-from finetune.planner._activations import attention_mask_bytes, layer_bytes_per_token, model_bytes_per_token
+from finetune.planner.activations import attention_mask_bytes, layer_bytes_per_token, model_bytes_per_token
+from finetune.planner.contract import CONTRACT_HARDWARE
 from finetune.planner.memory import quant_constant_bits
 
 PROFILES = load_profiles()
@@ -91,7 +92,7 @@ GEMMA = dict(
 
 
 def _from_json(tmp_path, raw: dict) -> ModelConfig:
-    from finetune.stages import model_from_config_json
+    from finetune.models import model_from_config_json
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(raw))
@@ -699,7 +700,11 @@ def test_plan_contract_fields():
         "fits", "hardware", "params", "strategy", "gpu_memory_gb", "host_memory_gb",
         "disk_gb", "estimate", "reasons", "suggestions", "alternatives",
     }  # fmt: skip
-    assert set(d["hardware"]) == {"name", "gpus", "gpu_memory_gb", "host_memory_gb", "usd_per_month"}
+    assert list(d["hardware"])[:5] == ["name", "gpus", "gpu_memory_gb", "host_memory_gb", "usd_per_month"]
+    # then the whole profile and the process layout (added after the contract's fields, none renamed)
+    assert set(d["hardware"]) == set(CONTRACT_HARDWARE) | {f.name for f in fields(HardwareConfig)}
+    assert d["layout"] == {"nodes": 1, "processes_per_node": 1, "world_size": 1, "engine": "single"}
+    assert list(d)[-1] == "layout"
     assert set(d["params"]) == {"total", "trainable"}
     assert set(d["strategy"]) == {
         "sharding", "offload_optimizer", "offload_params", "optimizer", "activation_checkpointing",
@@ -771,3 +776,18 @@ def test_host_ram_counts_loading_the_model_per_engine():
 
     _, refused = plan_for("+recipe=llama70b_full", "train.sharding=ddp", "method.optimizer=adamw_8bit")
     assert not refused.fits and any(r.startswith("host memory: 2,290 GB per node") for r in refused.reasons)
+
+
+def test_plan_json_round_trips_the_whole_profile_and_refuses_an_older_one():
+    cfg, plan = plan_for("+recipe=llama70b_full", "hardware=auto")
+    d = json.loads(json.dumps(plan.to_dict()))
+    back = Plan.from_dict(d)
+    assert back.hardware == plan.hardware and back.hardware.name != "auto" and back.layout == plan.layout
+    assert {k: back.to_dict()[k] for k in ("hardware", "layout", "strategy")} == {
+        k: d[k] for k in ("hardware", "layout", "strategy")
+    }
+    old = {**d, "hardware": {k: d["hardware"][k] for k in CONTRACT_HARDWARE}}
+    del old["layout"]
+    with pytest.raises(PlanError, match=r"^plan.json was written by an older finetune \(no hardware.device\): "
+                       r"re-run mode=plan with this run_dir$"):  # fmt: skip
+        Plan.from_dict(old)

@@ -172,8 +172,8 @@ def _slow_worker(run: Path, flag: Path, module: str, name: str) -> subprocess.Po
 @pytest.mark.parametrize(
     "module, name, during",
     [
-        ("finetune.train.models", "load_for_training", "loading the model"),
-        ("finetune.train.evaluate", "evaluate", "the base evaluation"),
+        ("finetune.models", "load_for_training", "loading the model"),
+        ("finetune.evaluation.heldout", "evaluate", "the base evaluation"),
     ],
     ids=["model_load", "base_evaluation"],
 )
@@ -205,7 +205,7 @@ def test_sigterm_before_training_names_the_existing_resume_point_not_a_new_save(
     newest = checkpoints.last_complete(run / "checkpoints")
     stamp = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
     flag = tmp_path / "flag"
-    proc = _slow_worker(run, flag, "finetune.train.evaluate", "evaluate")
+    proc = _slow_worker(run, flag, "finetune.evaluation.heldout", "evaluate")
     _wait(flag, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
@@ -232,7 +232,7 @@ def test_two_sigterms_to_the_pipeline_half_a_second_apart_exit_75(tmp_path, tiny
     exited 2 (reserved for bad input)."""
     run = prepare_run_dir(tmp_path / "run", tmp_path / "cache", "train.max_steps=4")
     flag = tmp_path / "flag"
-    fake = _fake_python(tmp_path, "finetune.train.models", "load_for_training", flag)
+    fake = _fake_python(tmp_path, "finetune.models", "load_for_training", flag)
     proc = subprocess.Popen(
         [sys.executable, "-m", "finetune", "mode=train", f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}",
          *RUN_DIR_ARGS, f"launch.python={fake}"],

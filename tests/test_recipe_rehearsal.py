@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.config import recipe_names
+from finetune.hydra_config import recipe_names
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -30,7 +30,7 @@ WRAPPERS = {"none": None, "ddp": "DistributedDataParallel", "zero3": "DeepSpeedE
 
 
 def recipe_plan(recipe: str):
-    from finetune.cli import compose, load_profiles
+    from finetune.hydra_config import compose, load_profiles
     from finetune.planner import make_plan
     from finetune.stages import resolve
 

@@ -16,7 +16,7 @@ import pytest
 
 from finetune import checkpoints, rundir
 from finetune.errors import ConfigError
-from tests.test_eval_support import train_in_process
+from tests.test_eval_support import train_in_process, write_engine
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,7 +35,8 @@ RUN = (
 
 
 def prepare_run_dir(run: Path, cache: Path, *overrides: str) -> Path:
-    """config.yaml, data and plan.json as the pipeline writes them (compose, data stage, plan stage)."""
+    """config.yaml, data, plan.json and the engine files as the pipeline writes them before the ranks start
+    (compose, data stage, plan stage, the launcher's engine files)."""
     from finetune.cli import compose
     from finetune.data import stage as data_stage
     from finetune.stages import plan_stage, resolve
@@ -44,7 +45,7 @@ def prepare_run_dir(run: Path, cache: Path, *overrides: str) -> Path:
     rundir.prepare(cfg)
     rundir.save_config(cfg, run)
     data_stage.run(cfg, run)
-    plan_stage(cfg, run, quiet=True)
+    write_engine(cfg, plan_stage(cfg, run, quiet=True), run)  # as the launcher writes them
     return run
 
 

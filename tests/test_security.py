@@ -85,18 +85,17 @@ def test_planted_secrets_appear_in_no_file_and_no_output(tmp_path, tiny_cache):
         "+launch.env.DEPLOY=${oc.env:CI_DEPLOY_SECRET}",
     ]
     outputs = []
-    for mode in ("data", "plan"):
-        r = _run([sys.executable, "-m", "finetune", f"mode={mode}", *common], env, tmp_path)
+    # data, then plan + a launch dry run (launch.sh, engine.json: what the worker reads), then the worker itself
+    for mode in (["mode=data"], ["mode=launch", "launch.dry_run=true"]):
+        r = _run([sys.executable, "-m", "finetune", *mode, *common], env, tmp_path)
         assert r.returncode == 0, r.stderr[-2000:]
         outputs.append(r.stdout + r.stderr)
     r = _run([sys.executable, "-m", "finetune.train", str(run)], env, tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     outputs.append(r.stdout + r.stderr)
-    r = _run([sys.executable, "-m", "finetune", "mode=launch", "launch.dry_run=true", *common], env, tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
 
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
-    assert {"config.yaml", "plan.json", "metrics.json", "data_stats.json", "launch.sh"} <= {
+    assert {"config.yaml", "plan.json", "engine.json", "metrics.json", "data_stats.json", "launch.sh"} <= {
         p.name for p in files
     }
     assert any(p.name.startswith("events.out.tfevents") for p in files)
@@ -189,7 +188,7 @@ def test_pickle_weights_refused_unless_allowed_and_opt_ins_logged(tmp_path, tiny
 
     from finetune import tiny
     from finetune.cli import compose
-    from finetune.train.models import check_weight_safety, load_for_training
+    from finetune.models import check_weight_safety, load_for_training
 
     cfg = compose(["train.seq_len=128"])
     assert cfg.model.trust_remote_code is False and cfg.model.allow_pickle_weights is False
@@ -211,6 +210,40 @@ def test_pickle_weights_refused_unless_allowed_and_opt_ins_logged(tmp_path, tiny
     with caplog.at_level(logging.WARNING):
         check_weight_safety(replace(cfg.model, trust_remote_code=True), str(tiny.model_dir(cfg.model)))
     assert "trust_remote_code=true" in caplog.text
+
+
+def test_every_loading_path_refuses_pickle_only_weights(tmp_path, tiny_cache):
+    """Evaluation's base, trained and merged models and export's trained model go through the same check as
+    training (finetune/models.py `load_pretrained`), not only the training path."""
+    import torch
+
+    from finetune import models, rundir, tiny
+    from finetune.cli import compose
+    from finetune.export.merge import merged_model
+
+    def pickled(folder: Path) -> None:
+        model = tiny.load_model(cfg.model)
+        model.save_pretrained(folder)
+        (folder / "model.safetensors").unlink()
+        torch.save(model.state_dict(), folder / "pytorch_model.bin")
+
+    cfg = compose(["train.seq_len=128", "method=full"])
+    base = tmp_path / "base"
+    pickled(base)
+    on_pickles = replace(cfg, model=replace(cfg.model, name="pickled", config_path=str(base / "config.json")))
+    refused = r"only pickle weights \(pytorch_model.bin\)"
+    with pytest.raises(ConfigError, match=refused):
+        models.load_variant(on_pickles, tmp_path / "run", "base")
+    run = tmp_path / "run"
+    pickled(rundir.trained_dir(run, uses_adapters=False))
+    pickled(rundir.merged_dir(run))
+    for variant in ("trained", "merged"):
+        with pytest.raises(ConfigError, match=refused):
+            models.load_variant(cfg, run, variant)
+    with pytest.raises(ConfigError, match=refused):
+        merged_model(cfg, run, [])
+    with pytest.raises(ConfigError, match=refused):
+        models.load_base(on_pickles, torch.float32)
 
 
 # ---------------------------------------------------------------- scripts: every value quoted, secrets by name

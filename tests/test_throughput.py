@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from finetune.collator import IGNORE_INDEX, NUM_TOKENS_KEY, PackedCollator
 from finetune.errors import ConfigError
 from finetune.train import throughput
-from finetune.train.collator import IGNORE_INDEX, NUM_TOKENS_KEY, PackedCollator
-from tests.test_eval_support import compose_tiny, plan_for, train_in_process
+from tests.test_eval_support import compose_tiny, plan_for, train_in_process, write_engine
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 4
@@ -155,7 +155,7 @@ def test_liger_goes_through_trls_switch_and_reaches_the_trainer(tmp_path, tiny_c
     chunked loss is told to use Liger's kernel (which it does for CUDA tensors only)."""
     import transformers.trainer
 
-    from finetune.train.models import load_for_training, load_tokenizer
+    from finetune.models import load_for_training, load_tokenizer
     from finetune.train.trainer import build_sft_config, build_trainer
 
     assert throughput.sft_kwargs(compose_tiny("hardware=h200")) == {}
@@ -176,6 +176,7 @@ def test_liger_goes_through_trls_switch_and_reaches_the_trainer(tmp_path, tiny_c
     )
     cfg = _cfg(tmp_path / "run", "train.max_steps=1")
     plan = plan_for(cfg, micro_batch_size=2, grad_accum_steps=1, chunked_loss=True)
+    write_engine(cfg, plan, tmp_path / "run")
     args = build_sft_config(cfg, plan, tmp_path / "run", torch.float32)
     args.use_liger_kernel, args.liger_kernel_config = True, dict(kwargs["liger_kernel_config"])  # as on a GPU
     model, dtype = load_for_training(cfg)
@@ -199,8 +200,8 @@ def _segments(position_ids: list[int]) -> list[tuple[int, int]]:
 
 
 def _lora_model(tiny_cache, attention: str, precision: str):
-    from finetune.train.chunked_loss import add_chunked_loss_head
-    from finetune.train.models import load_for_training
+    from finetune.chunked_loss import add_chunked_loss_head
+    from finetune.models import load_for_training
 
     # flex: a GPU profile gets past the config's refusal; the model still loads on the CPU (LoRA has no
     # device map), in fp32 (on "cuda" without CUDA, bf16 would fall back to fp32).

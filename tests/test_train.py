@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from finetune import rundir
+from finetune.collator import NUM_TOKENS_KEY, PackedCollator
 from finetune.train import stage
 from finetune.train.callbacks import EarlyStop, RunMonitor
-from finetune.train.collator import NUM_TOKENS_KEY, PackedCollator
-from tests.test_eval_support import compose_tiny, plan_for, train_in_process
+from tests.test_eval_support import compose_tiny, plan_for, train_in_process, write_engine
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -102,7 +102,7 @@ def test_early_stop_saves_then_stops_the_trainer(tmp_path, tiny_cache, tiny_data
     """A (faked) loss spike at step 5 of 30: a checkpoint at step 5, and no step 6."""
     from transformers import TrainerCallback
 
-    from finetune.train.models import load_for_training, load_tokenizer
+    from finetune.models import load_for_training, load_tokenizer
     from finetune.train.trainer import build_trainer
 
     class Spike(TrainerCallback):
@@ -112,6 +112,7 @@ def test_early_stop_saves_then_stops_the_trainer(tmp_path, tiny_cache, tiny_data
 
     cfg = _cfg(tmp_path, "method=lora", "train.max_steps=30")
     plan = plan_for(cfg, micro_batch_size=1, grad_accum_steps=1)
+    write_engine(cfg, plan, Path(cfg.run_dir))
     model, dtype = load_for_training(cfg)
     stage.cpu_threads(0)
     stop = EarlyStop(cfg.train.loss_spike_factor, cfg.train.eval_rise_patience)
@@ -156,7 +157,7 @@ def test_plan_json_round_trip(tmp_path):
     cfg = _cfg(tmp_path)
     plan = plan_for(cfg, micro_batch_size=2, grad_accum_steps=3, chunked_loss=True)
     rundir.write_json(tmp_path / rundir.PLAN_FILE, plan.to_dict())
-    back = stage.load_plan(tmp_path, plan.hardware)
+    back = rundir.load_plan(tmp_path)
     assert back.strategy == plan.strategy and back.seq_len == plan.seq_len and back.fits == plan.fits
     assert back.gpu_memory.total == pytest.approx(plan.gpu_memory.total, abs=1e-2)
 
@@ -198,8 +199,8 @@ def test_adapter_and_optimizer_state_save_and_resume_exactly(tmp_path, tiny_cach
     """A run resumed from its step-6 checkpoint (adapter, optimizer, scheduler, RNG) retraces steps 7-12."""
     from peft import PeftModel
 
-    from finetune.train.evaluate import heldout_loss
-    from finetune.train.models import model_source
+    from finetune.evaluation.heldout import heldout_loss
+    from finetune.models import model_source
 
     common = ("method=lora", "method.learning_rate=5e-3", "train.max_steps=12", "train.save_steps=6")
     cfg = _cfg(tmp_path, *common)
@@ -277,7 +278,7 @@ def test_qlora_gradients_after_eval_match_dequantized_reference(tiny_cache, tiny
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from finetune.train.models import load_for_training, lora_config, model_source
+    from finetune.models import load_for_training, lora_config, model_source
 
     cfg = _cfg(
         tmp_path,
@@ -335,7 +336,7 @@ def _prepare_run_dir(tmp_path: Path, *overrides: str) -> Path:
     run = rundir.prepare(cfg)
     rundir.save_config(cfg, run)
     data_stage.run(cfg, run)
-    plan_stage(cfg, run, quiet=True)
+    write_engine(cfg, plan_stage(cfg, run, quiet=True), run)  # as the launcher writes them
     return run
 
 
@@ -361,7 +362,9 @@ def test_worker_entry_reads_config_and_plan(tmp_path, tiny_cache):
         capture_output=True,
         text=True,
     )
-    assert bad.returncode == 2 and "config.yaml" in bad.stderr
+    # The worker reads plan.json first (its hardware profile and layout), then config.yaml.
+    assert bad.returncode == 2
+    assert f"{tmp_path / 'nope' / 'plan.json'}: missing; run the plan stage" in bad.stderr
 
 
 @pytest.mark.slow
@@ -369,11 +372,53 @@ def test_tiny_recipe_learns_the_bundled_task(tmp_path, tiny_cache):
     """The embedded default as configured: held-out loss falls clearly and exact match rises from ~0."""
     run = _prepare_run_dir(tmp_path)
     cfg = rundir.load_config(run)
-    from finetune.stages import resolve
-
-    cfg = resolve(cfg)
-    m = stage.run(cfg, run, stage.load_plan(run, cfg.hardware), max_generate=None)
+    m = stage.run(cfg, run, rundir.load_plan(run), max_generate=None)
     base, trained = m["eval"]["base"], m["eval"]["trained"]
     assert base["exact_match"] < 0.05
     assert trained["exact_match"] > base["exact_match"] + 0.4, trained
     assert trained["loss"] < 0.5 * base["loss"], (base["loss"], trained["loss"])
+
+
+# ---------------------------------------------------------------- the rank reads what the launcher wrote
+
+
+def test_a_rank_reads_engine_json_and_refuses_another_world_size(tmp_path, monkeypatch):
+    from finetune.errors import LaunchError
+    from finetune.train.trainer import engine_trainer_kwargs
+
+    cfg = _cfg(tmp_path)
+    plan = plan_for(cfg, micro_batch_size=2, grad_accum_steps=3)
+    run = Path(cfg.run_dir)
+    with pytest.raises(LaunchError, match=r"engine.json: missing; the launcher writes it"):
+        engine_trainer_kwargs(run)
+    write_engine(cfg, plan, run)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    kwargs = engine_trainer_kwargs(run)
+    assert (kwargs["per_device_train_batch_size"], kwargs["gradient_accumulation_steps"]) == (2, 3)
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir()}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(
+        LaunchError, match=r"set up for 1 process\(es\), this rank's group has 2 \(WORLD_SIZE\)"
+    ):
+        engine_trainer_kwargs(run)
+    assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before  # nothing written again
+
+
+def test_a_rank_the_pipeline_started_does_not_check_again(tmp_path, monkeypatch):
+    """The pipeline ran disk, resume, RAM and machine checks before starting the ranks (preflight.handoff);
+    a rank started without that promise (launch.sh by hand, SLURM) runs them itself."""
+    from finetune import preflight
+
+    cfg = _cfg(tmp_path)
+    plan = plan_for(cfg)
+    ran = []
+    monkeypatch.setattr(preflight, "check", lambda *a, **k: ran.append("check"))
+    monkeypatch.setattr(
+        preflight, "check_machine", lambda *a, **k: ran.append("machine") or preflight.MachineCheck({})
+    )
+    for key, value in preflight.handoff(preflight.MachineCheck({}, mismatch="let through")).items():
+        monkeypatch.setenv(key, value)
+    assert stage._prechecks(cfg, Path(cfg.run_dir), plan).mismatch == "let through" and ran == []
+    monkeypatch.delenv(preflight.PRECHECKED_ENV)
+    stage._prechecks(cfg, Path(cfg.run_dir), plan)
+    assert ran == ["check", "machine"]

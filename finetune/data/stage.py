@@ -24,21 +24,19 @@ import shutil
 import time
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from finetune import rundir
-from finetune.config import Config, ModelConfig
+from finetune import models, rundir, tiny
+from finetune.config import Config
 from finetune.data import cache, clean, pack, sources, stats
+from finetune.data.config import DataConfig
 from finetune.data.control import ControlTokens, special_tokens, template_markers
 from finetune.data.formats import Messages, RecordError, to_messages, turn_order_problem
 from finetune.data.render import IGNORE_INDEX, Renderer
-from finetune.errors import ConfigError, DataError, DiskFullError, is_disk_full
+from finetune.errors import DataError, DiskFullError, is_disk_full
 
-DATA_DIR = "data"
-STATS_FILE = "data_stats.json"
-HISTOGRAM_FILE = "data_tokens.png"
 # Bump when the prepared format or the cleaning rules change: old cache entries stop matching.
 PREPARED_VERSION = 2
 
@@ -68,34 +66,6 @@ def _cut(msgs: Messages, limit: int) -> Messages:
         out.append({**m, "content": m["content"][: limit - total]})
         total += len(out[-1]["content"])
     return out
-
-
-def load_tokenizer(model: ModelConfig) -> Any:
-    """The tokenizer whose chat template renders the data: the tiny one built locally, else the model's own."""
-    if model.name == "tiny" and not model.hub_id:
-        from finetune.tiny import load_tokenizer as tiny_tokenizer
-
-        return tiny_tokenizer(model)
-    source = model.hub_id or (str(Path(model.config_path).parent) if model.config_path else None)
-    if not source:
-        raise ConfigError(
-            f"model.hub_id is not set for model={model.name}: the data stage needs its tokenizer"
-        )
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=model.trust_remote_code)
-    except OSError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DataError(f"model.hub_id={source}: cannot load the tokenizer ({first})") from None
-
-
-def _default_data_path() -> Path:
-    try:
-        from finetune.tiny import bundled_data_path
-    except ImportError:  # finetune.tiny is being written; the file's place is fixed
-        return Path(__file__).resolve().parent / "bundled" / "chat.jsonl"
-    return bundled_data_path()
 
 
 def _tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -152,12 +122,22 @@ def run(cfg: Config, run_dir: Path, *, tokenizer: Any = None) -> dict:
     """Prepare (or fetch from the cache) the training and eval data; write `data_stats.json`; return the stats."""
     run_dir = Path(run_dir)
     # Before any work: RUN_DIR/data is replaced at the end, and only when finetune wrote it.
-    rundir.check_replaceable(run_dir / DATA_DIR, cache.published_before_markers)
+    rundir.check_replaceable(run_dir / rundir.DATA_DIR, cache.published_before_markers)
     console = _console()
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
-    path = cfg.data.path or str(_default_data_path())
-    local = Path(path).expanduser()
+    tokenizer = tokenizer if tokenizer is not None else models.load_tokenizer(cfg.model)
+    path = cfg.data.path or str(tiny.bundled_data_path())
+    entry, key, hit = _cache_entry(cfg, tokenizer, path, console)
+    result = json.loads((entry / cache.COMPLETE).read_text())
+    result["cache"] = {"fingerprint": key, "hit": hit, "dir": str(entry)}
+    _publish(entry, run_dir)
+    rundir.write_json(run_dir / rundir.DATA_STATS_FILE, result)
+    _report(console, result)
+    return result
 
+
+def _cache_entry(cfg: Config, tokenizer: Any, path: str, console) -> tuple[Path, str, bool]:
+    """(cache entry, its fingerprint, hit): the entry for these inputs, prepared (`_prepare`) on a miss."""
+    local = Path(path).expanduser()
     preloaded = None
     if local.exists():
         input_fp = sources.content_fingerprint(local)
@@ -165,42 +145,39 @@ def run(cfg: Config, run_dir: Path, *, tokenizer: Any = None) -> dict:
         preloaded, input_fp = sources.load(path)
     key = _fingerprint(cfg, input_fp, tokenizer)
     cache_root = cache.root(cfg.data.cache_dir)
-
     entry = cache.lookup(cache_root, key)
-    hit = entry is not None
-    if entry is None:
-        prepared: dict = {}
-        try:
-            with cache.building(cache_root, key) as tmp:
-                loaded = preloaded if preloaded is not None else sources.load(path)[0]
-                prepared = _prepare(cfg, tokenizer, loaded, path, console)
-                prepared["stats"]["input"]["fingerprint"] = input_fp
-                _save(prepared, tmp)
-                prepared["stats"]["cache"] = {"fingerprint": key, "hit": False, "dir": str(cache_root / key)}
-                rundir.write_json(tmp / cache.COMPLETE, prepared["stats"])
-        except OSError as exc:
-            if is_disk_full(exc):
-                raise DiskFullError(
-                    cache_root, _prepared_bytes(prepared), rundir.free_bytes(cache_root)
-                ) from None
-            raise
-        entry = cache_root / key
-    result = json.loads((entry / cache.COMPLETE).read_text())
-    result["cache"] = {"fingerprint": key, "hit": hit, "dir": str(entry)}
-
+    if entry is not None:
+        return entry, key, True
+    prepared: dict = {}
     try:
-        cache.publish_copy(entry, run_dir / DATA_DIR)  # hard links where it can: no bytes
-        hist = entry / HISTOGRAM_FILE
+        with cache.building(cache_root, key) as tmp:
+            loaded = preloaded if preloaded is not None else sources.load(path)[0]
+            prepared = _prepare(cfg, tokenizer, loaded, path, console)
+            prepared["stats"]["input"]["fingerprint"] = input_fp
+            _save(prepared, tmp)
+            prepared["stats"]["cache"] = {"fingerprint": key, "hit": False, "dir": str(cache_root / key)}
+            rundir.write_json(tmp / cache.COMPLETE, prepared["stats"])
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise DiskFullError(
+                cache_root, _prepared_bytes(prepared), rundir.free_bytes(cache_root)
+            ) from None
+        raise
+    return cache_root / key, key, False
+
+
+def _publish(entry: Path, run_dir: Path) -> None:
+    """The cache entry into RUN_DIR/data (hard links where it can: no bytes), its histogram beside it."""
+    try:
+        cache.publish_copy(entry, run_dir / rundir.DATA_DIR)
+        hist = entry / rundir.DATA_HISTOGRAM_FILE
         if hist.is_file():
-            _copy_file(hist, run_dir / HISTOGRAM_FILE)
+            _copy_file(hist, run_dir / rundir.DATA_HISTOGRAM_FILE)
     except OSError as exc:
         if is_disk_full(exc):
             size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
-            raise DiskFullError(run_dir / DATA_DIR, size, rundir.free_bytes(run_dir)) from None
+            raise DiskFullError(run_dir / rundir.DATA_DIR, size, rundir.free_bytes(run_dir)) from None
         raise
-    rundir.write_json(run_dir / STATS_FILE, result)
-    _report(console, result)
-    return result
 
 
 def _prepared_bytes(prepared: dict) -> Optional[int]:
@@ -277,185 +254,298 @@ def tokenize(convs: list[Messages], renderer: Renderer, num_proc: int = 1):
     )
 
 
+@dataclass
+class _Tally:
+    """What reading and cleaning counted: records read (good or bad), samples dropped by reason (in the
+    order first met), personal data scrubbed by kind, and samples with control tokens in their content."""
+
+    num_input: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    pii: Counter = field(default_factory=Counter)
+    with_control: int = 0
+
+
+@dataclass
+class _Kept:
+    """Conversations still kept, with their keys (deduplication, split order) and MinHashes (None: not needed)."""
+
+    messages: list[Messages]
+    keys: list[str]
+    hashes: Optional[list]
+
+    def select(self, rows: list[int]) -> _Kept:
+        hashes = [self.hashes[i] for i in rows] if self.hashes is not None else None
+        return _Kept([self.messages[i] for i in rows], [self.keys[i] for i in rows], hashes)
+
+
+@dataclass
+class _Tokens:
+    """Every sample rendered, masked and tokenized (train first, then eval): (start, length) slices of flat
+    numpy token arrays, with a running count of trainable labels."""
+
+    ids: Any
+    labels: Any
+    starts: Any
+    full_lengths: Any  # before any length limit
+    trainable_cum: Any
+    num_train: int  # the first `num_train` samples are the training split
+
+    def trainable(self, lengths: Any) -> Any:
+        """Trainable labels in each sample's first `lengths` tokens."""
+        return self.trainable_cum[self.starts + lengths] - self.trainable_cum[self.starts]
+
+
+@dataclass
+class _Rows:
+    """After the length limits: every sample's length, the sequence length, and the samples kept per split."""
+
+    lengths: Any
+    seq_len: int
+    truncated: int
+    empty_masks: int
+    train: Any  # indices into the samples of `_Tokens`
+    evals: Any
+
+
 def _prepare(cfg: Config, tokenizer: Any, loaded: sources.Loaded, path: str, console) -> dict:
+    """What a cache miss runs: messages -> clean -> deduplicate -> split -> tokenize -> length limits -> pack."""
     dc = cfg.data
     t0 = time.perf_counter()
-    dropped: Counter = Counter()
-    pii: Counter = Counter()
+    tally = _Tally()
     renderer = Renderer(tokenizer, dc.train_on)
     control = ControlTokens(special_tokens(tokenizer) | template_markers(renderer.template_texts()))
-    with_control = 0
+    hard = _hard_limit(cfg)
+    char_limit = max_chars(tokenizer, hard)
+    with _progress(console) as progress:
+        convs = _read_messages(loaded, cfg, path, tally, progress)
+        kept = _deduplicate(_clean(convs, dc, control, char_limit, tally, progress), dc, tally, progress)
+        train_convs, eval_convs = _split(kept, dc, tally)
+    tokens = _tokenize_splits(train_convs, eval_convs, renderer, dc.train_on, dc.num_proc)
+    rows = _length_limits(tokens, cfg, hard, tally)
+    train, evals = _packed(tokens, rows, eval_convs, dc)
+    result = _stats(cfg, loaded, path, tally, char_limit, renderer, tokens, rows, train["bins"])
+    result["seconds"] = round(time.perf_counter() - t0, 3)
+    return {"stats": result, "train": train, "evals": evals}
+
+
+def _hard_limit(cfg: Config) -> int:
+    """Tokens a sample may hold before `train.seq_len=auto` is resolved: the sequence length or the
+    model's context, capped by data.max_tokens."""
     seq_len_cfg = cfg.train.seq_len
     hard = cfg.model.max_position_embeddings if seq_len_cfg == "auto" else int(seq_len_cfg)
-    if dc.max_tokens:
-        hard = min(hard, dc.max_tokens)
-    char_limit = max_chars(tokenizer, hard)
+    if cfg.data.max_tokens:
+        hard = min(hard, cfg.data.max_tokens)
+    return hard
 
-    num_input = loaded.num_input  # every record read, good or bad
-    with _progress(console) as progress:
-        convs = _to_conversations(loaded, cfg, progress)
-        if (loaded.bad or loaded.empty_files) and dc.on_error == "raise":
-            _raise_bad_input(loaded, path, num_input)
-        dropped.update(sources.bad_summary(loaded.bad))
-        if num_input == 0:
-            raise DataError(f"data.path={path}: no records")
 
-        # Cleaning, in the order that makes each count mean one thing.
-        kept: list[Messages] = []
-        task = progress.add_task("clean", total=len(convs))
-        for _, msgs in convs:
-            progress.advance(task)
-            if any(not m["content"].strip() for m in msgs):
-                dropped["empty"] += 1
-                continue
-            if dc.check_roles and turn_order_problem(msgs):
-                dropped["invalid_turn_order"] += 1
-                continue
-            if sum(len(m["content"]) for m in msgs) > char_limit:  # cannot fit: no rendering, no tokenizing
-                if dc.too_long == "drop":
-                    dropped["too_long_chars"] += 1
-                    continue
-                msgs = _cut(msgs, 2 * char_limit)  # the head, with room: truncation to seq_len follows
-            if control.in_messages(msgs):
-                with_control += 1
-                if dc.control_tokens == "drop":
-                    dropped["control_tokens"] += 1
-                    continue
-                if dc.control_tokens == "escape":
-                    msgs = control.escape_messages(msgs)
-            if dc.scrub_pii:
-                msgs = [{"role": m["role"], "content": clean.scrub_pii(m["content"], pii)} for m in msgs]
-            kept.append(msgs)
-        keys = [clean.conversation_key(m) for m in kept]
-        if dc.dedup:
-            seen: set[str] = set()
-            keep = []
-            for i, k in enumerate(keys):
-                h = clean.exact_hash(k)
-                if h in seen:
-                    dropped["duplicate"] += 1
-                else:
-                    seen.add(h)
-                    keep.append(i)
-            kept, keys = [kept[i] for i in keep], [keys[i] for i in keep]
-        need_minhash = dc.near_dedup or dc.eval_fraction > 0
-        hashes = clean.minhashes(keys) if need_minhash and kept else None
-        if dc.near_dedup and hashes is not None:
-            task = progress.add_task("near-duplicates", total=1)
-            dup = clean.near_duplicates(hashes, dc.near_dedup_threshold)
-            progress.advance(task)
-            dropped["near_duplicate"] += sum(dup)
-            keep = [i for i, d in enumerate(dup) if not d]
-            kept, keys, hashes = [kept[i] for i in keep], [keys[i] for i in keep], [hashes[i] for i in keep]
+def _read_messages(loaded: sources.Loaded, cfg: Config, path: str, tally: _Tally, progress) -> list[Messages]:
+    """Every record as messages; bad records raise (data.on_error=raise) or are counted as dropped."""
+    tally.num_input = loaded.num_input  # every record read, good or bad (before messages add bad ones)
+    convs = _to_conversations(loaded, cfg, progress)
+    if (loaded.bad or loaded.empty_files) and cfg.data.on_error == "raise":
+        _raise_bad_input(loaded, path, tally.num_input)
+    tally.dropped.update(sources.bad_summary(loaded.bad))
+    if tally.num_input == 0:
+        raise DataError(f"data.path={path}: no records")
+    return [msgs for _, msgs in convs]
 
-        # Held-out split: by seed, after deduplication; then no exact or near duplicate of eval stays in train.
-        n = len(kept)
-        n_eval = round(dc.eval_fraction * n)
-        if dc.eval_fraction > 0 and n >= 2:
-            n_eval = min(max(n_eval, 1), n - 1)
-        order = _split_order(keys, dc.seed)
-        eval_idx, train_idx = sorted(order[:n_eval]), sorted(order[n_eval:])
-        if eval_idx:
-            leak = clean.leaks(
-                [keys[i] for i in train_idx],
-                [hashes[i] for i in train_idx] if hashes else None,
-                [keys[i] for i in eval_idx],
-                [hashes[i] for i in eval_idx] if hashes else None,
-                dc.near_dedup_threshold,
-            )
-            dropped["eval_leak"] += sum(leak)
-            train_idx = [i for i, bad in zip(train_idx, leak) if not bad]
 
-    # Render, mask, tokenize. From here on samples are (start, length) slices of flat numpy token arrays.
+def _clean(
+    convs: list[Messages], dc: DataConfig, control: ControlTokens, char_limit: int, tally: _Tally, progress
+) -> list[Messages]:
+    """The conversations that pass cleaning (`_clean_sample`), in input order."""
+    kept: list[Messages] = []
+    task = progress.add_task("clean", total=len(convs))
+    for msgs in convs:
+        progress.advance(task)
+        cleaned = _clean_sample(msgs, dc, control, char_limit, tally)
+        if cleaned is not None:
+            kept.append(cleaned)
+    return kept
+
+
+def _clean_sample(
+    msgs: Messages, dc: DataConfig, control: ControlTokens, char_limit: int, tally: _Tally
+) -> Optional[Messages]:
+    """One conversation cleaned, or None where dropped; checked in the order that makes each count mean one thing."""
+    if any(not m["content"].strip() for m in msgs):
+        tally.dropped["empty"] += 1
+        return None
+    if dc.check_roles and turn_order_problem(msgs):
+        tally.dropped["invalid_turn_order"] += 1
+        return None
+    if sum(len(m["content"]) for m in msgs) > char_limit:  # cannot fit: no rendering, no tokenizing
+        if dc.too_long == "drop":
+            tally.dropped["too_long_chars"] += 1
+            return None
+        msgs = _cut(msgs, 2 * char_limit)  # the head, with room: truncation to seq_len follows
+    if control.in_messages(msgs):
+        tally.with_control += 1
+        if dc.control_tokens == "drop":
+            tally.dropped["control_tokens"] += 1
+            return None
+        if dc.control_tokens == "escape":
+            msgs = control.escape_messages(msgs)
+    if dc.scrub_pii:
+        msgs = [{"role": m["role"], "content": clean.scrub_pii(m["content"], tally.pii)} for m in msgs]
+    return msgs
+
+
+def _deduplicate(messages: list[Messages], dc: DataConfig, tally: _Tally, progress) -> _Kept:
+    """Exact duplicates out (data.dedup), then near duplicates (data.near_dedup); MinHashes kept for the split."""
+    kept = _Kept(messages, [clean.conversation_key(m) for m in messages], None)
+    if dc.dedup:
+        seen: set[str] = set()
+        keep = []
+        for i, k in enumerate(kept.keys):
+            h = clean.exact_hash(k)
+            if h in seen:
+                tally.dropped["duplicate"] += 1
+            else:
+                seen.add(h)
+                keep.append(i)
+        kept = kept.select(keep)
+    need_minhash = dc.near_dedup or dc.eval_fraction > 0
+    kept.hashes = clean.minhashes(kept.keys) if need_minhash and kept.messages else None
+    if dc.near_dedup and kept.hashes is not None:
+        task = progress.add_task("near-duplicates", total=1)
+        dup = clean.near_duplicates(kept.hashes, dc.near_dedup_threshold)
+        progress.advance(task)
+        tally.dropped["near_duplicate"] += sum(dup)
+        kept = kept.select([i for i, d in enumerate(dup) if not d])
+    return kept
+
+
+def _split(kept: _Kept, dc: DataConfig, tally: _Tally) -> tuple[list[Messages], list[Messages]]:
+    """(train, eval) conversations: held out by seed, after deduplication; then no exact or near duplicate
+    of an eval sample stays in train."""
+    n = len(kept.messages)
+    n_eval = round(dc.eval_fraction * n)
+    if dc.eval_fraction > 0 and n >= 2:
+        n_eval = min(max(n_eval, 1), n - 1)
+    order = _split_order(kept.keys, dc.seed)
+    eval_idx, train_idx = sorted(order[:n_eval]), sorted(order[n_eval:])
+    if eval_idx:
+        train, evals = kept.select(train_idx), kept.select(eval_idx)
+        leak = clean.leaks(train.keys, train.hashes, evals.keys, evals.hashes, dc.near_dedup_threshold)
+        tally.dropped["eval_leak"] += sum(leak)
+        train_idx = [i for i, bad in zip(train_idx, leak) if not bad]
+    return [kept.messages[i] for i in train_idx], [kept.messages[i] for i in eval_idx]
+
+
+def _tokenize_splits(
+    train_convs: list[Messages], eval_convs: list[Messages], renderer: Renderer, train_on: str, num_proc: int
+) -> _Tokens:
+    """Render, mask, tokenize. From here on samples are (start, length) slices of flat numpy token arrays."""
     import numpy as np
 
-    train_convs, eval_convs = [kept[i] for i in train_idx], [kept[i] for i in eval_idx]
-    encoded = tokenize(train_convs + eval_convs, renderer, dc.num_proc)
+    encoded = tokenize(train_convs + eval_convs, renderer, num_proc)
     ids_col = encoded.data.column("input_ids").combine_chunks()
     labels_col = encoded.data.column("labels").combine_chunks()
     offsets = ids_col.offsets.to_numpy().astype(np.int64)
-    ids_flat = ids_col.values.to_numpy()
     labels_flat = labels_col.values.to_numpy()
-    trainable_cum = np.concatenate([[0], np.cumsum(labels_flat != IGNORE_INDEX)])
-    starts, full_lengths = offsets[:-1], np.diff(offsets)
-
-    def trainable(lengths: Any) -> Any:
-        return trainable_cum[starts + lengths] - trainable_cum[starts]
-
-    if not trainable(full_lengths).any():
+    tokens = _Tokens(
+        ids=ids_col.values.to_numpy(),
+        labels=labels_flat,
+        starts=offsets[:-1],
+        full_lengths=np.diff(offsets),
+        trainable_cum=np.concatenate([[0], np.cumsum(labels_flat != IGNORE_INDEX)]),
+        num_train=len(train_convs),
+    )
+    if not tokens.trainable(tokens.full_lengths).any():
         raise DataError(
-            f"every sample has an empty label mask (data.train_on={dc.train_on}, {len(full_lengths)} samples): "
-            "training would see zero loss; check the chat template and the assistant turns"
+            f"every sample has an empty label mask (data.train_on={train_on}, {len(tokens.full_lengths)} "
+            "samples): training would see zero loss; check the chat template and the assistant turns"
         )
+    return tokens
 
-    # Length limits, then train.seq_len=auto (the longest kept sample, or a percentile with truncation).
-    auto = seq_len_cfg == "auto"
+
+def _length_limits(tokens: _Tokens, cfg: Config, hard: int, tally: _Tally) -> _Rows:
+    """Length limits, then train.seq_len=auto (the longest kept sample, or a percentile with truncation)."""
+    import numpy as np
+
+    dc, seq_len_cfg, full_lengths = cfg.data, cfg.train.seq_len, tokens.full_lengths
     keep = full_lengths >= dc.min_tokens
-    dropped["too_short"] += int((~keep).sum())
+    tally.dropped["too_short"] += int((~keep).sum())
     over = keep & (full_lengths > hard)
     if dc.too_long == "drop":
-        dropped["too_long"] += int(over.sum())
+        tally.dropped["too_long"] += int(over.sum())
         keep &= ~over
     lengths = np.minimum(full_lengths, hard)
     truncated = int((keep & over).sum())
     if not keep.any():
-        raise DataError(f"no samples left after the length limits ({dict(dropped)})")
+        raise DataError(f"no samples left after the length limits ({dict(tally.dropped)})")
     seq_len = (
-        stats.percentile(np.sort(lengths[keep]).tolist(), dc.seq_len_percentile) if auto else int(seq_len_cfg)
+        stats.percentile(np.sort(lengths[keep]).tolist(), dc.seq_len_percentile)
+        if seq_len_cfg == "auto"
+        else int(seq_len_cfg)
     )
     truncated += int((keep & (lengths > seq_len)).sum())  # only with auto below the 100th percentile
     lengths = np.minimum(lengths, seq_len)
-    empty = keep & (trainable(lengths) == 0)
+    empty = keep & (tokens.trainable(lengths) == 0)
     empty_masks = int(empty.sum())
     if empty_masks == int(keep.sum()):
         raise DataError(
             f"every sample has an empty label mask after the length limits (seq_len {seq_len}, "
             f"data.train_on={dc.train_on}): training would see zero loss; raise train.seq_len or data.max_tokens"
         )
-    dropped["no_trainable_tokens"] += empty_masks
+    tally.dropped["no_trainable_tokens"] += empty_masks
     keep &= ~empty
-    n_train = len(train_convs)
+    n_train = tokens.num_train
     train_rows = np.flatnonzero(keep[:n_train])
     eval_rows = n_train + np.flatnonzero(keep[n_train:])
     if not len(train_rows):
-        raise DataError(f"no training samples left after cleaning ({dict(dropped)})")
+        raise DataError(f"no training samples left after cleaning ({dict(tally.dropped)})")
+    if len(tokens.full_lengths) > n_train and not len(eval_rows):
+        # A held-out split was asked for and the limits emptied it: evaluation would report a NaN loss.
+        raise DataError(
+            f"no held-out samples left after the length limits (seq_len {seq_len}, all "
+            f"{len(tokens.full_lengths) - n_train} dropped): raise train.seq_len, or set data.eval_fraction=0"
+        )
+    return _Rows(lengths, seq_len, truncated, empty_masks, train_rows, eval_rows)
 
-    # Packing.
-    train_lengths = lengths[train_rows].tolist()
-    eval_lengths = lengths[eval_rows].tolist()
+
+def _packed(tokens: _Tokens, rows: _Rows, eval_convs: list[Messages], dc: DataConfig) -> tuple[dict, dict]:
+    """(train, eval) as `_save` writes them: training rows packed into bins (best fit decreasing, longest
+    first), eval rows one conversation each with its messages."""
+    train_lengths = rows.lengths[rows.train].tolist()
     if dc.packing:
-        bins = pack.best_fit_decreasing(train_lengths, seq_len)
+        bins = pack.best_fit_decreasing(train_lengths, rows.seq_len)
     else:
-        bins = [[i] for i in range(len(train_rows))]
+        bins = [[i] for i in range(len(rows.train))]
     bins = pack.order_bins(bins, train_lengths, dc.seed)
-    overall = stats.summary(train_lengths + eval_lengths)
-    efficiency = pack.efficiency(train_lengths, bins, seq_len)
-    arrays = {"ids": ids_flat, "labels": labels_flat, "starts": starts, "lengths": lengths}
-    train = {"rows": train_rows, "bins": bins, **arrays}
-    evals = {"rows": eval_rows, "messages": [eval_convs[i - n_train] for i in eval_rows.tolist()], **arrays}
+    arrays = {"ids": tokens.ids, "labels": tokens.labels, "starts": tokens.starts, "lengths": rows.lengths}
+    messages = [eval_convs[i - tokens.num_train] for i in rows.evals.tolist()]
+    return {"rows": rows.train, "bins": bins, **arrays}, {"rows": rows.evals, "messages": messages, **arrays}
 
-    result = {
-        "num_input": num_input,
-        "num_train": len(train_rows),
-        "num_eval": len(eval_rows),
-        "dropped": {k: v for k, v in sorted(dropped.items()) if v},
-        "truncated": truncated,
+
+def _stats(
+    cfg: Config,
+    loaded: sources.Loaded,
+    path: str,
+    tally: _Tally,
+    char_limit: int,
+    renderer: Renderer,
+    tokens: _Tokens,
+    rows: _Rows,
+    bins: list[list[int]],
+) -> dict:
+    """data_stats.json's content (less the cache, the input fingerprint and the seconds, filled in later)."""
+    dc, seq_len = cfg.data, rows.seq_len
+    train_lengths = rows.lengths[rows.train].tolist()
+    return {
+        "num_input": tally.num_input,
+        "num_train": len(rows.train),
+        "num_eval": len(rows.evals),
+        "dropped": {k: v for k, v in sorted(tally.dropped.items()) if v},
+        "truncated": rows.truncated,
         "max_chars": char_limit,
-        "control_tokens": {"mode": dc.control_tokens, "samples": with_control},
-        "pii": dict(sorted(pii.items())),
+        "control_tokens": {"mode": dc.control_tokens, "samples": tally.with_control},
+        "pii": dict(sorted(tally.pii.items())),
         "skipped_files": loaded.empty_files,
         "bad_input_examples": list(sources.iter_where(loaded.bad)),
-        "tokens": {
-            "train_total": sum(train_lengths),
-            "eval_total": sum(eval_lengths),
-            **{k: overall[k] for k in ("min", "p50", "p95", "p99", "max")},
-        },
-        "splits": {"train": stats.summary(train_lengths), "eval": stats.summary(eval_lengths)},
-        "trainable_tokens": {
-            "train": int(trainable(lengths)[train_rows].sum()),
-            "eval": int(trainable(lengths)[eval_rows].sum()),
-        },
-        "empty_masks": empty_masks,
+        **_token_stats(tokens, rows),
+        "empty_masks": rows.empty_masks,
         "masks": {
             "train_on": dc.train_on,
             "method": "generation_markers"
@@ -466,17 +556,39 @@ def _prepare(cfg: Config, tokenizer: Any, loaded: sources.Loaded, path: str, con
         "packing": {
             "enabled": dc.packing,
             "bins": len(bins),
-            "efficiency": round(efficiency, 6),
+            "efficiency": round(pack.efficiency(train_lengths, bins, seq_len), 6),
             "seq_len": seq_len,
             "longest_first": True,
         },
         "seq_len": seq_len,
-        "seq_len_source": (f"auto: p{dc.seq_len_percentile:g} of kept lengths" if auto else "train.seq_len"),
+        "seq_len_source": (
+            f"auto: p{dc.seq_len_percentile:g} of kept lengths"
+            if cfg.train.seq_len == "auto"
+            else "train.seq_len"
+        ),
         "input": {"path": path, "fingerprint": None},
         "seconds": None,
     }
-    result["seconds"] = round(time.perf_counter() - t0, 3)
-    return {"stats": result, "train": train, "evals": evals}
+
+
+def _token_stats(tokens: _Tokens, rows: _Rows) -> dict:
+    """data_stats.json's `tokens`, `splits` and `trainable_tokens`: lengths after the limits, by split."""
+    train_lengths = rows.lengths[rows.train].tolist()
+    eval_lengths = rows.lengths[rows.evals].tolist()
+    overall = stats.summary(train_lengths + eval_lengths)
+    trainable = tokens.trainable(rows.lengths)
+    return {
+        "tokens": {
+            "train_total": sum(train_lengths),
+            "eval_total": sum(eval_lengths),
+            **{k: overall[k] for k in ("min", "p50", "p95", "p99", "max")},
+        },
+        "splits": {"train": stats.summary(train_lengths), "eval": stats.summary(eval_lengths)},
+        "trainable_tokens": {
+            "train": int(trainable[rows.train].sum()),
+            "eval": int(trainable[rows.evals].sum()),
+        },
+    }
 
 
 @contextmanager
@@ -515,17 +627,19 @@ def _save_rows(prepared: dict, out: Path) -> None:
                 "seq_lengths": ids["seq_lengths"],
             }
         )
-    ).save_to_disk(str(out / "train"))
+    ).save_to_disk(str(out / rundir.DATA_TRAIN_DIR))
     singles = [[int(r)] for r in evals["rows"]]
     eval_ids = pack.gather_rows(evals["ids"], evals["starts"], evals["lengths"], singles)
     eval_labels = pack.gather_rows(evals["labels"], evals["starts"], evals["lengths"], singles)
     messages = pa.array([json.dumps(m, ensure_ascii=False) for m in evals["messages"]], pa.string())
     Dataset(
         pa.table({"input_ids": eval_ids["tokens"], "labels": eval_labels["tokens"], "messages": messages})
-    ).save_to_disk(str(out / "eval"), num_shards=1)  # one shard even when empty (eval_fraction=0)
+    ).save_to_disk(
+        str(out / rundir.DATA_EVAL_DIR), num_shards=1
+    )  # one shard even when empty (eval_fraction=0)
     lengths = train["lengths"]
     stats.histogram(
-        out / HISTOGRAM_FILE,
+        out / rundir.DATA_HISTOGRAM_FILE,
         {"train": lengths[train["rows"]].tolist(), "eval": lengths[evals["rows"]].tolist()},
         prepared["stats"]["seq_len"],
     )
@@ -540,10 +654,10 @@ def load_prepared(run_dir: Path):
     """
     from datasets import load_from_disk
 
-    base = Path(run_dir) / DATA_DIR
-    if not (base / "train").is_dir():
+    base = Path(run_dir) / rundir.DATA_DIR
+    if not (base / rundir.DATA_TRAIN_DIR).is_dir():
         raise DataError(f"{base}: no prepared data; run the data stage (mode=data) first")
-    return load_from_disk(str(base / "train")), load_from_disk(str(base / "eval"))
+    return load_from_disk(str(base / rundir.DATA_TRAIN_DIR)), load_from_disk(str(base / rundir.DATA_EVAL_DIR))
 
 
 def _report(console, s: dict) -> None:
@@ -567,4 +681,4 @@ def _report(console, s: dict) -> None:
     )
 
 
-__all__ = ["run", "load_prepared", "load_tokenizer", "tokenize", "STATS_FILE", "DATA_DIR"]
+__all__ = ["run", "load_prepared", "tokenize"]

@@ -13,16 +13,15 @@ import re
 from pathlib import Path
 from typing import Optional
 
-CHECKPOINT_DIR = "checkpoints"
-TRAIN_LOG_FILE = "train_log.jsonl"
+from finetune import checkpoints, rundir
 
 
 def _last_checkpoint_state(run_dir: Path) -> Optional[Path]:
-    folder = run_dir / CHECKPOINT_DIR
+    folder = rundir.checkpoint_dir(run_dir)
     if not folder.is_dir():
         return None
     states = []
-    for path in folder.glob("checkpoint-*/trainer_state.json"):
+    for path in folder.glob(f"checkpoint-*/{checkpoints.TRAINER_STATE_FILE}"):
         m = re.fullmatch(r"checkpoint-(\d+)", path.parent.name)
         if m:
             states.append((int(m.group(1)), path))
@@ -35,7 +34,7 @@ def log_history(run_dir: Path) -> list[dict]:
     state = _last_checkpoint_state(run_dir)
     if state is not None:
         entries += json.loads(state.read_text()).get("log_history", [])
-    log = run_dir / TRAIN_LOG_FILE
+    log = run_dir / rundir.TRAIN_LOG_FILE
     if log.is_file():
         for line in log.read_text().splitlines():
             if line.strip():

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from finetune import rundir
+from finetune import checkpoints, rundir
 from finetune.config import Config
-from finetune.evaluation.loading import VARIANTS
+from finetune.models import VARIANTS
 
 # Metrics where lower is better; every other one is better higher.
 LOWER_IS_BETTER = ("loss", "regression_refusals", "regression_empty")
@@ -85,9 +85,10 @@ def write_report(
 
     lines += ["", "## Loss curves", ""]
     lines.append(
-        "![training and eval loss](loss_curves.png)"
+        f"![training and eval loss]({rundir.EVAL_CURVES_FILE})"
         if curves_drawn
-        else "No log history found (checkpoints/*/trainer_state.json or train_log.jsonl)."
+        else f"No log history found ({rundir.CHECKPOINT_DIR}/*/{checkpoints.TRAINER_STATE_FILE} or "
+        f"{rundir.TRAIN_LOG_FILE})."
     )
 
     task_rows = [r for r in rows if r["set"] == "task"][: e.report_examples]

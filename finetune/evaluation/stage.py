@@ -19,34 +19,32 @@ import gc
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from finetune import rundir
 from finetune.config import Config
+from finetune.data.stage import load_prepared
 from finetune.evaluation import curves, metrics, regression
 from finetune.evaluation.config import EvalConfig
-from finetune.evaluation.loading import (
+from finetune.evaluation.generate import generate, sampling_kwargs
+from finetune.evaluation.heldout import heldout_loss, split_prompt
+from finetune.evaluation.report import metric_names, write_report
+from finetune.models import (
     VARIANTS,
     attach_adapter,
     available_variants,
+    load_tokenizer,
     load_variant,
     trained_dir,
 )
 
 log = logging.getLogger(__name__)
 
-EVAL_DIR = "eval"
-METRICS_FILE = "metrics.json"
-SAMPLES_FILE = "samples.jsonl"
-REPORT_FILE = "report.md"
-CURVES_FILE = "loss_curves.png"
-
 
 def task_items(eval_ds: Any, num_samples: Optional[int]) -> list[dict]:
     """The held-out conversations to answer: id, the conversation up to the answer, prompt text, reference."""
-    from finetune.train.evaluate import split_prompt
-
     if "messages" not in eval_ds.column_names:
         return []
     n = len(eval_ds) if num_samples is None else min(num_samples, len(eval_ds))
@@ -69,9 +67,6 @@ def evaluate_model(
     label: str,
 ) -> tuple[dict[str, Any], list[str], list[str]]:
     """(metrics, task answers, regression answers) for one model."""
-    from finetune.evaluation.generate import generate
-    from finetune.train.evaluate import heldout_loss
-
     model.eval()
     result: dict[str, Any] = {"loss": heldout_loss(model, eval_ds, tokenizer.pad_token_id, cfg.batch_size)}
     answers = generate(model, tokenizer, [it["messages"] for it in items], cfg, f"{label}: held-out prompts")
@@ -129,8 +124,6 @@ def _sample_rows(items: Sequence[dict], reg_rows: Sequence[dict], old: dict[str,
 
 
 def settings(cfg: Config) -> dict[str, Any]:
-    from finetune.evaluation.generate import sampling_kwargs
-
     e = cfg.eval
     return {
         "metrics": list(e.metrics),
@@ -142,6 +135,16 @@ def settings(cfg: Config) -> dict[str, Any]:
         "regression_prompts": (e.regression_prompts or "bundled") if e.regression else None,
         "chat_template": "the tokenizer's (same for every model)",
     }
+
+
+@dataclass
+class _Prompts:
+    """What every model answers: the held-out task items and the regression set, with the rows of
+    samples.jsonl their answers go into."""
+
+    items: list[dict]
+    reg_rows: list[dict]
+    rows: list[dict]
 
 
 def run(
@@ -156,35 +159,59 @@ def run(
     An explicit list (export passes ["merged"]) adds to the existing metrics and samples; None
     re-evaluates all and replaces them. `eval_dataset` replaces the data stage's eval split (tests).
     """
-    from finetune.train.models import load_tokenizer
-
     run_dir = Path(run_dir)
-    e = cfg.eval
-    metric_fns = metrics.resolve(e.metrics)  # a bad dotted path fails before any model loads
-    reg_rows = regression.load(e.regression_prompts) if e.regression else []
+    metric_fns = metrics.resolve(cfg.eval.metrics)  # a bad dotted path fails before any model loads
+    reg_rows = regression.load(cfg.eval.regression_prompts) if cfg.eval.regression else []
     if eval_dataset is None:
-        from finetune.data.stage import load_prepared
-
         eval_dataset = load_prepared(run_dir)[1]
     replace_all = variants is None
+    todo = _variants_to_evaluate(cfg, run_dir, variants)
+    out_dir = rundir.eval_dir(run_dir)
+    old_metrics = {} if replace_all else _read_json(out_dir / rundir.EVAL_METRICS_FILE)
+    prompts = _prompts(eval_dataset, reg_rows, cfg.eval.num_samples, out_dir, replace_all)
+    tokenizer = load_tokenizer(cfg.model)
+    result: dict[str, Any] = {v: old_metrics[v] for v in VARIANTS if v in old_metrics and v not in todo}
+    result.update(_evaluate_variants(cfg, run_dir, todo, tokenizer, eval_dataset, prompts, metric_fns))
+    ordered = _ordered(cfg, result, prompts)
+    _write_outputs(cfg, run_dir, out_dir, ordered, prompts.rows)
+    _print_table(ordered)
+    return ordered
+
+
+def _variants_to_evaluate(cfg: Config, run_dir: Path, variants: Optional[Sequence[str]]) -> list[str]:
     todo = list(variants) if variants is not None else available_variants(cfg, run_dir)
     for v in todo:
         if v not in VARIANTS:
             raise ValueError(f"unknown model variant {v!r}; one of {', '.join(VARIANTS)}")
+    return todo
 
-    out_dir = run_dir / EVAL_DIR
-    old_metrics = {} if replace_all else _read_json(out_dir / METRICS_FILE)
-    items = task_items(eval_dataset, e.num_samples)
-    rows = _sample_rows(items, reg_rows, _read_samples(out_dir / SAMPLES_FILE))
+
+def _prompts(
+    eval_dataset: Any, reg_rows: list[dict], num_samples: Optional[int], out_dir: Path, replace_all: bool
+) -> _Prompts:
+    """The prompts with their sample rows: earlier answers kept for a partial evaluation, cleared for a full one."""
+    items = task_items(eval_dataset, num_samples)
+    rows = _sample_rows(items, reg_rows, _read_samples(out_dir / rundir.EVAL_SAMPLES_FILE))
     if replace_all:
         for row in rows:
             for v in VARIANTS:
                 row.pop(v, None)
             if "flags" in row:
                 row["flags"] = {}
-    tokenizer = load_tokenizer(cfg.model)
-    result: dict[str, Any] = {v: old_metrics[v] for v in VARIANTS if v in old_metrics and v not in todo}
+    return _Prompts(items, reg_rows, rows)
 
+
+def _evaluate_variants(
+    cfg: Config,
+    run_dir: Path,
+    todo: list[str],
+    tokenizer: Any,
+    eval_dataset: Any,
+    prompts: _Prompts,
+    metric_fns: Sequence[metrics.Metric],
+) -> dict[str, Any]:
+    """Each variant's scores, one model in memory at a time (an adapter goes onto the base just scored)."""
+    result: dict[str, Any] = {}
     model = None
     for v in todo:
         reuse = v == "trained" and cfg.method.uses_adapters and model is not None
@@ -193,53 +220,71 @@ def run(
             gc.collect()
             model = load_variant(cfg, run_dir, v)
         log.info("evaluating %s", v)
-        scores, answers, reg_answers = evaluate_model(
-            model, tokenizer, eval_dataset, items, reg_rows, e, metric_fns, v
-        )
-        task_rows = [r for r in rows if r["set"] == "task"]
-        for row, answer in zip(task_rows, answers):
-            row[v] = answer
-        reg_sample_rows = [r for r in rows if r["set"] == "regression"]
-        for row, spec, answer in zip(reg_sample_rows, reg_rows, reg_answers):
-            row[v] = answer
-            row["flags"][v] = regression.flags(answer, spec["check"], e.refusal_pattern)
-        if reg_rows:
-            scores.update(regression.summary(reg_sample_rows, v))
-        result[v] = scores
+        result[v] = _score_variant(model, tokenizer, eval_dataset, prompts, cfg.eval, metric_fns, v)
         if not (v == "base" and "trained" in todo and cfg.method.uses_adapters):
             model = None  # keep the base only to put the adapter on it next
 
     model = None
     gc.collect()
+    return result
+
+
+def _score_variant(
+    model: Any,
+    tokenizer: Any,
+    eval_dataset: Any,
+    prompts: _Prompts,
+    e: EvalConfig,
+    metric_fns: Sequence[metrics.Metric],
+    v: str,
+) -> dict[str, Any]:
+    """One model's scores; its answers and regression flags go into the sample rows."""
+    scores, answers, reg_answers = evaluate_model(
+        model, tokenizer, eval_dataset, prompts.items, prompts.reg_rows, e, metric_fns, v
+    )
+    task_rows = [r for r in prompts.rows if r["set"] == "task"]
+    for row, answer in zip(task_rows, answers):
+        row[v] = answer
+    reg_sample_rows = [r for r in prompts.rows if r["set"] == "regression"]
+    for row, spec, answer in zip(reg_sample_rows, prompts.reg_rows, reg_answers):
+        row[v] = answer
+        row["flags"][v] = regression.flags(answer, spec["check"], e.refusal_pattern)
+    if prompts.reg_rows:
+        scores.update(regression.summary(reg_sample_rows, v))
+    return scores
+
+
+def _ordered(cfg: Config, result: dict[str, Any], prompts: _Prompts) -> dict[str, Any]:
+    """eval/metrics.json's content: the variants in their order, the regressions against base, the settings."""
     ordered = {v: result[v] for v in VARIANTS if v in result}
-    reg_rows_out = [r for r in rows if r["set"] == "regression"]
+    reg_rows_out = [r for r in prompts.rows if r["set"] == "regression"]
     ordered["regression"] = (
         {v: regression.regressions(reg_rows_out, v) for v in VARIANTS if v != "base" and v in result}
-        if reg_rows
+        if prompts.reg_rows
         else {}
     )
     ordered["settings"] = settings(cfg)
+    return ordered
 
-    rundir.write_json(out_dir / METRICS_FILE, ordered)
+
+def _write_outputs(
+    cfg: Config, run_dir: Path, out_dir: Path, ordered: dict[str, Any], rows: list[dict]
+) -> None:
+    """metrics.json, samples.jsonl, the loss curves and report.md into RUN_DIR/eval/."""
+    rundir.write_json(out_dir / rundir.EVAL_METRICS_FILE, ordered)
     rundir.atomic_write_text(
-        out_dir / SAMPLES_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        out_dir / rundir.EVAL_SAMPLES_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     )
     reference = {
         f"{v} held-out loss": ordered[v].get("loss") for v in VARIANTS if v in ordered and v != "merged"
     }
-    drawn = curves.plot(run_dir, out_dir / CURVES_FILE, reference)
-    from finetune.evaluation.report import write_report
-
-    write_report(cfg, out_dir / REPORT_FILE, ordered, rows, curves_drawn=drawn is not None)
-    _print_table(ordered)
-    return ordered
+    drawn = curves.plot(run_dir, out_dir / rundir.EVAL_CURVES_FILE, reference)
+    write_report(cfg, out_dir / rundir.EVAL_REPORT_FILE, ordered, rows, curves_drawn=drawn is not None)
 
 
 def _print_table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    from finetune.evaluation.report import metric_names
 
     variants = [v for v in VARIANTS if v in result]
     table = Table(title="evaluation", header_style="bold")

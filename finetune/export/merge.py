@@ -21,8 +21,8 @@ from typing import Any, Optional
 import torch
 
 from finetune.config import Config
-from finetune.errors import FinetuneError, LaunchError
-from finetune.evaluation.loading import attach_adapter, load_base, trained_dir
+from finetune.errors import FinetuneError
+from finetune.models import attach_adapter, load_base, load_trained_model, trained_dir
 
 log = logging.getLogger(__name__)
 
@@ -102,20 +102,17 @@ def merged_model(cfg: Config, run_dir: Path, inputs: list[torch.Tensor]) -> tupl
     dtype = _DTYPES[dtype_name]
     info: dict[str, Any] = {"method": cfg.method.name, "dtype": dtype_name}
 
-    if not cfg.method.uses_adapters:
+    merge_kind = cfg.method.spec.merge  # finetune/methods.py: MERGES
+    if merge_kind == "cast":
         path = trained_dir(cfg, run_dir)
-        if not (path / "config.json").is_file():
-            raise LaunchError(f"{path}: no trained model; run the training stage (mode=train) first")
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto", use_safetensors=True)
+        model = load_trained_model(cfg, path, dtype="auto")
         reference = logits_on(model, inputs)
-        model.to(dtype)  # type: ignore[arg-type]  # in place; transformers wraps .to with a narrower signature
+        model.to(dtype)  # in place
         info["reference"] = f"the trained model as saved ({path.name}/)"
         return model, {**info, **compare_logits(reference, logits_on(model, inputs))}
 
     adapter = trained_dir(cfg, run_dir)
-    if cfg.method.name == "qlora" and x.allow_lossy_4bit_merge:
+    if merge_kind == "adapter_quantized_base" and x.allow_lossy_4bit_merge:
         log.warning(
             "export.allow_lossy_4bit_merge=true: merging into the 4-bit NF4 base re-quantizes W + BA "
             "and loses most of the update; the merge check will show how much"
@@ -127,7 +124,7 @@ def merged_model(cfg: Config, run_dir: Path, inputs: list[torch.Tensor]) -> tupl
         )
         base = load_base(cfg, compute, quantized=True)
         info.update(base="nf4 (lossy)", dtype="nf4")
-    elif cfg.method.name == "qlora" and x.qlora_merge_base == "dequantized":
+    elif merge_kind == "adapter_quantized_base" and x.qlora_merge_base == "dequantized":
         base = load_base(cfg, dtype, quantized=True)
         base.dequantize()
         info["base"] = "nf4 dequantized"

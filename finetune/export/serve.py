@@ -120,7 +120,14 @@ def serve_commands(
         bf16 = weights_gb(cfg, plan)
         tp, fits = tensor_parallel(cfg, bf16)
         tp = x.tensor_parallel_size or tp
-        argv = ["vllm", "serve", "./merged", "--served-model-name", name, *_common(cfg, plan, tp)]
+        argv = [
+            "vllm",
+            "serve",
+            f"./{rundir.MERGED_DIR}",
+            "--served-model-name",
+            name,
+            *_common(cfg, plan, tp),
+        ]
         note = _fit_note(cfg, "merged bf16", bf16, tp, fits)
         if merged_4bit:
             argv[5:5] = ["--quantization", "bitsandbytes"]
@@ -134,12 +141,12 @@ def serve_commands(
         tp = x.tensor_parallel_size or tp
         argv = [
             "vllm", "serve", base_source, "--served-model-name", f"{name}-base",
-            "--enable-lora", "--lora-modules", f"{name}=./adapter",
+            "--enable-lora", "--lora-modules", f"{name}=./{rundir.EXPORT_ADAPTER_DIR}",
             "--max-lora-rank", str(max_lora_rank(cfg.method.lora_rank)), "--max-loras", "1",
             *_common(cfg, plan, tp),
         ]  # fmt: skip
         note = _fit_note(cfg, "base bf16 + adapter", bf16, tp, fits)
-        if cfg.method.name == "qlora":
+        if cfg.method.spec.quantized_base:
             note += "; the adapter was trained on the NF4 base, served here on the bf16 one (as merged)"
         commands.append(ServeCommand("lora", tuple(argv), note))
     if merged and x.fp8 and not merged_4bit:
@@ -147,7 +154,7 @@ def serve_commands(
         tp, fits = tensor_parallel(cfg, fp8)
         tp = x.tensor_parallel_size or tp
         argv = [
-            "vllm", "serve", "./merged", "--served-model-name", name, "--quantization", "fp8",
+            "vllm", "serve", f"./{rundir.MERGED_DIR}", "--served-model-name", name, "--quantization", "fp8",
             *_common(cfg, plan, tp),
         ]  # fmt: skip
         commands.append(ServeCommand("fp8", tuple(argv), _fit_note(cfg, "merged fp8", fp8, tp, fits)))

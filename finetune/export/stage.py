@@ -21,17 +21,15 @@ from typing import Any
 
 from finetune import rundir
 from finetune.config import Config
+from finetune.data.stage import load_prepared
 from finetune.errors import LaunchError
-from finetune.evaluation.loading import EXPORT_DIR, MERGED_DIR, trained_dir
+from finetune.evaluation import regression
+from finetune.evaluation import stage as eval_stage
 from finetune.export import merge, serve
+from finetune.models import load_tokenizer, model_source, trained_dir
 from finetune.planner import Plan
 
 log = logging.getLogger(__name__)
-
-ADAPTER_DIR = "adapter"
-MERGE_CHECK_FILE = "merge_check.json"
-SERVE_FILE = "serve.sh"
-SUMMARY_FILE = "export.json"
 
 
 def copy_adapter(cfg: Config, run_dir: Path, out: Path) -> dict[str, Any]:
@@ -54,16 +52,11 @@ def copy_adapter(cfg: Config, run_dir: Path, out: Path) -> dict[str, Any]:
 
 def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> dict[str, Any]:
     """Export per `cfg.export`; returns export.json's content. `eval_dataset` replaces the data stage's (tests)."""
-    from finetune.evaluation import regression
-    from finetune.train.models import load_tokenizer, model_source
-
     run_dir = Path(run_dir)
     x = cfg.export
-    out = run_dir / EXPORT_DIR
+    out = rundir.export_dir(run_dir)
     out.mkdir(parents=True, exist_ok=True)
     if eval_dataset is None:
-        from finetune.data.stage import load_prepared
-
         try:
             eval_dataset = load_prepared(run_dir)[1]
         except Exception as exc:  # no data stage: the check falls back to the regression prompts
@@ -72,7 +65,7 @@ def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> 
     summary: dict[str, Any] = {"method": cfg.method.name, "model": cfg.model.name}
 
     if cfg.method.uses_adapters:
-        summary["adapter"] = copy_adapter(cfg, run_dir, out / ADAPTER_DIR)
+        summary["adapter"] = copy_adapter(cfg, run_dir, out / rundir.EXPORT_ADAPTER_DIR)
     do_merge = x.merge or not cfg.method.uses_adapters
     if do_merge:
         if cfg.method.uses_adapters and x.check_host_memory:
@@ -87,7 +80,7 @@ def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> 
         tolerance = x.tolerance_for("bf16" if lossy else check["dtype"])
         check = {"ok": check["max_abs_diff"] <= tolerance, "max_abs_diff": check["max_abs_diff"],
                  "tolerance": tolerance, "lossy": lossy, **{k: v for k, v in check.items() if k != "max_abs_diff"}}  # fmt: skip
-        rundir.write_json(out / MERGE_CHECK_FILE, check)
+        rundir.write_json(out / rundir.MERGE_CHECK_FILE, check)
         summary["merge_check"] = check
         if not check["ok"] and lossy:
             log.warning(
@@ -98,9 +91,9 @@ def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> 
         elif not check["ok"]:
             raise merge.ExportError(
                 f"merge check failed: max |logits(merged) - logits(adapter)| = {check['max_abs_diff']:.3g} "
-                f"> export.tolerance={tolerance:g} (details in {out / MERGE_CHECK_FILE}); nothing was saved to merged/"
+                f"> export.tolerance={tolerance:g} (details in {out / rundir.MERGE_CHECK_FILE}); nothing was saved to {rundir.MERGED_DIR}/"
             )
-        summary["merged"] = merge.save_model(model, tokenizer, out / MERGED_DIR, x.max_shard_size)
+        summary["merged"] = merge.save_model(model, tokenizer, rundir.merged_dir(run_dir), x.max_shard_size)
         del model
         gc.collect()
 
@@ -108,18 +101,16 @@ def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> 
         cfg,
         plan,
         merged=do_merge,
-        adapter=cfg.method.uses_adapters,
-        base_source=model_source(cfg.model) if cfg.method.uses_adapters else None,
+        adapter=cfg.method.spec.serve_adapter,
+        base_source=model_source(cfg.model) if cfg.method.spec.serve_adapter else None,
         merged_4bit=bool(summary.get("merge_check", {}).get("lossy")),
     )
-    serve.write(cfg, out / SERVE_FILE, commands)
+    serve.write(cfg, out / rundir.SERVE_FILE, commands)
     summary["serve"] = {c.variant: {"argv": list(c.argv), "note": c.note} for c in commands}
-    rundir.write_json(out / SUMMARY_FILE, summary)
+    rundir.write_json(out / rundir.EXPORT_SUMMARY_FILE, summary)
     _print_summary(summary, out)
 
     if do_merge and x.evaluate_merged:
-        from finetune.evaluation import stage as eval_stage
-
         summary["eval"] = eval_stage.run(cfg, run_dir, ["merged"], eval_dataset=eval_dataset)
     return summary
 
@@ -141,4 +132,4 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
         )
     if "adapter" in summary:
         console.print(f"adapter: {summary['adapter']['size_bytes'] / 1e6:,.2f} MB")
-    console.print(f"serve: bash {out / SERVE_FILE} [{'|'.join(summary['serve'])}]")
+    console.print(f"serve: bash {out / rundir.SERVE_FILE} [{'|'.join(summary['serve'])}]")

@@ -17,7 +17,9 @@ from typing import Optional
 
 from finetune.errors import LaunchError
 from finetune.launch.config import LaunchConfig
-from finetune.launch.engines import EngineFiles, Layout
+from finetune.launch.engines import EngineFiles
+from finetune.planner import Layout
+from finetune.rundir import export_line, shell_comment
 
 WORKER_MODULE = "finetune.train"
 # Stands for the node rank in launch.sh, so one script serves every node (NODE_RANK=i bash launch.sh).
@@ -118,8 +120,6 @@ def build_command(
 
 def launch_script(cmd: Command, lay: Layout, launch: LaunchConfig, header: list[str]) -> str:
     """run_dir/launch.sh: the exact command with its environment; on several nodes NODE_RANK picks the node."""
-    from finetune.rundir import export_line, shell_comment
-
     lines = [
         "#!/usr/bin/env bash",
         *(shell_comment(h) for h in header),

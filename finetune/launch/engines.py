@@ -11,7 +11,8 @@ a strategy the engine cannot run (finetune/planner/engines.py's table; the
 planner never emits one, a hand-edited plan.json might) is refused, never
 replaced by something else.
 
-The trainer (each rank) calls `engine_files(plan, run_dir)`.
+The launcher writes them, with `engine.json` (the engine, the world size, the files and the
+SFTConfig arguments: `EngineFiles.to_dict`); each rank reads engine.json and never writes them again.
 """
 
 from __future__ import annotations
@@ -19,50 +20,23 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import yaml
 
+from finetune import rundir
 from finetune.architectures import ARCHITECTURES
 from finetune.config import Config
 from finetune.errors import LaunchError
 from finetune.launch.config import LaunchConfig
-from finetune.planner import Plan, Strategy, why_not
+from finetune.planner import Layout, Plan, Strategy, why_not
 
-DEEPSPEED_FILE = "deepspeed.json"
-ACCELERATE_FSDP_FILE = "accelerate_fsdp.yaml"
-ACCELERATE_FILE = "accelerate.yaml"  # launcher=accelerate with a DDP or ZeRO-3 plan
 # TrainingArguments' AdamW defaults, written into the DeepSpeed optimizer block and returned
 # in trainer_kwargs so both sides agree.
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPSILON = 1e-8
-
-PlanLike = Union[Plan, Mapping[str, Any]]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where the ranks run and with which strategy: the plan's strategy and the launch's process counts."""
-
-    strategy: Strategy
-    nproc_per_node: int
-    nnodes: int
-    device: str  # cuda | cpu
-
-    @property
-    def world_size(self) -> int:
-        return self.nproc_per_node * self.nnodes
-
-    @property
-    def engine(self) -> str:
-        """deepspeed | fsdp | ddp | single."""
-        if self.strategy.sharding == "zero3":
-            return "deepspeed"
-        if self.strategy.sharding == "fsdp":
-            return "fsdp"
-        return "ddp" if self.world_size > 1 else "single"
 
 
 def launch_of(cfg: Config) -> LaunchConfig:
@@ -71,26 +45,14 @@ def launch_of(cfg: Config) -> LaunchConfig:
     return launch if isinstance(launch, LaunchConfig) else LaunchConfig()
 
 
-def layout(cfg: Config, plan: PlanLike, launch: Optional[LaunchConfig] = None) -> Layout:
-    """The plan's strategy and hardware (a `Plan` or the plan.json dict), with the launch's overrides."""
-    launch = launch or launch_of(cfg)
-    if isinstance(plan, Plan):
-        strategy = plan.strategy
-        gpus_per_node, nodes, device = plan.hardware.gpus_per_node, plan.hardware.nodes, plan.hardware.device
-    else:
-        try:
-            known = {f.name for f in fields(Strategy)}
-            strategy = Strategy(**{k: v for k, v in plan["strategy"].items() if k in known})
-            nodes = cfg.hardware.nodes
-            gpus_per_node = max(1, int(plan["hardware"]["gpus"]) // nodes)
-        except (KeyError, TypeError) as exc:
-            raise LaunchError(f"plan.json: missing or malformed field {exc}; re-run mode=plan") from None
-        device = cfg.hardware.device
-    return Layout(
-        strategy=strategy,
-        nproc_per_node=launch.nproc_per_node or gpus_per_node,
-        nnodes=launch.nnodes or nodes,
-        device=device,
+def layout(plan: Plan, launch: Optional[LaunchConfig] = None) -> Layout:
+    """The plan's process layout (plan.json `layout`); a `launch` given here sets its own process counts
+    where it has them (the pipeline passes the same launch settings the plan was made with)."""
+    lay = plan.layout
+    if launch is None:
+        return lay
+    return replace(
+        lay, nproc_per_node=launch.nproc_per_node or lay.nproc_per_node, nnodes=launch.nnodes or lay.nnodes
     )
 
 
@@ -102,8 +64,9 @@ def _bf16(cfg: Config, lay: Layout) -> bool:
 
 
 def deepspeed_config(cfg: Config, lay: Layout) -> dict[str, Any]:
-    """ZeRO stage 3 with the plan's offload, every batch number concrete (DeepSpeed asserts
-    train_batch_size == micro_batch x accumulation x world size at start-up)."""
+    """ZeRO stage 3 with the plan's offload, every value concrete, not "auto": DeepSpeed asserts
+    train_batch_size == micro_batch x accumulation x world size at start-up (a file for another world size is
+    refused), and transformers still compares each value with SFTConfig and refuses a mismatch."""
     s = lay.strategy
     h = cfg.model.hidden_size
     pin = lay.device == "cuda"  # pinned host buffers speed up PCIe copies; meaningless without a GPU
@@ -111,7 +74,8 @@ def deepspeed_config(cfg: Config, lay: Layout) -> dict[str, Any]:
         "stage": 3,
         "overlap_comm": True,
         "contiguous_gradients": True,
-        # HF's "auto" values, computed here from the model's hidden size.
+        # HF's "auto" values, computed here from the model's hidden size: zero.Init reads this file while the
+        # model loads, before the Trainer fills "auto", and would take DeepSpeed's own 5e8 / 5e7 / 1e5 (BENCHMARKS.md).
         "reduce_bucket_size": h * h,
         "stage3_prefetch_bucket_size": int(0.9 * h * h),
         "stage3_param_persistence_threshold": 10 * h,
@@ -273,18 +237,17 @@ class EngineFiles:
 
 def _write_if_changed(path: Path, text: str) -> None:
     """Every rank may call this with the same text; the atomic rename makes concurrent writers harmless."""
-    from finetune.rundir import atomic_write_text
-
     if not path.is_file() or path.read_text() != text:
-        atomic_write_text(path, text)
+        rundir.atomic_write_text(path, text)
 
 
 def write_engine_files(
-    cfg: Config, plan: PlanLike, run_dir: Path, launch: Optional[LaunchConfig] = None
+    cfg: Config, plan: Plan, run_dir: Path, launch: Optional[LaunchConfig] = None
 ) -> EngineFiles:
-    """Write deepspeed.json / accelerate_fsdp.yaml (as the plan needs) into the run dir and describe them."""
+    """Write deepspeed.json / accelerate_fsdp.yaml (as the plan needs) and engine.json (what the ranks read)
+    into the run dir, and describe them."""
     launch = launch or launch_of(cfg)
-    lay = layout(cfg, plan, launch)
+    lay = layout(plan, launch)
     check_runnable(cfg, lay)
     run_dir = Path(run_dir).resolve()
     s = lay.strategy
@@ -306,32 +269,36 @@ def write_engine_files(
     ds_path: Optional[Path] = None
     acc_path: Optional[Path] = None
     if lay.engine == "deepspeed":
-        ds_path = run_dir / DEEPSPEED_FILE
+        ds_path = run_dir / rundir.DEEPSPEED_FILE
         _write_if_changed(ds_path, json.dumps(deepspeed_config(cfg, lay), indent=2) + "\n")
         kwargs["deepspeed"] = str(ds_path)
     elif lay.engine == "fsdp":
-        acc_path = run_dir / ACCELERATE_FSDP_FILE
+        acc_path = run_dir / rundir.ACCELERATE_FSDP_FILE
         _write_if_changed(acc_path, yaml.safe_dump(accelerate_config(cfg, lay, launch), sort_keys=False))
         kwargs["fsdp"] = True
         kwargs["fsdp_config"] = fsdp_trainer_config(cfg, lay)
         # FSDP checkpoints each wrapped layer itself; the Trainer's own checkpointing would add an all-gather.
         kwargs["activation_checkpointing"] = False
     if launch.launcher == "accelerate" and acc_path is None:
-        acc_path = run_dir / ACCELERATE_FILE
+        acc_path = run_dir / rundir.ACCELERATE_FILE
         _write_if_changed(
             acc_path, yaml.safe_dump(accelerate_config(cfg, lay, launch, ds_path), sort_keys=False)
         )
-    return EngineFiles(
+    files = EngineFiles(
         engine=lay.engine,
         world_size=lay.world_size,
         deepspeed=ds_path,
         accelerate_config=acc_path,
         trainer_kwargs=kwargs,
     )
+    _write_if_changed(run_dir / rundir.ENGINE_FILE, json.dumps(files.to_dict(), indent=2) + "\n")
+    return files
 
 
-def engine_files(plan: PlanLike, run_dir: Union[str, Path], cfg: Optional[Config] = None) -> dict[str, Any]:
-    """What each rank's trainer calls: the engine, its files and the SFTConfig arguments that match them.
+def engine_files(
+    plan: Union[Plan, Mapping[str, Any]], run_dir: Union[str, Path], cfg: Optional[Config] = None
+) -> dict[str, Any]:
+    """The engine of a plan, its files and the SFTConfig arguments that match them (written into run_dir).
 
         files = engine_files(plan, run_dir)          # plan: a Plan or the plan.json dict
         SFTConfig(output_dir=..., **files["trainer_kwargs"], ...)
@@ -344,10 +311,10 @@ def engine_files(plan: PlanLike, run_dir: Union[str, Path], cfg: Optional[Config
     The config is read from run_dir/config.yaml unless given. Files are (re)written only when their
     content changes, so every rank may call this.
     """
-    from finetune.rundir import load_config
-
     run_dir = Path(run_dir)
-    cfg = cfg or load_config(run_dir)
+    cfg = cfg or rundir.load_config(run_dir)
+    if not isinstance(plan, Plan):
+        plan = Plan.from_dict(dict(plan))
     return write_engine_files(cfg, plan, run_dir).to_dict()
 
 

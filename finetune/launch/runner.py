@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Optional
 
+from finetune import rundir
 from finetune.errors import LaunchError
 
 Runner = Callable[[Sequence[str], Mapping[str, str], str], int]
@@ -57,8 +58,6 @@ def subprocess_runner(argv: Sequence[str], env: Mapping[str, str], cwd: str) -> 
     """
     import signal
     import threading
-
-    from finetune import rundir
 
     if shutil.which(argv[0]) is None:  # checked here: behind the guard, exec would fail in the child
         raise LaunchError(
@@ -158,7 +157,7 @@ def detach(script: Path, log: Path, session: str, runner: Runner, which: Which) 
             f"  attach:  tmux attach -t {session}      (detach again: Ctrl-b d)",
             f"  follow:  tail -f {log}",
         ]
-    pid_file = script.with_name("launch.pid")
+    pid_file = script.with_name(rundir.LAUNCH_PID_FILE)
     line = f"nohup bash {script_q} > {log_q} 2>&1 < /dev/null & echo $! > {shlex.quote(str(pid_file))}"
     code = runner(["bash", "-c", line], {}, cwd)
     if code != 0:

@@ -11,13 +11,13 @@ import shlex
 from pathlib import Path
 from typing import Optional
 
+from finetune import rundir
 from finetune.errors import LaunchError
 from finetune.launch.commands import python_of, tool, worker_args
 from finetune.launch.config import LaunchConfig
-from finetune.launch.engines import EngineFiles, Layout
+from finetune.launch.engines import EngineFiles
+from finetune.planner import Layout
 from finetune.rundir import export_line, shell_comment
-
-SBATCH_FILE = "slurm.sbatch"
 
 
 def sbatch_script(
@@ -68,7 +68,7 @@ def sbatch_script(
     lines += [
         shell_comment(
             f"{run_name}: {lay.engine} on {lay.nnodes} node(s) x {lay.nproc_per_node} process(es); "
-            f"submit: sbatch {run_dir / SBATCH_FILE}"
+            f"submit: sbatch {run_dir / rundir.SBATCH_FILE}"
         ),
         "set -euo pipefail",
         f"cd {q(cwd)}",

@@ -20,17 +20,9 @@ from typing import Optional
 from finetune import rundir
 from finetune.config import Config
 from finetune.errors import LaunchError
-from finetune.launch.commands import NODE_RANK_SLOT, build_command, launch_script
+from finetune.launch.commands import NODE_RANK_SLOT, Command, build_command, launch_script
 from finetune.launch.config import LaunchConfig
-from finetune.launch.engines import (
-    EngineFiles,
-    Layout,
-    PlanLike,
-    launch_of,
-    layout,
-    nccl_env,
-    write_engine_files,
-)
+from finetune.launch.engines import EngineFiles, launch_of, layout, nccl_env, write_engine_files
 from finetune.launch.runner import (
     Probe,
     Runner,
@@ -40,20 +32,10 @@ from finetune.launch.runner import (
     tcp_reachable,
     wait_for_rendezvous,
 )
-from finetune.launch.slurm import SBATCH_FILE, sbatch_script
+from finetune.launch.slurm import sbatch_script
 from finetune.machine import Machine
-from finetune.planner import Plan
-from finetune.preflight import MachineCheck, check_machine
-
-LAUNCH_SCRIPT = "launch.sh"
-LAUNCH_LOG = "launch.log"
-
-
-def _fits(plan: PlanLike) -> tuple[bool, str]:
-    if isinstance(plan, Plan):
-        return plan.fits, (plan.reasons[0] if plan.reasons else "")
-    reasons = plan.get("reasons") or [""]
-    return bool(plan.get("fits", True)), str(reasons[0])
+from finetune.planner import Layout, Plan
+from finetune.preflight import MachineCheck, check, check_machine, handoff
 
 
 def describe(files: EngineFiles, lay: Layout) -> str:
@@ -81,7 +63,7 @@ def describe(files: EngineFiles, lay: Layout) -> str:
 def run(
     cfg: Config,
     run_dir: Path,
-    plan: PlanLike,
+    plan: Plan,
     *,
     launch: Optional[LaunchConfig] = None,
     runner: Runner = subprocess_runner,
@@ -89,38 +71,85 @@ def run(
     probe: Probe = tcp_reachable,
     sleep: Callable[[float], None] = time.sleep,
     read_machine: Optional[Callable[[Optional[Path]], Machine]] = None,
+    precheck: bool = False,
 ) -> int:
     """Write the engine files, then run, detach, submit to SLURM, or only print (dry_run). Returns the exit code.
 
     Ranks that start here are checked against this machine first (`preflight.check_machine`).
+    `precheck` (the pipeline): when this process starts the ranks itself and waits for them, it also runs
+    the disk, resume and host-RAM checks (`preflight.check`) and tells the ranks both ran
+    (`preflight.handoff`), so they do not run them again; ranks started any other way check themselves.
     """
     launch = launch or launch_of(cfg)
     run_dir = Path(run_dir).resolve()
+    _check_run_dir(run_dir, plan, launch)
+    lay = layout(plan, launch)
+    here = _check_this_machine(cfg, plan, launch, lay, read_machine)
+    hand_down = precheck and not launch.dry_run and launch.scheduler == "none" and not launch.detach
+    if hand_down:
+        check(cfg, run_dir, plan)
+    files = write_engine_files(cfg, plan, run_dir, launch)
+    env = {**nccl_env(launch, lay), **here.env}
+    _print_engine(files, lay, here)
+    if launch.scheduler == "slurm":
+        return _slurm(cfg, plan, launch, lay, files, run_dir, env, runner, which)
+
+    cmd, script = _write_launch_script(cfg.name, launch, lay, files, run_dir, env)
+    _print_command(cmd, script, lay, launch)
+    if launch.dry_run:
+        print("dry run: nothing started")
+        return 0
+    if lay.nnodes > 1 and launch.node_rank != 0:
+        wait_for_rendezvous(
+            launch.master_addr,
+            launch.master_port,
+            launch.rdzv_wait_s,
+            launch.node_rank,
+            probe=probe,
+            sleep=sleep,
+        )
+    if launch.detach:
+        return _detach(cfg.name, launch, script, run_dir, runner, which)
+    # Not in launch.sh: a script run later, elsewhere or by hand, has its ranks check for themselves.
+    return _run_ranks(cmd, handoff(here) if hand_down else {}, runner)
+
+
+def _check_run_dir(run_dir: Path, plan: Plan, launch: LaunchConfig) -> None:
+    """config.yaml and plan.json are there for the ranks, and the plan fits (a dry run only warns)."""
     for name in (rundir.CONFIG_FILE, rundir.PLAN_FILE):
         if not (run_dir / name).is_file():
             raise LaunchError(
                 f"{run_dir / name}: missing; the ranks read it (run mode=plan with this run_dir first)"
             )
-    fits, why = _fits(plan)
-    if not fits:
+    if not plan.fits:
+        why = plan.reasons[0] if plan.reasons else ""
         message = f"the plan does not fit: {why} (see {run_dir / rundir.PLAN_FILE})"
         if not launch.dry_run:
             raise LaunchError(message + "; launch refuses a job that would run out of memory")
         print(f"warning: {message}")
 
-    lay = layout(cfg, plan, launch)
-    here = MachineCheck({})
-    if not launch.dry_run and launch.scheduler == "none":  # SLURM's nodes are not this machine
-        here = check_machine(
-            cfg,
-            plan,
-            gpus=lay.nproc_per_node,
-            device=lay.device,
-            allow_mismatch=launch.allow_mismatch,
-            read=read_machine,
-        )
-    files = write_engine_files(cfg, plan, run_dir, launch)
-    env = {**nccl_env(launch, lay), **here.env}
+
+def _check_this_machine(
+    cfg: Config,
+    plan: Plan,
+    launch: LaunchConfig,
+    lay: Layout,
+    read_machine: Optional[Callable[[Optional[Path]], Machine]],
+) -> MachineCheck:
+    """This machine against the plan, where ranks start here (not a dry run; SLURM's nodes are not this machine)."""
+    if launch.dry_run or launch.scheduler != "none":
+        return MachineCheck({})
+    return check_machine(
+        cfg,
+        plan,
+        gpus=lay.nproc_per_node,
+        device=lay.device,
+        allow_mismatch=launch.allow_mismatch,
+        read=read_machine,
+    )
+
+
+def _print_engine(files: EngineFiles, lay: Layout, here: MachineCheck) -> None:
     print(f"launch: {describe(files, lay)}")
     for path in (files.deepspeed, files.accelerate_config):
         if path is not None:
@@ -128,14 +157,16 @@ def run(
     for note in (*files.notes, *here.notes):
         print(f"  note: {note}")
 
-    if launch.scheduler == "slurm":
-        return _slurm(cfg, plan, launch, lay, files, run_dir, env, runner, which)
 
-    cmd = build_command(launch, lay, files, run_dir, cfg.name, env)
-    script_cmd = build_command(launch, lay, files, run_dir, cfg.name, env, node_rank=NODE_RANK_SLOT)
-    script = run_dir / LAUNCH_SCRIPT
+def _write_launch_script(
+    name: str, launch: LaunchConfig, lay: Layout, files: EngineFiles, run_dir: Path, env: dict[str, str]
+) -> tuple[Command, Path]:
+    """The command for this node, and run_dir/launch.sh written to re-run it (on any node: NODE_RANK)."""
+    cmd = build_command(launch, lay, files, run_dir, name, env)
+    script_cmd = build_command(launch, lay, files, run_dir, name, env, node_rank=NODE_RANK_SLOT)
+    script = run_dir / rundir.LAUNCH_SCRIPT
     header = [
-        f"{cfg.name}: {describe(files, lay)}",
+        f"{name}: {describe(files, lay)}",
         "Written by mode=launch; re-run as is: bash " + str(script),
     ]
     rundir.atomic_write_text(
@@ -143,7 +174,10 @@ def run(
     )
     # Only the owner may read a script that names where its secrets come from.
     script.chmod(0o700 if rundir.references_secrets(cmd.env) else 0o755)
+    return cmd, script
 
+
+def _print_command(cmd: Command, script: Path, lay: Layout, launch: LaunchConfig) -> None:
     print("command:")
     for key, value in cmd.env.items():
         print(f"  {rundir.export_line(key, value)}")
@@ -156,25 +190,21 @@ def run(
         )
     if lay.nnodes > 1 and launch.master_addr in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: launch.master_addr={launch.master_addr} is each node itself; give node 0's address")
-    if launch.dry_run:
-        print("dry run: nothing started")
-        return 0
 
-    if lay.nnodes > 1 and launch.node_rank != 0:
-        wait_for_rendezvous(
-            launch.master_addr,
-            launch.master_port,
-            launch.rdzv_wait_s,
-            launch.node_rank,
-            probe=probe,
-            sleep=sleep,
-        )
-    if launch.detach:
-        session = launch.session or re.sub(r"[^\w-]", "-", f"ft-{cfg.name}")
-        for line in detach(script, run_dir / LAUNCH_LOG, session, runner, which):
-            print(line)
-        return 0
-    code = runner(list(cmd.argv), cmd.env, cmd.cwd)
+
+def _detach(
+    name: str, launch: LaunchConfig, script: Path, run_dir: Path, runner: Runner, which: Which
+) -> int:
+    """launch.sh started in a tmux session (or under nohup), its output in run_dir/launch.log."""
+    session = launch.session or re.sub(r"[^\w-]", "-", f"ft-{name}")
+    for line in detach(script, run_dir / rundir.LAUNCH_LOG, session, runner, which):
+        print(line)
+    return 0
+
+
+def _run_ranks(cmd: Command, checked: dict[str, str], runner: Runner) -> int:
+    """The ranks started here, waited for; `checked` tells them which checks this process ran."""
+    code = runner(list(cmd.argv), {**cmd.env, **checked}, cmd.cwd)
     if code != 0:
         print(f"launch: {Path(cmd.argv[0]).name} exited with {code}")
     return code
@@ -182,7 +212,7 @@ def run(
 
 def _slurm(
     cfg: Config,
-    plan: PlanLike,
+    plan: Plan,
     launch: LaunchConfig,
     lay: Layout,
     files: EngineFiles,
@@ -191,9 +221,8 @@ def _slurm(
     runner: Runner,
     which: Which,
 ) -> int:
-    path = run_dir / SBATCH_FILE
-    vcpus = plan.hardware.vcpus if isinstance(plan, Plan) else cfg.hardware.vcpus
-    text = sbatch_script(launch, lay, files, run_dir, cfg.name, env, os.getcwd(), vcpus=vcpus)
+    path = run_dir / rundir.SBATCH_FILE
+    text = sbatch_script(launch, lay, files, run_dir, cfg.name, env, os.getcwd(), vcpus=plan.hardware.vcpus)
     rundir.atomic_write_text(path, text)
     path.chmod(0o700 if rundir.references_secrets(env) else 0o644)
     print(f"sbatch script: {path}")

@@ -1,12 +1,13 @@
 """Pre-flight planner: will the job fit, how should it run, what does it cost. Pure: no torch.
 
-contract (the Plan and its parts), params (exact counts), memory (the memory model, as the
-trainer runs it), engines (which engine runs which strategy), timing (step time, cost, disk),
-search (the fastest strategy that fits; `make_plan`), calibration (per-device constants).
+contract (the Plan and its parts), params (exact counts), activations (the measured saved-bytes
+formulas), memory (the memory model, as the trainer runs it), engines (which engine runs which
+strategy), timing (step time, cost, disk), search (the fastest strategy that fits; `make_plan`),
+calibration (per-device constants). Scripts and tests use these modules' public names only.
 """
 
 from finetune.planner.calibration import Calibration, DeviceCalibration
-from finetune.planner.contract import Alternative, Estimate, Memory, Plan, Strategy
+from finetune.planner.contract import Alternative, Estimate, Layout, Memory, Plan, Strategy
 from finetune.planner.engines import ENGINES, why_not
 from finetune.planner.memory import Job, Runtime, make_job, memory, runtime, tensors_gb
 from finetune.planner.params import ParamCounts, count_params, lora_params
@@ -21,6 +22,7 @@ __all__ = [
     "DeviceCalibration",
     "Estimate",
     "Job",
+    "Layout",
     "Memory",
     "ParamCounts",
     "Plan",

@@ -1,15 +1,23 @@
-"""The plan contract (DESIGN.md): the strategy, the memory terms, the estimate, and the frozen `Plan`.
+"""The plan contract (DESIGN.md): the strategy, the memory terms, the estimate, the layout, the frozen `Plan`.
 
 Sizes are decimal GB (1e9 bytes), per GPU unless named otherwise. `Plan.to_dict` is
-plan.json; workers read it back with `Plan.from_dict` and never re-plan.
+plan.json; workers read it back with `Plan.from_dict` and never re-plan. After the
+contract's fields, plan.json carries the whole chosen hardware profile (every
+`HardwareConfig` field: under hardware=auto or local, the profile chosen or read,
+not `auto`) and the process layout (nodes, processes per node, world size, engine),
+so what runs later reads them instead of deriving them again.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Optional
 
 from finetune.config import HardwareConfig
+from finetune.errors import PlanError
+
+# plan.json's hardware block: the contract's five fields first, then the rest of the profile.
+CONTRACT_HARDWARE = ("name", "gpus", "gpu_memory_gb", "host_memory_gb", "usd_per_month")
 
 GB = 1e9
 
@@ -26,6 +34,38 @@ class Strategy:
     chunked_loss: bool = False
     micro_batch_size: int = 1
     grad_accum_steps: int = 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the ranks run: processes per node x nodes on one kind of device, and the engine the
+    strategy's sharding names (finetune/planner/engines.py)."""
+
+    strategy: Strategy
+    nproc_per_node: int
+    nnodes: int
+    device: str  # cuda | cpu
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def engine(self) -> str:
+        """deepspeed | fsdp | ddp | single."""
+        if self.strategy.sharding == "zero3":
+            return "deepspeed"
+        if self.strategy.sharding == "fsdp":
+            return "fsdp"
+        return "ddp" if self.world_size > 1 else "single"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "nodes": self.nnodes,
+            "processes_per_node": self.nproc_per_node,
+            "world_size": self.world_size,
+            "engine": self.engine,
+        }
 
 
 @dataclass(frozen=True)
@@ -83,10 +123,33 @@ class Plan:
     alternatives: tuple[Alternative, ...] = ()
     usable_gpu_memory_gb: float = 0.0
     merge_host_memory_gb: float = 0.0
+    # The launch's process counts where it sets them (launch.nproc_per_node, launch.nnodes); None: the
+    # profile's GPUs per node and nodes (`layout`).
+    nproc_per_node: Optional[int] = None
+    nnodes: Optional[int] = None
+
+    @property
+    def layout(self) -> Layout:
+        """The process layout: the profile's GPUs per node and nodes, or the launch's counts where set."""
+        hw = self.hardware
+        return Layout(
+            strategy=self.strategy,
+            nproc_per_node=self.nproc_per_node or hw.gpus_per_node,
+            nnodes=self.nnodes or hw.nodes,
+            device=hw.device,
+        )
+
+    def with_processes(self, nproc_per_node: Optional[int], nnodes: Optional[int]) -> Plan:
+        """The plan with the launch's process counts (None keeps the profile's)."""
+        return replace(self, nproc_per_node=nproc_per_node, nnodes=nnodes)
 
     def to_dict(self) -> dict[str, Any]:
-        """The plan contract of DESIGN.md (sizes in decimal GB, per GPU unless named otherwise)."""
+        """The plan contract of DESIGN.md (sizes in decimal GB, per GPU unless named otherwise), then
+        the whole hardware profile and the process layout."""
         hw = self.hardware
+        profile = {
+            f.name: getattr(hw, f.name) for f in fields(HardwareConfig) if f.name not in CONTRACT_HARDWARE
+        }
         return {
             "fits": self.fits,
             "hardware": {
@@ -95,6 +158,7 @@ class Plan:
                 "gpu_memory_gb": hw.gpu_memory_gb,
                 "host_memory_gb": hw.host_memory_gb,
                 "usd_per_month": hw.usd_per_month,
+                **{k: list(v) if isinstance(v, list) else v for k, v in profile.items()},
             },
             "params": {"total": self.params_total, "trainable": self.params_trainable},
             "strategy": asdict(self.strategy),
@@ -111,14 +175,24 @@ class Plan:
             "seq_len": self.seq_len,
             "usable_gpu_memory_gb": round(self.usable_gpu_memory_gb, 3),
             "merge_host_memory_gb": round(self.merge_host_memory_gb, 3),
+            "layout": self.layout.to_dict(),
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], hardware: HardwareConfig) -> Plan:
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
         """`to_dict`'s output back into a Plan (workers read plan.json; they never re-plan).
 
-        The contract names the profile but not all of it, so the caller passes the resolved profile.
+        A plan.json written before it carried the whole profile and the layout is refused with one line.
         """
+        hw, layout = d.get("hardware") or {}, d.get("layout")
+        missing = [f.name for f in fields(HardwareConfig) if f.name not in hw]
+        if missing or not isinstance(layout, dict):
+            raise PlanError(
+                "plan.json was written by an older finetune (no "
+                + (f"hardware.{missing[0]}" if missing else "layout")
+                + "): re-run mode=plan with this run_dir"
+            )
+        hardware = HardwareConfig(**{f.name: hw[f.name] for f in fields(HardwareConfig)})
         return cls(
             fits=d["fits"],
             hardware=hardware,
@@ -136,4 +210,6 @@ class Plan:
             alternatives=tuple(Alternative(**a) for a in d.get("alternatives", ())),
             usable_gpu_memory_gb=d.get("usable_gpu_memory_gb", 0.0),
             merge_host_memory_gb=d.get("merge_host_memory_gb", 0.0),
+            nproc_per_node=int(layout["processes_per_node"]),
+            nnodes=int(layout["nodes"]),
         )

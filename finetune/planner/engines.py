@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from finetune.methods import METHODS
 from finetune.planner.contract import Strategy
 
 EIGHT_BIT = ("adamw_8bit", "paged_adamw_8bit")
@@ -23,8 +24,7 @@ EIGHT_BIT = ("adamw_8bit", "paged_adamw_8bit")
 class Engine:
     name: str  # single | ddp | fsdp | zero3
     sharding: str  # the plan's word for it
-    shards: bool  # divides weights, gradients and optimizer state across the GPUs
-    methods: tuple[str, ...]
+    shards: bool  # divides weights, gradients and optimizer state across the GPUs (a method's `can_shard`)
     optimizers: tuple[str, ...]  # without offload
     # (offload_optimizer, offload_params) pairs it runs
     offloads: tuple[tuple[bool, bool], ...]
@@ -34,24 +34,24 @@ class Engine:
 
 ENGINES: dict[str, Engine] = {
     "none": Engine(
-        "single", "none", False, ("full", "lora", "qlora"), ("adamw", *EIGHT_BIT), ((False, False),),
+        "single", "none", False, ("adamw", *EIGHT_BIT), ((False, False),),
         "one process holds everything on its GPU: it offloads nothing",
     ),
     "ddp": Engine(
-        "ddp", "ddp", False, ("full", "lora", "qlora"), ("adamw", *EIGHT_BIT), ((False, False),),
+        "ddp", "ddp", False, ("adamw", *EIGHT_BIT), ((False, False),),
         "data parallel replicates the whole state on every GPU: it offloads nothing",
     ),
     # bitsandbytes' optimizers have no DTensor support (measured: "Operator bitsandbytes.optimizer_update_32bit
     # .default does not have a sharding strategy registered"); CPUOffloadPolicy moves parameters, gradients and
     # optimizer state to the host together; accelerate leaves bitsandbytes' 4-bit (uint8) weights unsharded.
     "fsdp": Engine(
-        "fsdp", "fsdp", True, ("full", "lora"), ("adamw",), ((False, False), (True, True)),
+        "fsdp", "fsdp", True, ("adamw",), ((False, False), (True, True)),
         "FSDP2 offloads parameters, gradients and optimizer state together (CPUOffloadPolicy)",
     ),
     # ZeRO-3 wraps a bitsandbytes 8-bit optimizer without offload (measured: base optimizer bnb AdamW, optim_bits
     # 8); with optimizer offload it runs only its own fp32 CPU Adam, which the plan calls adamw.
     "zero3": Engine(
-        "zero3", "zero3", True, ("full", "lora"), ("adamw", "adamw_8bit"), ((False, False), (True, False), (True, True)),
+        "zero3", "zero3", True, ("adamw", "adamw_8bit"), ((False, False), (True, False), (True, True)),
         "ZeRO-3 offloads the optimizer (its fp32 CPU Adam), and parameters only with it",
     ),
 }  # fmt: skip
@@ -69,11 +69,9 @@ def why_not(s: Strategy, method: str, gpus: Optional[int] = None) -> Optional[st
     e = ENGINES[s.sharding]
     if gpus is not None and (e.shards or s.sharding == "ddp") and gpus < 2:
         return f"train.sharding={s.sharding} needs several GPUs"
-    if method not in e.methods:
-        return (
-            f"method={method} does not shard under train.sharding={s.sharding}: bitsandbytes' 4-bit weights "
-            "stay whole on every GPU; use one GPU or ddp"
-        )
+    refusal = METHODS[method].shard_refusal
+    if e.shards and refusal is not None:
+        return f"method={method} does not shard under train.sharding={s.sharding}: {refusal}"
     if (s.offload_optimizer, s.offload_params) not in e.offloads:
         if not e.shards:
             asked = "train.offload_params=true" if s.offload_params else "train.offload_optimizer=true"

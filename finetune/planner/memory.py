@@ -5,7 +5,7 @@ job and strategy by `runtime()` exactly as finetune/train sets the run up;
 measurement scripts may describe what their own harness ran instead. `memory()`
 returns the contract's terms (decimal GB) and the bytes offloaded to host RAM.
 
-What runs, per engine (finetune/train/models.py, accelerate 1.15, DeepSpeed 0.19):
+What runs, per engine (finetune/models.py, accelerate 1.15, DeepSpeed 0.19):
 
 - one process / DDP: accelerate's bf16 autocast around the forward. Full
   fine-tuning holds fp32 weights (their own master copy), fp32 gradients and the
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from finetune.config import HardwareConfig, MethodConfig, ModelConfig, TrainConfig
-from finetune.planner._activations import (
+from finetune.planner.activations import (
     attention_mask_bytes,
     autocast_weight_copy_bytes,
     layer_bytes_per_token,
@@ -73,7 +73,7 @@ class Job:
 
     @property
     def trainable(self) -> int:
-        return self.counts.total if self.method.name == "full" else self.adapter
+        return self.counts.total if self.method.spec.trains_base_weights else self.adapter
 
     @property
     def device(self) -> DeviceCalibration:
@@ -120,7 +120,9 @@ def runtime(job: Job, s: Strategy) -> Runtime:
         stored = adapter_compute = compute  # DeepSpeed's bf16 casts every parameter
     else:
         adapter_compute = stored
-    fp32_residual = job.method.name == "full" and full_weights == 4 and autocast and engine in ("none", "ddp")
+    fp32_residual = (
+        job.method.spec.trains_base_weights and full_weights == 4 and autocast and engine in ("none", "ddp")
+    )
     return Runtime(
         engine, job.hw.device, compute, autocast, full_weights, stored, adapter_compute, fp32_residual
     )
@@ -132,10 +134,10 @@ def _shards(job: Job, s: Strategy) -> int:
 
 def _base_bytes(job: Job, rt: Runtime) -> float:
     """The frozen base (adapters) or the stored weights (full fine-tuning), whole."""
-    c = job.counts
-    if job.method.name == "full":
+    c, spec = job.counts, job.method.spec
+    if spec.trains_base_weights:
         return rt.full_weights * c.total
-    if job.method.name == "qlora":
+    if spec.quantized_base:
         kept = 2 if job.method.quant_compute_dtype_on(job.hw.device) == "bf16" else 4
         return c.linear * (4 + quant_constant_bits(job.method.double_quant)) / 8 + kept * c.kept_16bit
     return rt.compute * c.total
@@ -153,7 +155,7 @@ def trainable_state(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
     Adapters: their weights too (the base is frozen).
     """
     n, shards = job.trainable, _shards(job, s)
-    full = job.method.name == "full"
+    full = job.method.spec.trains_base_weights
     if rt.engine == "zero3":
         weight = 0 if full else rt.compute  # adapters' partitions (full fine-tuning's are the weights term)
         grad = rt.compute
@@ -196,12 +198,10 @@ def load_host_bytes(job: Job, s: Strategy) -> float:
     FSDP2 with cpu_ram_efficient_loading: the node's first rank loads the whole model, the others start
     empty, and it is broadcast.
     """
-    per_node = job.hw.gpus_per_node
-    load_dtype = (
-        4 if job.method.name == "full" else (2 if job.method.dtype_on(job.hw.device) == "bf16" else 4)
-    )
+    per_node, spec = job.hw.gpus_per_node, job.method.spec
+    load_dtype = 4 if spec.trains_base_weights else (2 if job.method.dtype_on(job.hw.device) == "bf16" else 4)
     whole = float(load_dtype * job.counts.total)
-    if job.method.name == "qlora" or s.sharding == "zero3":
+    if spec.quantized_base or s.sharding == "zero3":
         return per_node * min(whole, CHECKPOINT_SHARD_BYTES)
     if s.sharding == "fsdp":
         return whole
@@ -227,9 +227,9 @@ def weights(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
 
 
 def _layer(job: Job, rt: Runtime, checkpointing: bool) -> int:
-    """Saved bytes of one decoder layer per token (the fitted formulas of `_activations`)."""
+    """Saved bytes of one decoder layer per token (the fitted formulas of `finetune.planner.activations`)."""
     m, method = job.model, job.method
-    full = method.name == "full"
+    full = method.spec.trains_base_weights
     return layer_bytes_per_token(
         hidden=m.hidden_size,
         intermediate=m.intermediate_size,
@@ -256,7 +256,7 @@ def _once_per_token(job: Job, rt: Runtime) -> int:
         hidden=job.model.hidden_size,
         vocab=job.model.vocab_size,
         plain_loss=False,
-        trainable_head=job.method.name == "full",
+        trainable_head=job.method.spec.trains_base_weights,
         head_in_model=False,
         autocast=rt.fp32_residual,
         dtype_bytes=rt.compute,
@@ -266,7 +266,7 @@ def _once_per_token(job: Job, rt: Runtime) -> int:
 
 def _adapter_copies(job: Job, rt: Runtime) -> int:
     """Autocast's bf16 copies of fp32 weights saved for backward, per decoder layer."""
-    if job.method.name == "full":
+    if job.method.spec.trains_base_weights:
         return autocast_weight_copy_bytes(job.counts.linear_per_layer) if rt.fp32_residual else 0
     fp32_adapters = rt.autocast and rt.adapter_storage == 4 and rt.engine in ("none", "ddp")
     return autocast_weight_copy_bytes(job.adapter // job.model.num_layers) if fp32_adapters else 0
@@ -298,7 +298,7 @@ def _mask_bias(job: Job, s: Strategy, rt: Runtime) -> int:
 
 def _head_dtype(job: Job, rt: Runtime) -> int:
     """Bytes of a value of the LM head's weight as the loss sees it."""
-    if job.method.name == "full":
+    if job.method.spec.trains_base_weights:
         return rt.compute if rt.engine in ("fsdp", "zero3") else rt.full_weights
     return rt.compute
 
@@ -306,7 +306,7 @@ def _head_dtype(job: Job, rt: Runtime) -> int:
 def loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
     """Peak bytes of the loss (the contract's `logits` term), on top of the saved activations.
 
-    Neither path builds the whole logits. The project's chunked loss (finetune/train/chunked_loss.py, inside
+    Neither path builds the whole logits. The project's chunked loss (finetune/chunked_loss.py, inside
     the model's forward) makes every gradient in the forward: a [chunk, V] fp32 logits buffer (1.5x with a
     16-bit compute dtype: the chunk in bf16, its fp32 copy, then the fp32 gradient and its bf16 cast), the
     hidden-state gradient [N, h] kept until the backward, cast copies of the hidden states and the head where
@@ -322,7 +322,7 @@ def loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
     hidden = 4 if rt.fp32_residual or rt.compute == 4 else 2  # the backbone's output dtype
     head = _head_dtype(job, rt)
     c = rt.compute
-    trainable = job.method.name == "full"
+    trainable = job.method.spec.trains_base_weights
     gathered = 2 * vocab * h if rt.engine == "zero3" else 0
     if s.chunked_loss:
         rows = min(tokens, job.train.loss_chunk_size)
@@ -377,10 +377,10 @@ def working_set(job: Job, s: Strategy, rt: Runtime) -> float:
     working = job.device.backward_working_set_layers * (layer + _once_per_token(job, rt) * tokens)
     if s.activation_checkpointing:
         working += layer + _adapter_copies(job, rt)  # the layer being recomputed
-    if job.method.name == "qlora":
+    if job.method.spec.quantized_base:
         compute = 4 if job.method.quant_compute_dtype_on(job.hw.device) == "fp32" else 2
         working += compute * max(d_in * d_out for d_in, d_out in projection_shapes(job.model).values())
-    if job.method.name == "full" and rt.engine in ("fsdp", "zero3"):
+    if job.method.spec.trains_base_weights and rt.engine in ("fsdp", "zero3"):
         working += 2 * _one_layer_params(job.counts)
     return working
 

@@ -308,16 +308,12 @@ def _suggestions(
         price = "price unknown" if usd is None else f"{usd * a.hardware.nodes:,.0f} USD/month"
         out.append(f"hardware={a.hardware.name} fits ({a.gpu_memory.total:.1f} GB per GPU, {price})")
     hw = plan.hardware
-    if method.name == "lora":
-        q = _try(
-            model, replace(method, name="qlora", adapter_dtype="bf16"), hw, train, plan_cfg, plan.seq_len, cal
-        )
-        if q is not None and q.fits:
-            out.append(f"method=qlora fits on {hw.name} ({q.gpu_memory.total:.1f} GB per GPU)")
-    if method.name == "full":
-        lo = _try(model, replace(method, name="lora", optimizer=None), hw, train, plan_cfg, plan.seq_len, cal)
+    lighter = method.spec.fallback
+    if lighter is not None:
+        settings = dict(method.spec.fallback_settings)
+        lo = _try(model, replace(method, name=lighter, **settings), hw, train, plan_cfg, plan.seq_len, cal)
         if lo is not None and lo.fits:
-            out.append(f"method=lora fits on {hw.name} ({lo.gpu_memory.total:.1f} GB per GPU)")
+            out.append(f"method={lighter} fits on {hw.name} ({lo.gpu_memory.total:.1f} GB per GPU)")
     if (
         train.engine == "fsdp"
         and hw.total_gpus > 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 from finetune.config import ModelConfig
+from finetune.methods import METHODS
 from finetune.planner.contract import GB, Estimate, Strategy
 from finetune.planner.memory import Job, runtime
 from finetune.planner.params import count_params
@@ -25,12 +26,12 @@ HOURS_PER_MONTH = 730.0
 def model_flops_per_token(model: ModelConfig, method: str, seq_len: int) -> float:
     """FLOPs a token needs (MFU's numerator): matmuls and causal attention, no recomputation.
 
-    6 a weight for full fine-tuning (forward, input and weight gradients), 4 for frozen weights (LoRA,
-    QLoRA; the adapters' own are negligible); every layer's linear weights and the LM head (the input
+    A weight costs the method's `flops_per_weight`: 6 when it trains (forward, input and weight gradients),
+    4 when frozen (LoRA, QLoRA; the adapters' own are negligible); every layer's linear weights and the LM head (the input
     embedding is a lookup). Attention: 4 x seq x H x d a layer forward, causal halves it, x3 with backward.
     """
     c = count_params(model)
-    per_weight = 6.0 if method == "full" else 4.0
+    per_weight = METHODS[method].flops_per_weight
     if model.num_experts:  # only the routed experts run: attention, router and k of the experts
         routed = c.linear_per_layer - (model.num_experts - model.num_experts_per_token) * _expert(model)
         matmul = routed * model.num_layers + c.head
@@ -111,11 +112,10 @@ def disk(job: Job, s: Strategy) -> tuple[float, float]:
     if rt.engine == "zero3" and rt.compute == 2:
         per = 2.0 + 4.0 + (2.0 if s.optimizer != "adamw" else 8.0)
     else:
-        param = rt.full_weights if job.method.name == "full" else rt.adapter_storage
+        param = rt.full_weights if job.method.spec.trains_base_weights else rt.adapter_storage
         per = param + (2.0 if s.optimizer != "adamw" else 2.0 * param)
     checkpoint = per * job.trainable
     n = job.counts.total
-    export = (
-        2.0 * n if job.method.name == "full" else 2.0 * n + 2.0 * job.adapter
-    )  # merged bf16, and the adapter
+    # the merged bf16 model, and the adapter
+    export = 2.0 * n + 2.0 * job.adapter if job.method.uses_adapters else 2.0 * n
     return checkpoint / GB, export / GB

@@ -1,10 +1,13 @@
-"""Training: model loading per method, the TRL trainer, the exact chunked loss, evaluation.
+"""Training: the per-rank worker, TRL's trainer as the plan sets it up, the callbacks that watch it.
 
-- `models`: load full / LoRA / QLoRA models (one `from_pretrained` path for hub, local and tiny models)
-- `trainer`: `SFTConfig` from the config and the plan; `FinetuneTrainer` (chunked loss, token counting)
-- `collator`: batches of packed, pre-tokenized rows (block-diagonal attention from position ids)
-- `callbacks`: throughput and memory against the plan, early stops, rich progress
-- `evaluate`: held-out loss and greedy exact match, base vs trained
-- `chunked_loss`: the causal-LM loss without full logits
 - `stage`: `run(cfg, run_dir, plan)`, the stage; `python -m finetune.train RUN_DIR` is the per-rank worker
+- `trainer`: `SFTConfig` from the config and the plan; `FinetuneTrainer` (chunked loss, token counting,
+  atomic checkpoints)
+- `callbacks`: throughput and memory against the plan, early stops, preemption, rich progress
+- `throughput`: the train.* speed switches (attention, Liger, compile, fused optimizer)
+- `profiling`: train.profile's per-phase step timing
+
+Shared with the other stages, one layer down: model loading (finetune/models.py), the chunked loss
+(finetune/chunked_loss.py), the collator of packed rows (finetune/collator.py); the base-vs-trained
+evaluation is finetune/evaluation/heldout.py.
 """

@@ -9,7 +9,9 @@ Reads the resolved `config.yaml` and `plan.json` from RUN_DIR (written by
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 from finetune.errors import (
     INTERRUPTED_EXIT_CODE,
@@ -18,6 +20,7 @@ from finetune.errors import (
     interrupt_on_signals,
     is_disk_full,
 )
+from finetune.rundir import PLAN_FILE, checkpoint_dir, free_bytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,16 +62,11 @@ _WRITE_FAILED = ("iostream error", "PytorchStreamWriter failed", "file write fai
 def disk_full(exc: BaseException, run_dir: str) -> DiskFullError | None:
     """A DiskFullError for a failed write when the disk holding `run_dir` lacks the space a checkpoint needs
     (plan.json's size); None when this failure is something else."""
-    import json
-    from pathlib import Path
-
-    from finetune.rundir import PLAN_FILE, free_bytes
-
     if isinstance(exc, OSError) and not is_disk_full(exc):
         return None
     if isinstance(exc, RuntimeError) and not any(s in str(exc) for s in _WRITE_FAILED):
         return None
-    folder = Path(run_dir) / "checkpoints"
+    folder = checkpoint_dir(Path(run_dir))
     needed = None
     try:
         plan = json.loads((Path(run_dir) / PLAN_FILE).read_text())

@@ -32,10 +32,10 @@ from typing import Any, Optional
 import torch
 from transformers import TrainerCallback
 
-from finetune.train.collator import NUM_TOKENS_KEY
+from finetune import rundir
+from finetune.collator import NUM_TOKENS_KEY
 
 PHASES = ("data", "forward", "loss", "backward", "optimizer", "other")
-PROFILE_FILE = "profile_ops.txt"
 TOP_OPS = 12
 # Operator names that say which attention kernel ran (SDPA's flash / memory-efficient / math kernels,
 # FlexAttention's, flash-attn's varlen, cutlass fmha).
@@ -197,7 +197,7 @@ class StepProfiler(TrainerCallback):
         ]
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / PROFILE_FILE).write_text(averages.table(sort_by=key, row_limit=40) + "\n")
+            (self.out_dir / rundir.PROFILE_FILE).write_text(averages.table(sort_by=key, row_limit=40) + "\n")
 
     # ------------------------------------------------------------ results
 

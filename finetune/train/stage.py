@@ -26,102 +26,33 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from finetune import checkpoints, rundir
-from finetune.config import Config, HardwareConfig
-from finetune.errors import FinetuneError
+import transformers
+
+from finetune import checkpoints, models, preflight, rundir
+from finetune.config import Config
+from finetune.data.stage import load_prepared
+from finetune.errors import INTERRUPTED_EXIT_CODE, FinetuneError
+from finetune.evaluation import heldout
 from finetune.planner import Plan
+from finetune.secrets import install_log_filter
+from finetune.train import callbacks as cb
+from finetune.train import throughput
+from finetune.train.profiling import StepProfiler
+from finetune.train.trainer import build_sft_config, build_trainer, engine_record, save_output
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.json"
 # What the worker is doing now, for the one line a signal leaves (`interrupted_message`).
 phase = "starting"
 # A run stopped by SIGTERM/SIGINT after saving its checkpoint exits with this (EX_TEMPFAIL,
 # "try again later"); running the same command again resumes.
-PREEMPTED_EXIT_CODE = 75
-ADAPTER_DIR = "adapter"
+PREEMPTED_EXIT_CODE = INTERRUPTED_EXIT_CODE
 # Strategies whose weights are split across ranks: no rank can evaluate the model alone.
 SHARDED = ("zero3", "fsdp")
-MODEL_DIR = "model"
-
-
-def load_plan(run_dir: Path, hardware: HardwareConfig) -> Plan:
-    """`plan.json` back into a `Plan` (workers read it; they never re-plan)."""
-    from finetune.errors import LaunchError
-
-    path = Path(run_dir) / rundir.PLAN_FILE
-    if not path.is_file():
-        raise LaunchError(
-            f"{path}: missing; run the plan stage (python -m finetune mode=plan run_dir={run_dir}) first"
-        )
-    return Plan.from_dict(json.loads(path.read_text()), hardware)
-
-
-def resume_checkpoint(cfg: Config, run_dir: Path) -> Optional[str]:
-    """Where training continues from: None (start fresh) or a complete checkpoint folder.
-
-    - `resume=true`: the newest checkpoint under RUN_DIR/checkpoints that verifies
-      (manifest, sizes, SHA-256); damaged newer ones are logged and skipped.
-    - `resume=false`: None.
-    - `resume=PATH` (or `resume=checkpoint-N`, looked up under RUN_DIR/checkpoints): that
-      checkpoint; refused when it is damaged. One without a manifest (written by another
-      tool) is accepted with a warning when it has a trainer_state.json.
-    """
-    from finetune.errors import ConfigError
-    from finetune.train.trainer import CHECKPOINT_DIR
-
-    folder = Path(run_dir) / CHECKPOINT_DIR
-    if cfg.resume is False:
-        return None
-    if cfg.resume is True:
-        last = checkpoints.last_complete(folder)
-        return str(last) if last else None
-    path = Path(cfg.resume)
-    if not path.is_dir() and (folder / cfg.resume).is_dir():
-        path = folder / cfg.resume
-    if not path.is_dir():
-        complete = [p.name for p in checkpoints.listing(folder)]
-        raise ConfigError(
-            f"resume={cfg.resume}: no such checkpoint folder"
-            + (f" (this run has: {', '.join(complete)})" if complete else "")
-        )
-    problem = checkpoints.verify(path)
-    if problem is not None:
-        if (path / checkpoints.MANIFEST).exists() or not (path / "trainer_state.json").is_file():
-            raise ConfigError(
-                f"resume={cfg.resume}: damaged checkpoint ({problem}); pick another, or resume=true for the "
-                "newest complete one"
-            )
-        log.warning("resume=%s: no checksums to verify (not written by finetune); using it as is", path)
-    return str(path)
-
-
-def prepare_checkpoints(cfg: Config, run_dir: Path) -> Optional[str]:
-    """Rank 0, before training: clear a crashed save's leftovers, apply `resume`, return the checkpoint to resume.
-
-    resume=false discards the previous checkpoints (so a later resume=true cannot pick
-    one of them); resuming an earlier checkpoint of this run renames the later ones
-    `superseded-checkpoint-N` (kept for inspection, never resumed).
-    """
-    from finetune.train.trainer import CHECKPOINT_DIR
-
-    folder = Path(run_dir) / CHECKPOINT_DIR
-    checkpoints.clean_staging(folder)
-    if cfg.resume is False:
-        n = checkpoints.discard_all(folder)
-        if n:
-            log.warning("resume=false: discarded %d checkpoint(s) of the previous run in %s", n, folder)
-        return None
-    path = resume_checkpoint(cfg, run_dir)
-    if path is not None:
-        step = checkpoints.step_of(Path(path))
-        if step is not None and Path(path).parent.resolve() == folder.resolve():
-            checkpoints.supersede_after(folder, step)
-    return path
 
 
 def _final_loss(log_history: list[dict]) -> Optional[float]:
@@ -179,6 +110,40 @@ def _rss_gb() -> float:
     return psutil.Process().memory_info().rss / 1e9
 
 
+@dataclass
+class _Model:
+    """The model as loaded for training, with the trainer's arguments built before it (`_load_model`)."""
+
+    model: Any
+    tokenizer: Any
+    compute_dtype: Any
+    args: Any  # the SFTConfig
+    trainable: int
+    total: int
+    loaded_partitioned: bool
+
+
+@dataclass
+class _Session:
+    """The trainer, with the callbacks whose state the run reads back."""
+
+    trainer: Any
+    monitor: cb.RunMonitor
+    early: cb.EarlyStop
+    preemption: cb.Preemption
+    profiler: Optional[StepProfiler]
+
+
+@dataclass
+class _Trained:
+    """What training left for metrics.json: the resume point, the loop's seconds, the output and the engine."""
+
+    resumed_from: Optional[str]
+    seconds: float
+    out_dir: Path
+    engine: dict[str, Any]
+
+
 def run(
     cfg: Config,
     run_dir: Union[str, Path],
@@ -192,67 +157,75 @@ def run(
     `datasets` (train, eval) replaces the data stage's output (tests); `max_generate`
     caps the held-out prompts answered by generation (None: all).
     """
-    import transformers
-
-    from finetune import preflight
-    from finetune.train import callbacks as cb
-    from finetune.train import throughput
-    from finetune.train.evaluate import evaluate
-    from finetune.train.models import (
-        load_for_training,
-        load_tokenizer,
-        model_source,
-        trainable_parameters,
-        training_dtype,
-    )
-    from finetune.train.profiling import StepProfiler
-    from finetune.train.trainer import build_sft_config, build_trainer, engine_record, save_output
-
-    global phase
     run_dir = Path(run_dir)
     rank0 = is_rank_zero()
-    mismatch = None  # what launch.allow_mismatch=true let through (metrics.json)
-    if rank0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        rundir.lock(run_dir)
-        preflight.check(cfg, run_dir, plan)
-        mismatch = preflight.check_machine(
-            cfg,
-            plan,
-            gpus=cfg.launch.nproc_per_node or plan.hardware.gpus_per_node,
-            device=plan.hardware.device,
-            allow_mismatch=cfg.launch.allow_mismatch,
-        ).mismatch
-        if mismatch:
-            log.warning("launch.allow_mismatch=true: training although %s", mismatch)
+    mismatch = _lock_and_precheck(cfg, run_dir, plan) if rank0 else None
     transformers.utils.logging.disable_progress_bar()
     throughput.check_runtime(cfg, plan.strategy.sharding)  # a lever this machine cannot run: one line, exit 2
     t0 = time.perf_counter()
     baseline_gb = _rss_gb()
+    train_ds, eval_ds = _load_data(run_dir, datasets)
+    loaded = _load_model(cfg, plan, run_dir)
+    # Rank 0 alone evaluates, and only where it holds the whole model (one process, DDP); under
+    # ZeRO-3/FSDP the weights are partitioned across ranks and the eval stage (mode=eval, run by
+    # the pipeline after the launcher returns) scores the saved adapter or model instead.
+    in_worker_eval = rank0 and plan.strategy.sharding not in SHARDED
+    session = _build_session(cfg, plan, run_dir, loaded, (train_ds, eval_ds), baseline_gb, rank0)
+    try:
+        resumed_from, complete = _agreed_resume_point(session.trainer, cfg, run_dir, rank0)
+        if complete:
+            return _already_trained(run_dir, resumed_from, rank0)
+        base = _base_evaluation(loaded, eval_ds, max_generate) if in_worker_eval else None
+        seconds = _train(session, resumed_from, run_dir)
+    finally:
+        session.preemption.uninstall()
+    out_dir, engine = _save_trained(cfg, run_dir, session.trainer, loaded.tokenizer, rank0)
+    scores = _final_evaluation(loaded, eval_ds, max_generate, in_worker_eval)
+    trained = _Trained(resumed_from, seconds, out_dir, engine)
+    metrics = {
+        "train": _train_metrics(cfg, plan, session, loaded, trained, t0, mismatch),
+        "eval": {"base": base, "trained": scores} if in_worker_eval else _eval_skipped(plan, rank0),
+    }
+    _write_metrics(session.trainer, run_dir, metrics)
+    return metrics
+
+
+def _lock_and_precheck(cfg: Config, run_dir: Path, plan: Plan) -> Optional[str]:
+    """Rank 0: the run directory's lock, then the pre-checks; what launch.allow_mismatch=true let through."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rundir.lock(run_dir)
+    mismatch = _prechecks(cfg, run_dir, plan).mismatch
+    if mismatch:
+        log.warning("launch.allow_mismatch=true: training although %s", mismatch)
+    return mismatch
+
+
+def _load_data(run_dir: Path, datasets: Optional[tuple[Any, Any]]) -> tuple[Any, Any]:
+    global phase
     phase = "loading the data"
-    if datasets is None:
-        from finetune.data.stage import load_prepared
+    return datasets if datasets is not None else load_prepared(run_dir)
 
-        datasets = load_prepared(run_dir)
-    train_ds, eval_ds = datasets
 
+def _load_model(cfg: Config, plan: Plan, run_dir: Path) -> _Model:
+    """Tokenizer, seed, the trainer's arguments, then the model per method (partitioned where ZeRO-3 loads it)."""
+    global phase
     phase = "loading the model"
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = models.load_tokenizer(cfg.model)
     transformers.set_seed(cfg.train.seed)  # the adapters' random init is part of the run's seed
     # The trainer's arguments before the model: under ZeRO-3 their live DeepSpeed config makes
     # from_pretrained load this rank's partition only (zero.Init), not the whole model per rank.
     # The tiny model is built (first use) before that: built under zero.Init it would be saved partitioned.
-    model_source(cfg.model)
-    args = build_sft_config(cfg, plan, run_dir, training_dtype(cfg))
+    models.model_source(cfg.model)
+    args = build_sft_config(cfg, plan, run_dir, models.training_dtype(cfg))
     _ = args.device  # joins the process group now: zero.Init partitions over it while loading
     if args.deepspeed:
         import deepspeed
 
         # deepspeed.comm over that group (accelerate sets it up itself on GPUs, not on CPU ranks)
         deepspeed.init_distributed(dist_backend="gloo" if cfg.hardware.device == "cpu" else "nccl")
-    model, compute_dtype = load_for_training(cfg)
+    model, compute_dtype = models.load_for_training(cfg)
     loaded_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
-    trainable, total = trainable_parameters(model)
+    trainable, total = models.trainable_parameters(model)
     if cfg.hardware.device == "cpu":
         cpu_threads(total)
     log.info(
@@ -262,12 +235,19 @@ def run(
         f"{trainable:,}",
         f"{total:,}",
     )
+    return _Model(model, tokenizer, compute_dtype, args, trainable, total, loaded_partitioned)
 
-    # Rank 0 alone evaluates, and only where it holds the whole model (one process, DDP); under
-    # ZeRO-3/FSDP the weights are partitioned across ranks and the eval stage (mode=eval, run by
-    # the pipeline after the launcher returns) scores the saved adapter or model instead.
-    in_worker_eval = rank0 and plan.strategy.sharding not in SHARDED
 
+def _build_session(
+    cfg: Config,
+    plan: Plan,
+    run_dir: Path,
+    loaded: _Model,
+    datasets: tuple[Any, Any],
+    baseline_gb: float,
+    rank0: bool,
+) -> _Session:
+    """The trainer with its callbacks: the run monitor, early stop, preemption, progress (and the profiler)."""
     monitor = cb.RunMonitor(cfg.hardware.device, plan.gpu_memory.total, baseline_gb=baseline_gb)
     early = cb.EarlyStop(cfg.train.loss_spike_factor, cfg.train.eval_rise_patience)
     preemption = cb.Preemption()
@@ -275,108 +255,151 @@ def run(
         cfg,
         plan,
         run_dir,
-        model,
-        tokenizer,
-        train_ds,
-        eval_ds,
-        compute_dtype,
+        loaded.model,
+        loaded.tokenizer,
+        *datasets,
+        loaded.compute_dtype,
         callbacks=[monitor, early, preemption, cb.RichProgress(monitor)],
         monitor=monitor,
-        args=args,
+        args=loaded.args,
     )
-    trainer.loaded_partitioned = loaded_partitioned
+    trainer.loaded_partitioned = loaded.loaded_partitioned
     profiler = (
         StepProfiler(cfg.hardware.device, run_dir if rank0 else None).attach(trainer)
         if cfg.train.profile
         else None
     )
-    try:
-        resumed_from, complete = _agreed_resume_point(trainer, cfg, run_dir, rank0)
-        if complete:
-            return _already_trained(run_dir, resumed_from, rank0)
-        base = None
-        if in_worker_eval:
-            # A signal here stops at once (the process's own handler): evaluation saves nothing.
-            phase = "the base evaluation"
-            base = evaluate(model, tokenizer, eval_ds, max_generate=max_generate)
-            release_memory()
-        t_train = time.perf_counter()
-        if resumed_from:
-            log.info("resuming from %s", resumed_from)
-            early.restore(resumed_from)
-        # From here a signal finishes the step and saves a checkpoint (`Preemption`).
-        phase = "training"
-        preemption.install()
-        trainer.train(resume_from_checkpoint=resumed_from)
-        if preemption.received is not None:
-            raise Preempted(
-                preemption.received,
-                trainer.state.global_step,
-                getattr(trainer, "last_checkpoint", None),
-                run_dir,
-                resume_point=Path(resumed_from) if resumed_from else None,
-            )
-        train_seconds = time.perf_counter() - t_train
-    finally:
-        preemption.uninstall()
+    return _Session(trainer, monitor, early, preemption, profiler)
 
+
+def _base_evaluation(loaded: _Model, eval_ds: Any, max_generate: Optional[int]) -> dict:
+    global phase
+    # A signal here stops at once (the process's own handler): evaluation saves nothing.
+    phase = "the base evaluation"
+    base = heldout.evaluate(loaded.model, loaded.tokenizer, eval_ds, max_generate=max_generate)
+    release_memory()
+    return base
+
+
+def _train(session: _Session, resumed_from: Optional[str], run_dir: Path) -> float:
+    """The training loop, from `resumed_from` where given; its seconds. Stopped by a signal: `Preempted`."""
+    global phase
+    t_train = time.perf_counter()
+    if resumed_from:
+        log.info("resuming from %s", resumed_from)
+        session.early.restore(resumed_from)
+    # From here a signal finishes the step and saves a checkpoint (`Preemption`).
+    phase = "training"
+    session.preemption.install()
+    trainer = session.trainer
+    trainer.train(resume_from_checkpoint=resumed_from)
+    if session.preemption.received is not None:
+        raise Preempted(
+            session.preemption.received,
+            trainer.state.global_step,
+            getattr(trainer, "last_checkpoint", None),
+            run_dir,
+            resume_point=Path(resumed_from) if resumed_from else None,
+        )
+    return time.perf_counter() - t_train
+
+
+def _save_trained(cfg: Config, run_dir: Path, trainer: Any, tokenizer: Any, rank0: bool) -> tuple[Path, dict]:
+    """The adapter or model with the tokenizer, and the engine that really ran: (output folder, engine)."""
+    global phase
     phase = "saving the trained output"
-    out_dir = run_dir / (ADAPTER_DIR if cfg.method.uses_adapters else MODEL_DIR)
+    out_dir = rundir.trained_dir(run_dir, cfg.method.uses_adapters)
     engine = engine_record(trainer)  # every rank takes part (it gathers)
     save_output(
         trainer, out_dir
     )  # every rank: ZeRO-3 and FSDP2 gather the partitioned weights; rank 0 writes
     if rank0:
         tokenizer.save_pretrained(str(out_dir))
+    return out_dir, engine
 
+
+def _final_evaluation(
+    loaded: _Model, eval_ds: Any, max_generate: Optional[int], in_worker_eval: bool
+) -> Optional[dict]:
+    """The trained model's scores, where this rank evaluates (None elsewhere)."""
+    global phase
     phase = "the final evaluation"
-    trained = (
-        evaluate(model, tokenizer, eval_ds, max_generate=max_generate, examples=5) if in_worker_eval else None
-    )
-    state = trainer.state
-    metrics = {
-        "train": {
-            "steps": state.global_step,
-            "final_loss": _final_loss(state.log_history),
-            "tokens_per_second": round(monitor.tokens_per_second, 2),
-            "peak_memory_gb": round(monitor.measured_gb(), 4),
-            "planned_memory_gb": round(plan.gpu_memory.total, 4),
-            "peak_memory_source": "cuda_max_allocated"
-            if cfg.hardware.device == "cuda"
-            else "process_peak_rss",
-            "memory_over_plan": monitor.warned,
-            "tokens": monitor.tokens_seen,
-            "train_seconds": round(train_seconds, 2),
-            # From the first step's start to the last step's end: no set-up, no end-of-run eval or save.
-            "loop_seconds": round(monitor.train_seconds, 2),
-            "wall_seconds": round(time.perf_counter() - t0, 2),
-            "stopped_early": early.reason,
-            "resumed_from": str(Path(resumed_from).resolve()) if resumed_from else None,
-            "already_complete": False,
-            "method": cfg.method.name,
-            "precision": "bf16" if str(compute_dtype).endswith("bfloat16") else "fp32",
-            "trainable_parameters": trainable,
-            "total_parameters": total,
-            "strategy": asdict(plan.strategy),
-            "output_dir": str(out_dir),
-            "engine": engine,
-            "machine_mismatch": mismatch,
-            "profile": profiler.summary() if profiler is not None else None,  # train.profile
-        },
-        "eval": {"base": base, "trained": trained}
-        if in_worker_eval
-        else {
-            "skipped": "rank 0 evaluates"
-            if not rank0
-            else f"sharding={plan.strategy.sharding}: the weights are split across ranks; the eval stage "
-            "(mode=eval) scores the saved output"
-        },
+    if not in_worker_eval:
+        return None
+    return heldout.evaluate(loaded.model, loaded.tokenizer, eval_ds, max_generate=max_generate, examples=5)
+
+
+def _train_metrics(
+    cfg: Config,
+    plan: Plan,
+    session: _Session,
+    loaded: _Model,
+    trained: _Trained,
+    t0: float,
+    mismatch: Optional[str],
+) -> dict:
+    """metrics.json's `train`: steps, loss, speed, memory against the plan, and what really ran."""
+    state, monitor = session.trainer.state, session.monitor
+    return {
+        "steps": state.global_step,
+        "final_loss": _final_loss(state.log_history),
+        "tokens_per_second": round(monitor.tokens_per_second, 2),
+        "peak_memory_gb": round(monitor.measured_gb(), 4),
+        "planned_memory_gb": round(plan.gpu_memory.total, 4),
+        "peak_memory_source": "cuda_max_allocated" if cfg.hardware.device == "cuda" else "process_peak_rss",
+        "memory_over_plan": monitor.warned,
+        "tokens": monitor.tokens_seen,
+        "train_seconds": round(trained.seconds, 2),
+        # From the first step's start to the last step's end: no set-up, no end-of-run eval or save.
+        "loop_seconds": round(monitor.train_seconds, 2),
+        "wall_seconds": round(time.perf_counter() - t0, 2),
+        "stopped_early": session.early.reason,
+        "resumed_from": str(Path(trained.resumed_from).resolve()) if trained.resumed_from else None,
+        "already_complete": False,
+        "method": cfg.method.name,
+        "precision": "bf16" if str(loaded.compute_dtype).endswith("bfloat16") else "fp32",
+        "trainable_parameters": loaded.trainable,
+        "total_parameters": loaded.total,
+        "strategy": asdict(plan.strategy),
+        "output_dir": str(trained.out_dir),
+        "engine": trained.engine,
+        "machine_mismatch": mismatch,
+        "profile": session.profiler.summary() if session.profiler is not None else None,  # train.profile
     }
+
+
+def _eval_skipped(plan: Plan, rank0: bool) -> dict:
+    """metrics.json's `eval` where this rank did not evaluate: why."""
+    if not rank0:
+        return {"skipped": "rank 0 evaluates"}
+    return {
+        "skipped": f"sharding={plan.strategy.sharding}: the weights are split across ranks; the eval stage "
+        "(mode=eval) scores the saved output"
+    }
+
+
+def _write_metrics(trainer: Any, run_dir: Path, metrics: dict) -> None:
+    """Global rank 0 merges them into metrics.json (the eval stage's keys stay)."""
     if trainer.is_world_process_zero():
-        path = run_dir / METRICS_FILE
+        path = run_dir / rundir.METRICS_FILE
         existing = json.loads(path.read_text()) if path.is_file() else {}
         rundir.write_json(path, {**existing, **metrics})
-    return metrics
+
+
+def _prechecks(cfg: Config, run_dir: Path, plan: Plan) -> preflight.MachineCheck:
+    """Rank 0: disk, resume, host RAM and this machine against the plan, unless the pipeline that started
+    this rank ran them already (`preflight.handoff`): each check runs once per launch."""
+    handed = preflight.handed_down(os.environ)
+    if handed is not None:
+        return handed
+    preflight.check(cfg, run_dir, plan)
+    return preflight.check_machine(
+        cfg,
+        plan,
+        gpus=plan.layout.nproc_per_node,
+        device=plan.hardware.device,
+        allow_mismatch=cfg.launch.allow_mismatch,
+    )
 
 
 def is_rank_zero() -> bool:
@@ -394,7 +417,7 @@ def _agreed_resume_point(trainer: Any, cfg: Config, run_dir: Path, rank0: bool) 
     answer: list[Any] = [None, None, False]
     if rank0:
         try:
-            answer[0] = prepare_checkpoints(cfg, run_dir)
+            answer[0] = checkpoints.prepare_resume(cfg.resume, rundir.checkpoint_dir(run_dir))
             answer[2] = answer[0] is not None and _complete(trainer, Path(answer[0]), run_dir)
         except Exception as exc:  # every rank must learn of it, or the others wait forever
             answer[1] = exc
@@ -411,13 +434,13 @@ def _complete(trainer: Any, checkpoint: Path, run_dir: Path) -> bool:
     transformers resumed from the final step trains one step beyond the schedule before it checks
     the step count (and rewrites the output): re-running a finished job's command must not.
     """
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    state = json.loads((checkpoint / checkpoints.TRAINER_STATE_FILE).read_text())
     args = trainer.args
     if args.max_steps > 0:
         target = args.max_steps
     else:  # epoch-based: the trainer's own count of optimizer steps
         target = trainer.set_initial_training_values(args, trainer.get_train_dataloader())[-1]
-    metrics = run_dir / METRICS_FILE
+    metrics = run_dir / rundir.METRICS_FILE
     previous = json.loads(metrics.read_text()).get("train", {}) if metrics.is_file() else {}
     return (
         state.get("global_step", 0) >= target
@@ -428,7 +451,7 @@ def _complete(trainer: Any, checkpoint: Path, run_dir: Path) -> bool:
 
 def _already_trained(run_dir: Path, checkpoint: Optional[str], rank0: bool) -> dict:
     """The metrics of the finished run, marked as such: nothing is trained, saved or evaluated again."""
-    path = run_dir / METRICS_FILE
+    path = run_dir / rundir.METRICS_FILE
     metrics = json.loads(path.read_text())
     log.info("already trained: %s is the schedule's last step; nothing to train", checkpoint)
     resumed = str(Path(checkpoint).resolve()) if checkpoint else None
@@ -467,20 +490,9 @@ class Preempted(FinetuneError):
         )
 
 
-def newest_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The newest checkpoint whose files all have their recorded sizes (no checksums: a signal's grace
-    period is short); what `resume=true` will pick unless a file's content was damaged."""
-    from finetune.train.trainer import CHECKPOINT_DIR
-
-    for path in reversed(checkpoints.listing(Path(run_dir) / CHECKPOINT_DIR)):
-        if checkpoints.verify(path, checksums=False) is None:
-            return path
-    return None
-
-
 def interrupted_message(signal_name: str, run_dir: Union[str, Path]) -> str:
     """The one true line for a worker stopped at once by a signal (outside the training loop's save)."""
-    last = newest_checkpoint(Path(run_dir))
+    last = checkpoints.newest_by_size(rundir.checkpoint_dir(Path(run_dir)))
     where = (
         f"the newest complete checkpoint is {last}"
         if last
@@ -509,21 +521,21 @@ def configure_rank_logging(rank0: bool) -> None:
     )
     if not rank0:
         warnings.simplefilter("ignore")
-        import transformers
-
         transformers.utils.logging.set_verbosity_error()
 
 
 def run_worker(run_dir: Union[str, Path]) -> dict:
-    """One rank: config and plan from the run directory (no command-line parsing here)."""
-    from finetune.secrets import install_log_filter
-    from finetune.stages import resolve
+    """One rank: config and plan from the run directory (no command-line parsing here).
 
+    config.yaml was written resolved (a model.config_path read, this machine read for hardware=local or
+    cpu): the rank reads it as it is, and never resolves or plans again.
+    """
     install_log_filter()
     configure_rank_logging(is_rank_zero())
     if is_rank_zero() and Path(run_dir).is_dir():
         rundir.lock(Path(run_dir))  # before reading: a second writer must not start at all
-    cfg = resolve(rundir.load_config(Path(run_dir)))
-    cfg = replace(cfg, run_dir=str(run_dir))
+    plan = rundir.load_plan(Path(run_dir))
+    # The plan's profile: under hardware=auto the one chosen (config.yaml keeps `auto`, as asked).
+    cfg = replace(rundir.load_config(Path(run_dir)), hardware=plan.hardware, run_dir=str(run_dir))
     # The worker's base-vs-trained comparison answers as many held-out prompts as the eval stage would.
-    return run(cfg, Path(run_dir), load_plan(Path(run_dir), cfg.hardware), max_generate=cfg.eval.num_samples)
+    return run(cfg, Path(run_dir), plan, max_generate=cfg.eval.num_samples)

@@ -1,5 +1,5 @@
 """Throughput levers, each a `train.*` switch: attention for packed rows, Liger's kernels, torch.compile of
-the decoder layers, the fused optimizer step (`method.adapter_dtype=bf16` is the fifth, in models.py).
+the decoder layers, the fused optimizer step (`method.adapter_dtype=bf16` is the fifth, in finetune/models.py).
 
 Each is exact against the default path on the CPU (tests/test_throughput.py); which is fastest on a GPU
 is measured by scripts/gpu_check.sh (its pipeline cases time every step's phases: `train.profile`).
@@ -35,14 +35,6 @@ from finetune.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# train.attention -> transformers' `attn_implementation`.
-ATTN_IMPLEMENTATIONS = {
-    "sdpa": "sdpa",
-    "flex": "flex_attention",
-    "eager": "eager",
-    "flash": "flash_attention_2",
-}
-
 # Liger's layer kernels, applied by the Trainer (`use_liger_kernel`, transformers' `apply_liger_kernel`)
 # when training starts. Its fused linear cross-entropy is not patched into the model: TRL 1.16 refuses
 # that (its own fused LM head replaces the forward), and the chunked loss runs Liger's kernel itself
@@ -54,12 +46,6 @@ LIGER_KERNELS = {
     "cross_entropy": False,
     "fused_linear_cross_entropy": False,
 }
-
-
-def attn_implementation(attention: str) -> Optional[str]:
-    """`from_pretrained`'s `attn_implementation`; None for sdpa, transformers' own default (SDPA where
-    the model supports it, eager where not), so the default path loads exactly as before."""
-    return None if attention == "sdpa" else ATTN_IMPLEMENTATIONS[attention]
 
 
 def sft_kwargs(cfg: Config) -> dict[str, Any]:

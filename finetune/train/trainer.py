@@ -29,18 +29,17 @@ from typing import Any, Optional
 import torch
 from trl import SFTConfig, SFTTrainer
 
-from finetune import checkpoints
+from finetune import checkpoints, rundir
+from finetune.chunked_loss import add_chunked_loss_head
+from finetune.collator import NUM_TOKENS_KEY, PackedCollator
 from finetune.config import Config
+from finetune.errors import LaunchError
 from finetune.planner import Plan
 from finetune.train import throughput
 from finetune.train.callbacks import RunMonitor
-from finetune.train.chunked_loss import add_chunked_loss_head
-from finetune.train.collator import NUM_TOKENS_KEY, PackedCollator
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = "checkpoints"
-TENSORBOARD_DIR = "tensorboard"
 
 # The plan's optimizer names -> transformers' `optim` names.
 _OPTIMIZERS = {"adamw": "adamw_torch", "adamw_8bit": "adamw_bnb_8bit", "paged_adamw_8bit": "paged_adamw_8bit"}
@@ -61,7 +60,7 @@ def build_sft_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torc
         r for r in t.report_to if r != "tensorboard"
     ]  # TensorBoard is added as a callback (its folder)
     kwargs: dict[str, Any] = dict(
-        output_dir=str(Path(run_dir) / CHECKPOINT_DIR),
+        output_dir=str(rundir.checkpoint_dir(run_dir)),
         # Batch shape (the plan's).
         per_device_train_batch_size=s.micro_batch_size,
         per_device_eval_batch_size=s.micro_batch_size,
@@ -106,26 +105,26 @@ def build_sft_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torc
         # Every trainable parameter takes part in each forward; the search for unused ones is pure cost.
         ddp_find_unused_parameters=False,
     )
-    # The engine (DeepSpeed JSON or FSDP2 settings, use_cpu, collective timeout), as the launcher wrote it,
-    # for the ranks really running: DeepSpeed asserts its batch = micro x accumulation x world size.
-    kwargs.update(engine_trainer_kwargs(cfg, plan, run_dir))
+    # The engine (DeepSpeed JSON or FSDP2 settings, use_cpu, collective timeout), as the launcher wrote it
+    # for the plan's layout: DeepSpeed asserts its batch = micro x accumulation x world size.
+    kwargs.update(engine_trainer_kwargs(run_dir))
     kwargs.update(throughput.sft_kwargs(cfg))  # Liger's kernels through TRL's switch
     return SFTConfig(**kwargs)
 
 
-def engine_trainer_kwargs(cfg: Config, plan: Plan, run_dir: Path) -> dict[str, Any]:
-    """`engine_files(...)["trainer_kwargs"]` for this process group's world size (WORLD_SIZE; 1 when unset)."""
-    from dataclasses import replace
-
-    from finetune.launch.engines import launch_of, write_engine_files
-
-    launch = launch_of(cfg)
+def engine_trainer_kwargs(run_dir: Path) -> dict[str, Any]:
+    """The SFTConfig arguments of the engine the launcher set up (RUN_DIR/engine.json), for the world size
+    it was written for; a process group of another size is refused (one line) before anything loads."""
+    engine = rundir.load_engine(run_dir)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    nnodes = launch.nnodes or plan.hardware.nodes
-    if world % nnodes:
-        nnodes = 1
-    launch = replace(launch, nproc_per_node=world // nnodes, nnodes=nnodes, node_rank=0)
-    kwargs = write_engine_files(cfg, plan, Path(run_dir), launch).trainer_kwargs
+    if world != engine["world_size"]:
+        raise LaunchError(
+            f"{Path(run_dir) / rundir.ENGINE_FILE}: the engine ({engine['engine']}) is set up for "
+            f"{engine['world_size']} process(es), this rank's group has {world} (WORLD_SIZE): start the ranks "
+            f"with {Path(run_dir) / rundir.LAUNCH_SCRIPT} (written by mode=launch), or plan for {world} "
+            "(launch.nproc_per_node, launch.nnodes) and launch again"
+        )
+    kwargs = dict(engine["trainer_kwargs"])
     if kwargs.get("deepspeed") and os.environ.pop("ACCELERATE_USE_CPU", None) is not None:
         # accelerate would quietly replace DeepSpeed by DDP; use_cpu=True already selects gloo on the CPU.
         log.warning("ACCELERATE_USE_CPU unset for this DeepSpeed run (accelerate drops DeepSpeed under it)")
@@ -394,7 +393,9 @@ def build_trainer(
     if "tensorboard" in cfg.train.report_to and args.process_index == 0:  # one writer: rank 0's events file
         from torch.utils.tensorboard import SummaryWriter
 
-        callbacks.append(TensorBoardCallback(SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))))
+        callbacks.append(
+            TensorBoardCallback(SummaryWriter(log_dir=str(Path(run_dir) / rundir.TENSORBOARD_DIR)))
+        )
     trainer = FinetuneTrainer(
         model=model,
         args=args,

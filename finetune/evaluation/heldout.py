@@ -16,10 +16,10 @@ from typing import Any, Optional
 import torch
 
 from finetune import tasks
+from finetune.chunked_loss import add_chunked_loss_head
+from finetune.collator import NUM_TOKENS_KEY, PackedCollator
 from finetune.evaluation.config import EvalConfig
 from finetune.evaluation.generate import generate
-from finetune.train.chunked_loss import add_chunked_loss_head
-from finetune.train.collator import NUM_TOKENS_KEY, PackedCollator
 
 # Generated answers stop at the end-of-turn token or after this many tokens beyond the longest reference.
 EXTRA_NEW_TOKENS = 4

@@ -26,6 +26,9 @@ IGNORE_INDEX = -100
 NUM_TOKENS_KEY = "num_tokens"
 
 
+# Ours, not TRL's or transformers' collators (scripts/bench_library_parts.py, BENCHMARKS.md): TRL's padded mode lets
+# packed samples attend to each other; its padding_free mode and DataCollatorWithFlattening flatten the micro-batch
+# into one row, so SDPA masks and attends (micro x seq)^2, 4x ours at 4 rows of 8k (`flatten` does that for flash).
 @dataclass
 class PackedCollator:
     pad_token_id: int

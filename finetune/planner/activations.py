@@ -37,7 +37,8 @@ the same bias (the flash kernel takes no mask).
 
 from __future__ import annotations
 
-METHODS = ("full", "lora", "qlora")
+from finetune.methods import METHODS
+
 DEVICES = ("cpu", "cuda")
 
 
@@ -62,7 +63,8 @@ def layer_bytes_per_token(
 ) -> int:
     """Bytes one decoder layer keeps for backward per token (SDPA, batch rows of one sequence each).
 
-    `method` is "full", "lora" or "qlora" (LoRA on all seven projections). `dtype_bytes` is the
+    `method` names a `finetune.methods` entry: one that trains the base weights follows full fine-tuning's
+    formulas, an adapter method LoRA's (on all seven projections; QLoRA measures the same). `dtype_bytes` is the
     compute dtype: 2 (bf16 weights) or 4 (everything fp32). `autocast` is accelerate's bf16 autocast
     around the forward: for full fine-tuning, fp32 weights under it (the residual stream is then fp32:
     10 x hidden more a layer, and autocast's bf16 copy of every weight is saved too, a constant per
@@ -76,18 +78,19 @@ def layer_bytes_per_token(
     (2 x hidden more a norm; measured, as is everything else of Gemma's layer equal to Llama's).
     """
     if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
+    full = METHODS[method].trains_base_weights
     if adapter_bytes not in (2, 4):
         raise ValueError(f"adapter_bytes must be 2 (bf16) or 4 (fp32), got {adapter_bytes!r}")
     if dtype_bytes not in (2, 4):
         raise ValueError(f"dtype_bytes must be 2 (bf16) or 4 (fp32), got {dtype_bytes!r}")
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-    if autocast and dtype_bytes == 4 and method != "full":
+    if autocast and dtype_bytes == 4 and not full:
         raise ValueError("autocast: bf16 autocast runs on a bf16 base (dtype_bytes=2) for LoRA")
     h, inter, q_dim, kv_dim = hidden, intermediate, heads * head_dim, kv_heads * head_dim
     c = dtype_bytes
-    fp32_residual = c == 4 or (autocast and method == "full")
+    fp32_residual = c == 4 or (autocast and full)
     if checkpointing:
         return (4 if fp32_residual else 2) * h  # the layer input, saved by torch.utils.checkpoint
     # attention: q and k after rotary, v, SDPA's output and its fp32 logsumexp per head; o_proj's input is
@@ -99,7 +102,7 @@ def layer_bytes_per_token(
     norms = 2 * (4 * h + 4)
     # gate, up and silu(gate) outputs
     mlp = 3 * c * inter
-    if method == "full":
+    if full:
         # each RMSNorm also keeps its normalized input to the weight product (for the norm weight's grad)
         # and its output (for the projections' weight grads); down_proj keeps act*up. Under autocast the
         # residual stream is fp32: the norms' inputs and normalized outputs are fp32 and each projection
