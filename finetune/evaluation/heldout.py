@@ -10,7 +10,6 @@ held-out prompts rendered with the same chat template.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any, Optional
 
 import torch
@@ -26,8 +25,9 @@ EXTRA_NEW_TOKENS = 4
 
 
 @torch.no_grad()
-def heldout_loss(model: Any, dataset: Any, pad_token_id: int, batch_size: int = 16) -> float:
-    """Mean next-token loss over all labelled tokens of `dataset` (rows with input_ids and labels)."""
+def heldout_loss(model: Any, dataset: Any, pad_token_id: int, batch_size: int = 16) -> Optional[float]:
+    """Mean next-token loss over all labelled tokens of `dataset` (rows with input_ids and labels); None when
+    there is none (data.eval_fraction=0): no loss, rather than a NaN in metrics.json."""
     collate = PackedCollator(pad_token_id=pad_token_id)
     device = next(model.parameters()).device
     add_chunked_loss_head(model)
@@ -51,7 +51,7 @@ def heldout_loss(model: Any, dataset: Any, pad_token_id: int, batch_size: int = 
         )
         total += float(out.loss)
         count += n
-    return total / count if count else math.nan
+    return total / count if count else None
 
 
 def split_prompt(messages: list[dict]) -> tuple[list[dict], str]:
@@ -75,9 +75,8 @@ def evaluate(
     was_training = model.training
     model.eval()
     try:
-        result: dict[str, Any] = {
-            "loss": heldout_loss(model, eval_dataset, tokenizer.pad_token_id, batch_size)
-        }
+        loss = heldout_loss(model, eval_dataset, tokenizer.pad_token_id, batch_size)
+        result: dict[str, Any] = {} if loss is None else {"loss": loss}
         if "messages" in eval_dataset.column_names and len(eval_dataset):
             n = len(eval_dataset) if max_generate is None else min(max_generate, len(eval_dataset))
             pairs = [split_prompt(json.loads(eval_dataset[i]["messages"])) for i in range(n)]

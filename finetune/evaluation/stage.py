@@ -68,7 +68,8 @@ def evaluate_model(
 ) -> tuple[dict[str, Any], list[str], list[str]]:
     """(metrics, task answers, regression answers) for one model."""
     model.eval()
-    result: dict[str, Any] = {"loss": heldout_loss(model, eval_ds, tokenizer.pad_token_id, cfg.batch_size)}
+    loss = heldout_loss(model, eval_ds, tokenizer.pad_token_id, cfg.batch_size)
+    result: dict[str, Any] = {} if loss is None else {"loss": loss}  # None: no held-out split
     answers = generate(model, tokenizer, [it["messages"] for it in items], cfg, f"{label}: held-out prompts")
     if items:
         result.update(
