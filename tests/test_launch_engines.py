@@ -14,7 +14,7 @@ from finetune import rundir
 from finetune.config import Config
 from finetune.hydra_config import compose, load_profiles
 from finetune.launch import LaunchConfig
-from finetune.launch.engines import engine_files, layout, nccl_env, write_engine_files
+from finetune.launch.engines import layout, nccl_env, write_engine_files
 from finetune.planner import Plan, make_plan
 from finetune.stages import resolve
 
@@ -247,14 +247,17 @@ def test_ddp_and_single_write_no_engine_file(tmp_path):
 
 
 def test_engine_files_from_the_run_dir_match_the_plan_object(tmp_path, llama70b_full):
-    """What a rank does: config.yaml + plan.json from the run dir, nothing from the command line."""
+    """config.yaml + plan.json read back from the run dir write the same engine files as the Plan object, and
+    engine.json (what each rank reads) says the same."""
     cfg, plan = llama70b_full
     rundir.save_config(cfg, tmp_path)
     rundir.write_json(tmp_path / rundir.PLAN_FILE, plan.to_dict())
-    from_dict = engine_files(json.loads((tmp_path / rundir.PLAN_FILE).read_text()), tmp_path)
+    from_dict = write_engine_files(
+        rundir.load_config(tmp_path), rundir.load_plan(tmp_path), tmp_path
+    ).to_dict()
     text = (tmp_path / "deepspeed.json").read_text()
-    from_plan = engine_files(plan, tmp_path, cfg)
-    assert from_dict == from_plan
+    from_plan = write_engine_files(cfg, plan, tmp_path).to_dict()
+    assert from_dict == from_plan == rundir.load_engine(tmp_path)
     assert from_dict["engine"] == "deepspeed" and from_dict["deepspeed"] == str(
         (tmp_path / "deepspeed.json").resolve()
     )

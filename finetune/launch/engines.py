@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import yaml
 
@@ -293,29 +292,6 @@ def write_engine_files(
     )
     _write_if_changed(run_dir / rundir.ENGINE_FILE, json.dumps(files.to_dict(), indent=2) + "\n")
     return files
-
-
-def engine_files(
-    plan: Union[Plan, Mapping[str, Any]], run_dir: Union[str, Path], cfg: Optional[Config] = None
-) -> dict[str, Any]:
-    """The engine of a plan, its files and the SFTConfig arguments that match them (written into run_dir).
-
-        files = engine_files(plan, run_dir)          # plan: a Plan or the plan.json dict
-        SFTConfig(output_dir=..., **files["trainer_kwargs"], ...)
-
-    Returns {"engine": "deepspeed"|"fsdp"|"ddp"|"single", "world_size": int,
-    "deepspeed": path or None, "accelerate_config": path or None,
-    "trainer_kwargs": {per_device_train_batch_size, gradient_accumulation_steps, max_grad_norm,
-    learning_rate, weight_decay, adam_beta1/2, adam_epsilon, bf16, use_cpu, ddp_timeout,
-    activation_checkpointing, and deepspeed=PATH or fsdp=True + fsdp_config={...}}, "notes": [...]}.
-    The config is read from run_dir/config.yaml unless given. Files are (re)written only when their
-    content changes, so every rank may call this.
-    """
-    run_dir = Path(run_dir)
-    cfg = cfg or rundir.load_config(run_dir)
-    if not isinstance(plan, Plan):
-        plan = Plan.from_dict(dict(plan))
-    return write_engine_files(cfg, plan, run_dir).to_dict()
 
 
 def nccl_env(launch: LaunchConfig, lay: Layout) -> dict[str, str]:
