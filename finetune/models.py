@@ -28,11 +28,13 @@ pipeline imports this module on `mode=plan`'s path, which loads none of them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -361,17 +363,24 @@ def prepare_kbit_model(model: Any, compute_dtype: torch.dtype) -> Any:
     return model
 
 
+@contextlib.contextmanager
+def _peft_reading_deprecated_alias() -> Iterator[None]:
+    """peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` alias when it wraps a model
+    (get_peft_model, PeftModel.from_pretrained): a FutureWarning a user can do nothing about."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        yield
+
+
 def add_adapters(model: Any, method: MethodConfig) -> Any:
     """PEFT's LoRA adapters on a frozen base, kept in `method.adapter_dtype` (PEFT upcasts them to fp32 by
     default; bf16 ones are cast back)."""
     import torch
     from peft import get_peft_model
 
-    with warnings.catch_warnings():
-        # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` alias.
-        warnings.filterwarnings(
-            "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning
-        )
+    with _peft_reading_deprecated_alias():
         model = get_peft_model(
             model, lora_config(method), autocast_adapter_dtype=method.adapter_dtype == "fp32"
         )
@@ -488,7 +497,8 @@ def attach_adapter(model: Any, adapter: Path) -> Any:
 
     if not (adapter / "adapter_config.json").is_file():
         raise LaunchError(f"{adapter}: no adapter_config.json; run the training stage (mode=train) first")
-    peft_model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
+    with _peft_reading_deprecated_alias():
+        peft_model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
     check_adapter_matches(peft_model, adapter)
     return peft_model
 
