@@ -12,16 +12,16 @@ __version__ = "0.1.0"
 # Resolved on first use, so that `import finetune.<module>` stays light (the
 # planner must import without torch, workers without Hydra).
 _API = {
-    "Config": "finetune.config",
-    "compose": "finetune.hydra_config",
-    "main": "finetune.cli",
+    "Config": "finetune.core.config",
+    "compose": "finetune.core.composition",
+    "main": "finetune.pipeline.cli",
     "Plan": "finetune.planner",
     "make_plan": "finetune.planner",
-    "FinetuneError": "finetune.errors",
-    "ConfigError": "finetune.errors",
-    "PlanError": "finetune.errors",
-    "DataError": "finetune.errors",
-    "LaunchError": "finetune.errors",
+    "FinetuneError": "finetune.core.errors",
+    "ConfigError": "finetune.core.errors",
+    "PlanError": "finetune.core.errors",
+    "DataError": "finetune.core.errors",
+    "LaunchError": "finetune.core.errors",
 }
 
 __all__ = sorted(_API)

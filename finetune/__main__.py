@@ -2,6 +2,6 @@
 
 import sys
 
-from finetune.cli import main
+from finetune.pipeline.cli import main
 
 sys.exit(main())

@@ -74,11 +74,11 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     from dataclasses import replace
 
     os.environ["FINETUNE_CACHE"] = spec["cache"]
+    from finetune.core.composition import compose, load_profiles
     from finetune.data import stage as data_stage
-    from finetune.hydra_config import compose, load_profiles
     from finetune.launch.engines import write_engine_files
+    from finetune.pipeline.stages import resolve
     from finetune.planner import make_plan
-    from finetune.stages import resolve
     from finetune.train import stage
 
     shape = SHAPES[spec["shape"]]

@@ -36,9 +36,9 @@ def collators() -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from finetune import tiny
-    from finetune.collator import NUM_TOKENS_KEY, PackedCollator
-    from finetune.hydra_config import compose
+    from finetune.core.composition import compose
+    from finetune.modeling import tiny
+    from finetune.modeling.collator import NUM_TOKENS_KEY, PackedCollator
 
     model = tiny.load_model(compose([]).model).eval()
     g = torch.Generator().manual_seed(0)
@@ -108,9 +108,9 @@ def collators() -> None:
 
 
 def token_counts(work: Path) -> None:
-    from finetune import tiny
+    from finetune.core.composition import compose
     from finetune.data import stage as data_stage
-    from finetune.hydra_config import compose
+    from finetune.modeling import tiny
 
     cfg = compose(["train.seq_len=512", f"data.cache_dir={work / 'cache-tokens'}"])
     tok = tiny.load_tokenizer(cfg.model)
@@ -130,9 +130,9 @@ def token_counts(work: Path) -> None:
 
 
 def cache(work: Path, convs: int) -> None:
-    from finetune import tiny
+    from finetune.core.composition import compose
     from finetune.data import stage as data_stage
-    from finetune.hydra_config import compose
+    from finetune.modeling import tiny
 
     lines = (REPO / "finetune" / "data" / "bundled" / "chat.jsonl").read_text().splitlines()
     path = work / "chats.jsonl"
@@ -181,7 +181,7 @@ def deepspeed_auto() -> None:
 def checkpoint_choice(work: Path) -> None:
     from transformers.trainer_utils import get_last_checkpoint
 
-    from finetune import checkpoints
+    from finetune.rundir import checkpoints
 
     folder = work / "checkpoints"
     for step in (1, 2):

@@ -11,7 +11,7 @@ through the LM head to the scalar loss, for a frozen head (LoRA/QLoRA: only the
 hidden states get a gradient) and a trainable head (full fine-tuning: the head
 gets a [V, h] gradient too). The plain path is ``transformers``'
 ``ForCausalLMLoss(F.linear(hidden, W), labels)`` (what an nn.Linear head feeds it); the chunked path is
-``finetune.chunked_loss.chunked_causal_lm_loss``; the trl path is TRL 1.16's SFTTrainer loss
+``finetune.modeling.chunked_loss.chunked_causal_lm_loss``; the trl path is TRL 1.16's SFTTrainer loss
 (its fused LM head: vocabulary tiles, log-probabilities recomputed in the backward). On a CPU TRL
 folds its tiles with torch ops; on GPUs with a Triton kernel, so its CPU time and memory are an
 upper bound.
@@ -40,10 +40,12 @@ GB = 1e9
 
 
 def load_chunked_loss():
-    """Imports finetune/chunked_loss.py by path: the step's memory, not the package's CLI imports."""
+    """Imports finetune/modeling/chunked_loss.py by path: the step's memory, not the package's CLI imports."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("chunked_loss", REPO_ROOT / "finetune/chunked_loss.py")
+    spec = importlib.util.spec_from_file_location(
+        "chunked_loss", REPO_ROOT / "finetune/modeling/chunked_loss.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

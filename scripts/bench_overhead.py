@@ -41,7 +41,7 @@ PLAIN = textwrap.dedent(
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
     from finetune.rundir import load_config
-    from finetune.tiny import load_model, load_tokenizer
+    from finetune.modeling.tiny import load_model, load_tokenizer
     from finetune.data.stage import load_prepared
 
     run_dir, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from finetune.hydra_config import (  # noqa: E402
+from finetune.core.composition import (  # noqa: E402
     compose,
     load_profiles,
     recipe_names,  # noqa: E402

@@ -96,8 +96,8 @@ def model_config(case: Case) -> Any:
     """The ModelConfig of configs/model/<shape>.yaml, with the case's layers and vocabulary."""
     import yaml
 
-    from finetune.config import ModelConfig
-    from finetune.hydra_config import package_dir
+    from finetune.core.composition import package_dir
+    from finetune.core.config import ModelConfig
 
     raw = yaml.safe_load((package_dir("configs") / "model" / f"{case.shape}.yaml").read_text())
     m = ModelConfig(**raw)
@@ -225,8 +225,8 @@ def build_model(m: Any, case: Case, dropout: float = 0.05) -> Any:
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from finetune.chunked_loss import add_chunked_loss_head
-    from finetune.tiny import hf_config
+    from finetune.modeling.chunked_loss import add_chunked_loss_head
+    from finetune.modeling.tiny import hf_config
 
     cfg = hf_config(m)
     cfg._attn_implementation = "sdpa"
@@ -246,11 +246,11 @@ def build_model(m: Any, case: Case, dropout: float = 0.05) -> Any:
 
         add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))  # as SFTTrainer, before PEFT
     if case.method == "full":
-        model = model.float()  # finetune/models.py: fp32 weights, bf16 autocast in the trainer
+        model = model.float()  # finetune/modeling/models.py: fp32 weights, bf16 autocast in the trainer
         model.requires_grad_(True)
     else:
         if case.method == "qlora":
-            from finetune.models import prepare_kbit_model
+            from finetune.modeling.models import prepare_kbit_model
 
             for layer in model.model.layers:
                 _to_qlora(layer)
@@ -308,7 +308,7 @@ def loss_alone(hidden: Any, head: Any, labels: Any, case: Case) -> Any:
     import torch
 
     if case.chunked_loss:
-        from finetune.chunked_loss import chunked_causal_lm_loss
+        from finetune.modeling.chunked_loss import chunked_causal_lm_loss
 
         return chunked_causal_lm_loss(hidden, head.weight, labels, chunk_size=case.chunk_size)
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
@@ -450,7 +450,7 @@ def measure_trl_tile(tokens: int = 4096, hidden: int = 64, vocab: int = 32768) -
 def planned(case: Case) -> dict[str, float]:
     """The planner's terms (bytes) for the case's exact shape, strategy and tokens, on the CPU in bf16; the total
     is the four terms and the working set above the loss peak (the overhead's fixed and allocator shares left out)."""
-    from finetune.config import HardwareConfig, MethodConfig, TrainConfig
+    from finetune.core.config import HardwareConfig, MethodConfig, TrainConfig
     from finetune.planner import Strategy, make_job, memory, tensors_gb
 
     m = model_config(case)

@@ -84,8 +84,8 @@ def trainer_case(case: dict[str, Any]) -> dict[str, Any]:
 def model_config(case: dict[str, Any]) -> Any:
     import yaml
 
-    from finetune.config import ModelConfig
-    from finetune.hydra_config import package_dir
+    from finetune.core.composition import package_dir
+    from finetune.core.config import ModelConfig
 
     raw = yaml.safe_load((package_dir("configs") / "model" / f"{case['model']}.yaml").read_text())
     m = ModelConfig(**raw)
@@ -95,14 +95,14 @@ def model_config(case: dict[str, Any]) -> Any:
 
 @functools.lru_cache(maxsize=1)
 def _profiles() -> dict[str, Any]:
-    from finetune.hydra_config import load_profiles
+    from finetune.core.composition import load_profiles
 
     return load_profiles()
 
 
 def hardware(case: dict[str, Any]) -> Any:
     """The profile the case ran on: a named GPU profile, or the CPU with its RAM as 'GPU memory'."""
-    from finetune.config import HardwareConfig
+    from finetune.core.config import HardwareConfig
 
     hw = case["hardware"]
     if hw == "cpu":
@@ -118,7 +118,7 @@ def plan_terms(case: dict[str, Any], calibration: Any = None) -> Optional[dict[s
     plus the overhead's working set above the loss peak, without the fixed share and the allocator's.
     None for a loss path no plan takes (`loss: transformers`, the plain loss of the first GPU check).
     """
-    from finetune.config import MethodConfig, TrainConfig
+    from finetune.core.config import MethodConfig, TrainConfig
     from finetune.planner import Strategy, make_job, memory, runtime, tensors_gb
 
     if case.get("loss") == "transformers":
@@ -153,7 +153,7 @@ def plan_terms(case: dict[str, Any], calibration: Any = None) -> Optional[dict[s
 
 def executed_flops(case: dict[str, Any], calibration: Any = None) -> float:
     """The FLOPs a token executes in the case (recomputation, TRL's extra), as the planner's time estimate counts."""
-    from finetune.config import MethodConfig, TrainConfig
+    from finetune.core.config import MethodConfig, TrainConfig
     from finetune.planner import Strategy, executed_flops_per_token, make_job
 
     m = model_config(case)
@@ -186,8 +186,8 @@ def build(case: dict[str, Any], device: str) -> tuple[Any, Any]:
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from finetune.chunked_loss import add_chunked_loss_head
-    from finetune.tiny import hf_config
+    from finetune.modeling.chunked_loss import add_chunked_loss_head
+    from finetune.modeling.tiny import hf_config
 
     m = model_config(case)
     cfg = hf_config(m, max_position_embeddings=max(m.max_position_embeddings, case["seq_len"]))
@@ -214,7 +214,7 @@ def build(case: dict[str, Any], device: str) -> tuple[Any, Any]:
         add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))  # as SFTTrainer, before PEFT
     if case["method"] == "qlora":
         _quantize_linears(model, device)
-        from finetune.models import prepare_kbit_model
+        from finetune.modeling.models import prepare_kbit_model
 
         model = prepare_kbit_model(model, torch.bfloat16)  # the trainer's preparation
     if case["method"] in ("lora", "qlora"):
@@ -353,7 +353,7 @@ def detect_gpu() -> dict[str, Any]:
     """The profile matching the visible GPU (by name, else by memory), and its facts."""
     import torch
 
-    from finetune.hydra_config import load_profiles
+    from finetune.core.composition import load_profiles
 
     name = torch.cuda.get_device_name(0)
     memory_gb = torch.cuda.get_device_properties(0).total_memory / GB

@@ -234,8 +234,8 @@ def write_data(path: Path, kind: str, seq_len: int, per_row: int, vocab_size: in
     """
     import random
 
-    from finetune import tiny
-    from finetune.config import ModelConfig
+    from finetune.core.config import ModelConfig
+    from finetune.modeling import tiny
 
     if path.is_file():
         return path

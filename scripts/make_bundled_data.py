@@ -6,9 +6,9 @@
 Deterministic: the same seed writes the same bytes. Each row is one conversation
 in messages format (`{"messages": [{"role": ..., "content": ...}, ...]}`), some
 with a system turn. Every answer is short and exactly checkable
-(`finetune.tasks.exact_match`), and every task generalises to held-out prompts
+(`finetune.core.tasks.exact_match`), and every task generalises to held-out prompts
 (new numbers, or a known word in a new phrasing), so a held-out exact-match
-score can rise from zero. The tasks and their phrasings live in `finetune.tasks`.
+score can rise from zero. The tasks and their phrasings live in `finetune.core.tasks`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from finetune.tasks import generate  # noqa: E402
+from finetune.core.tasks import generate  # noqa: E402
 
 DEFAULT_OUT = REPO / "finetune" / "data" / "bundled" / "chat.jsonl"
 

@@ -267,7 +267,7 @@ def measure_layer(
     if fp32:
         layer = layer.float()
         if kw.get("adapter_bytes") == 2 and kw["method"] != "full":
-            for p in layer.parameters():  # finetune/models.py's cast of bf16 adapters
+            for p in layer.parameters():  # finetune/modeling/models.py's cast of bf16 adapters
                 if p.requires_grad:
                     p.data = p.data.to(torch.bfloat16)
     layer.train()

@@ -29,8 +29,8 @@ def tiny_model_cfg():
     """The `model=tiny` config group, as composed."""
     import yaml
 
-    from finetune.config import ModelConfig
-    from finetune.hydra_config import package_dir
+    from finetune.core.composition import package_dir
+    from finetune.core.config import ModelConfig
 
     raw = yaml.safe_load((package_dir("configs") / "model" / "tiny.yaml").read_text())
     return ModelConfig(**raw)
@@ -38,14 +38,14 @@ def tiny_model_cfg():
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_cache, tiny_model_cfg):
-    from finetune import tiny
+    from finetune.modeling import tiny
 
     return tiny.load_tokenizer(tiny_model_cfg)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_cache, tiny_model_cfg) -> Path:
-    from finetune import tiny
+    from finetune.modeling import tiny
 
     return tiny.model_dir(tiny_model_cfg)
 
@@ -53,8 +53,8 @@ def tiny_model_dir(tiny_cache, tiny_model_cfg) -> Path:
 @pytest.fixture(scope="session")
 def tiny_data(tiny_cache, tiny_tokenizer, tmp_path_factory):
     """(train, eval) prepared by the real data stage from the bundled data at seq_len 128."""
-    from finetune.cli import compose
     from finetune.data import stage as data_stage
+    from finetune.pipeline.cli import compose
 
     root = tmp_path_factory.mktemp("tiny-data")
     cfg = compose(["train.seq_len=128", f"data.cache_dir={root / 'cache'}"])

@@ -26,57 +26,31 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "finetune"
 
-# Bottom to top. A module may import its own layer and the ones below it. Exact names win over patterns.
+# Bottom to top: a folder is a layer. A module may import its own layer and the ones below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    (
-        "foundations: errors, schemas, pure facts",
-        (
-            "finetune.errors",
-            "finetune.secrets",
-            "finetune.architectures",
-            "finetune.methods",
-            "finetune.tasks",
-            "finetune.config",
-            "finetune.hydra_config",
-            "finetune.*.config",
-            # the stage packages' __init__: each imports only its config, which finetune.config imports
-            "finetune.data",
-            "finetune.evaluation",
-            "finetune.export",
-            "finetune.launch",
-            "finetune.train",
-        ),
-    ),
+    ("core: errors, config schemas, Hydra composition, pure facts", ("finetune.core", "finetune.core.*")),
     ("planner (pure)", ("finetune.planner", "finetune.planner.*")),
     (
-        "run directory, checkpoints, machine, models",
-        (
-            "finetune.rundir",
-            "finetune.checkpoints",
-            "finetune.machine",
-            "finetune.preflight",
-            "finetune.models",
-            "finetune.tiny",
-            "finetune.collator",
-            "finetune.chunked_loss",
-        ),
+        "run directory and models",
+        ("finetune.rundir", "finetune.rundir.*", "finetune.modeling", "finetune.modeling.*"),
     ),
     (
         "stages",
-        ("finetune.data.*", "finetune.evaluation.*", "finetune.train.*", "finetune.export.*"),
+        (
+            "finetune.data",
+            "finetune.data.*",
+            "finetune.evaluation",
+            "finetune.evaluation.*",
+            "finetune.train",
+            "finetune.train.*",
+            "finetune.export",
+            "finetune.export.*",
+        ),
     ),
-    ("launch", ("finetune.launch.*",)),
+    ("launch", ("finetune.launch", "finetune.launch.*")),
     (
         "pipeline and command line",
-        (
-            "finetune",
-            "finetune.__main__",
-            "finetune.stages",
-            "finetune.smoke",
-            "finetune.compare",
-            "finetune.report",
-            "finetune.cli",
-        ),
+        ("finetune", "finetune.__main__", "finetune.pipeline", "finetune.pipeline.*"),
     ),
 ]
 
@@ -86,10 +60,10 @@ STAGE_ORDER = {"data": 0, "evaluation": 1, "train": 2, "export": 2}
 
 # (importer, imported): why the import sits inside a function.
 EXCEPTIONS = {
-    ("finetune.stages", "finetune.evaluation.stage"): "the evaluation and export stages load torch, "
+    ("finetune.pipeline.stages", "finetune.evaluation.stage"): "the evaluation and export stages load torch, "
     "transformers and PEFT on import (the chunked loss and the collator are torch modules); the pipeline "
     "imports them when it runs them, so mode=plan, data and launch load none of them",
-    ("finetune.stages", "finetune.export.stage"): "as finetune.evaluation.stage",
+    ("finetune.pipeline.stages", "finetune.export.stage"): "as finetune.evaluation.stage",
     ("finetune.train.__main__", "finetune.train.stage"): "the worker installs its signal handlers before it "
     "imports torch, transformers and TRL (seconds), so a signal during that import also exits 75 with one line",
 }
@@ -232,7 +206,11 @@ def test_the_contract_catches_what_it_forbids(tmp_path, monkeypatch):
     assert (
         layer_of("finetune.planner.search") < layer_of("finetune.rundir") < layer_of("finetune.train.stage")
     )
-    assert layer_of("finetune.train.stage") < layer_of("finetune.launch.engines") < layer_of("finetune.cli")
+    assert (
+        layer_of("finetune.train.stage")
+        < layer_of("finetune.launch.engines")
+        < layer_of("finetune.pipeline.cli")
+    )
     src = (
         "from finetune.launch import engines\n"  # stages -> launch: upward
         "def f():\n    from finetune import rundir\n"  # function-local
@@ -265,7 +243,7 @@ def test_plan_and_dry_run_load_no_heavy_library(tmp_path, args):
     argv = [*args, f"run_dir={tmp_path / 'run'}"]
     code = (
         "import sys\n"
-        "from finetune.cli import main\n"
+        "from finetune.pipeline.cli import main\n"
         f"code = main({argv!r})\n"
         f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
         "assert code == 0, code\n"

@@ -182,10 +182,11 @@ def _digest(folder: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_cache):
     """A folder with an existing run (config, plan, data, a sealed checkpoint), data files, and traps."""
-    from finetune import checkpoints, rundir
-    from finetune.cli import compose
+    from finetune import rundir
     from finetune.data import stage as data_stage
-    from finetune.stages import plan_stage, resolve
+    from finetune.pipeline.cli import compose
+    from finetune.pipeline.stages import plan_stage, resolve
+    from finetune.rundir import checkpoints
 
     tmp = tmp_path_factory.mktemp("bad-input")
     (tmp / "afile").write_text("a file where a folder is expected\n")
@@ -207,7 +208,7 @@ def world(tmp_path_factory, tiny_cache):
 
 
 def _cli(args: list[str], capsys) -> tuple[int, str]:
-    from finetune.cli import main
+    from finetune.pipeline.cli import main
 
     code = main(args)
     out = capsys.readouterr()
@@ -411,7 +412,7 @@ def test_full_disk_during_a_checkpoint_save_and_the_rerun(world, capsys, monkeyp
 
     import torch
 
-    from finetune import preflight
+    from finetune.rundir import preflight
     from finetune.train.__main__ import main
 
     assert (
@@ -479,9 +480,9 @@ def test_preflight_disk_message_uses_units_that_mean_something(tmp_path):
     from collections import namedtuple
     from types import SimpleNamespace
 
-    from finetune import preflight
-    from finetune.cli import compose
-    from finetune.errors import LaunchError, format_bytes
+    from finetune.core.errors import LaunchError, format_bytes
+    from finetune.pipeline.cli import compose
+    from finetune.rundir import preflight
 
     usage = namedtuple("usage", "total used free")
     plan = SimpleNamespace(disk_checkpoint_gb=20e3 / 1e9, host_memory_gb=0.0)  # a 20 kB checkpoint

@@ -105,10 +105,10 @@ def test_heldout_loss_after_mixed_precision_wrapping_matches_plain_bf16(
     from accelerate.utils import convert_outputs_to_fp32
     from peft import get_peft_model
 
-    from finetune import tiny
-    from finetune.config import MethodConfig
+    from finetune.core.config import MethodConfig
     from finetune.evaluation.heldout import heldout_loss
-    from finetune.models import lora_config
+    from finetune.modeling import tiny
+    from finetune.modeling.models import lora_config
 
     model = tiny.load_model(tiny_model_cfg).to(torch.bfloat16)
     model = get_peft_model(model, lora_config(MethodConfig(lora_dropout=0.0)))

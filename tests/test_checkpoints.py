@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune import checkpoints
-from finetune.errors import ConfigError
+from finetune.core.errors import ConfigError
+from finetune.rundir import checkpoints
 from tests.test_eval_support import train_in_process
 
 
@@ -108,8 +108,8 @@ def test_supersede_and_discard(tmp_path):
 
 
 def test_resume_setting_picks_the_checkpoint(tmp_path):
-    from finetune.checkpoints import resume_checkpoint
-    from finetune.cli import compose
+    from finetune.pipeline.cli import compose
+    from finetune.rundir.checkpoints import resume_checkpoint
 
     run = tmp_path / "run"
     folder = run / "checkpoints"
@@ -137,7 +137,7 @@ def test_resume_setting_picks_the_checkpoint(tmp_path):
 
 
 def _cfg(run: Path, *overrides: str):
-    from finetune.cli import compose
+    from finetune.pipeline.cli import compose
 
     return compose(
         [

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from finetune import chunked_loss
-from finetune.chunked_loss import chunked_causal_lm_loss, chunked_linear_cross_entropy
+from finetune.modeling import chunked_loss
+from finetune.modeling.chunked_loss import chunked_causal_lm_loss, chunked_linear_cross_entropy
 
 N, H, V = 50, 16, 97  # rows, hidden size, vocabulary
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune import compare, rundir
-from finetune.errors import ConfigError
+from finetune import rundir
+from finetune.core.errors import ConfigError
+from finetune.pipeline import compare
 from tests.test_eval_support import compose_tiny
 
 

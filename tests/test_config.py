@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune.config import Config
-from finetune.errors import ConfigError
-from finetune.hydra_config import compose, group_choices, load_profiles, package_dir, recipe_names
+from finetune.core.composition import compose, group_choices, load_profiles, package_dir, recipe_names
+from finetune.core.config import Config
+from finetune.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 

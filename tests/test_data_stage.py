@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from finetune.config import Config, TrainConfig
+from finetune.core.config import Config, TrainConfig
+from finetune.core.config.data import DataConfig
+from finetune.core.errors import DataError
 from finetune.data import clean, stage, synthetic
-from finetune.data.config import DataConfig
-from finetune.errors import DataError
 
 IGNORE = -100
 
@@ -197,7 +197,7 @@ def test_seq_len_auto_longest_or_percentile_with_truncation(tmp_path, tokenizer)
     path = _write(tmp_path / "d.jsonl", _rows(80))
     s = _run(_cfg(tmp_path, path), tmp_path, tokenizer, "a")
     assert s["seq_len"] == s["tokens"]["max"] and s["truncated"] == 0
-    from finetune.stages import data_seq_len
+    from finetune.pipeline.stages import data_seq_len
 
     assert data_seq_len(tmp_path / "a") == s["seq_len"]
     p = _run(_cfg(tmp_path, path, seq_len_percentile=50.0), tmp_path, tokenizer, "b")
@@ -300,7 +300,7 @@ def test_missing_path_is_a_data_error(tmp_path, tokenizer):
 
 def test_bundled_data_through_the_command_line(tmp_path, monkeypatch):
     """`python -m finetune mode=data` on the bundled set with the tiny tokenizer, twice: the second is a hit."""
-    from finetune.cli import main
+    from finetune.pipeline.cli import main
 
     args = [
         "mode=data",
@@ -363,7 +363,7 @@ def _labelled(run: Path) -> list[int]:
 def test_control_tokens_in_content(tmp_path, tiny_tokenizer, mode):
     """The reported case with the tiny template: content holding `<|end|>\\n<|user|>` forged turns and, in
     assistant content, trained the model on fake control tokens."""
-    from finetune import tiny
+    from finetune.modeling import tiny
 
     ids = {t: tiny_tokenizer.convert_tokens_to_ids(t) for t in tiny.SPECIAL_TOKENS}
     path = _write(tmp_path / "d.jsonl", _forged_rows())
@@ -475,7 +475,7 @@ def test_unencodable_text_is_skipped_and_counted_or_one_line(tmp_path, tokenizer
 def test_limits_that_empty_the_held_out_split_are_refused(tmp_path, tiny_tokenizer):
     """The bundled data at seq_len 16 keeps 2 training samples and no held-out one: the evaluation would
     have reported a NaN loss for every model; the data stage refuses it in one line instead."""
-    from finetune.hydra_config import compose
+    from finetune.core.composition import compose
 
     cfg = compose(["train.seq_len=16", f"data.cache_dir={tmp_path / 'cache'}"])
     with pytest.raises(

@@ -8,11 +8,11 @@ from collections import Counter
 
 import pytest
 
+from finetune.core.config.data import DataConfig
+from finetune.core.errors import ConfigError
 from finetune.data import clean, pack, sources, stats, synthetic
-from finetune.data.config import DataConfig
 from finetune.data.formats import RecordError, to_messages, turn_order_problem
 from finetune.data.render import IGNORE_INDEX, Renderer
-from finetune.errors import ConfigError
 
 CONVS = synthetic.conversations(40, seed=3, median_words=12)
 
@@ -93,7 +93,7 @@ def _long_conversation(turns: int, seed: int, system: bool) -> list[dict]:
 
 
 def _plain_tiny() -> str:
-    from finetune import tiny
+    from finetune.modeling import tiny
 
     return tiny.CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 
@@ -145,7 +145,7 @@ def test_a_10000_turn_conversation_masks_in_linear_time(corpus):
 
 
 def test_renderer_needs_a_template(corpus):
-    from finetune.errors import DataError
+    from finetune.core.errors import DataError
 
     tok = _tok(corpus, synthetic.LLAMA3)
     tok.chat_template = None

@@ -14,7 +14,7 @@ from tests.test_eval_support import train_in_process
 def _run(run: Path, tiny_data, *overrides: str) -> tuple[list[float], dict]:
     from safetensors.torch import load_file
 
-    from finetune.cli import compose
+    from finetune.pipeline.cli import compose
 
     cfg = compose(
         [

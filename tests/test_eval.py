@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from finetune import tasks
-from finetune.errors import ConfigError, DataError
+from finetune.core import tasks
+from finetune.core.config.evaluation import EvalConfig
+from finetune.core.errors import ConfigError, DataError
 from finetune.evaluation import curves, metrics, regression
-from finetune.evaluation.config import EvalConfig
 from tests.test_eval_support import (
     compose_tiny,
     fast_eval,
@@ -65,7 +65,7 @@ def test_metric_names_fail_early_and_clearly():
 def test_eval_yaml_matches_the_schema():
     import yaml
 
-    from finetune.hydra_config import package_dir
+    from finetune.core.composition import package_dir
 
     raw = yaml.safe_load((package_dir("configs") / "eval" / "default.yaml").read_text())
     defaults = dict(EvalConfig().__dict__)
@@ -137,8 +137,8 @@ def test_loss_history_merges_checkpoint_state_and_train_log(tmp_path):
 
 
 def test_batched_left_padded_generation_equals_one_by_one(tiny_cache, tiny_model_cfg, tiny_tokenizer):
-    from finetune import tiny
     from finetune.evaluation.generate import generate
+    from finetune.modeling import tiny
 
     model = tiny.load_model(tiny_model_cfg)
     prompts = [
@@ -248,10 +248,10 @@ def test_an_adapter_saved_under_wrapper_names_is_refused_not_scored_as_the_base(
     """FSDP's checkpoint wrapper renames layers; PEFT would only warn and leave the adapter unloaded."""
     from safetensors.torch import load_file, save_file
 
-    from finetune import tiny
-    from finetune.config import MethodConfig
-    from finetune.errors import LaunchError
-    from finetune.models import attach_adapter
+    from finetune.core.config import MethodConfig
+    from finetune.core.errors import LaunchError
+    from finetune.modeling import tiny
+    from finetune.modeling.models import attach_adapter
 
     adapter = make_adapter_run(tmp_path / "run", tiny_model_cfg, MethodConfig(lora_dropout=0.0))
     attach_adapter(tiny.load_model(tiny_model_cfg), adapter)  # as saved: loads
@@ -269,8 +269,8 @@ def test_an_adapter_saved_under_wrapper_names_is_refused_not_scored_as_the_base(
 
 def test_no_held_out_split_means_no_loss_not_nan(tiny_cache, tiny_model_cfg, tiny_tokenizer, tiny_data):
     """data.eval_fraction=0: the held-out loss is absent (metrics.json stays strict JSON), not NaN."""
-    from finetune import tiny
     from finetune.evaluation.heldout import evaluate, heldout_loss
+    from finetune.modeling import tiny
 
     model = tiny.load_model(tiny_model_cfg)
     _, evals = tiny_data

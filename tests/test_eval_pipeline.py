@@ -12,11 +12,11 @@ from tests.test_eval_support import compose_tiny, with_stages, write_engine
 
 @pytest.mark.slow
 def test_tiny_pipeline_trained_and_merged_beat_the_base(tmp_path, tiny_cache):
-    from finetune import stages
+    from finetune.core.config.evaluation import EvalConfig
     from finetune.data import stage as data_stage
     from finetune.evaluation import stage as eval_stage
-    from finetune.evaluation.config import EvalConfig
     from finetune.export import stage as export_stage
+    from finetune.pipeline import stages
     from finetune.train import stage as train_stage
 
     run = tmp_path / "run"

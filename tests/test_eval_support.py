@@ -14,9 +14,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-from finetune.config import Config
-from finetune.evaluation.config import EvalConfig
-from finetune.export.config import ExportConfig
+from finetune.core.config import Config
+from finetune.core.config.evaluation import EvalConfig
+from finetune.core.config.export import ExportConfig
 
 
 @dataclass
@@ -27,7 +27,7 @@ class StagedConfig(Config):
 
 def compose_tiny(*overrides: str) -> Config:
     """The real composed config (recipe tiny) with command-line style overrides."""
-    from finetune.cli import compose
+    from finetune.pipeline.cli import compose
 
     return compose(list(overrides))
 
@@ -37,9 +37,9 @@ def plan_for(cfg: Config, **strategy: Any) -> Any:
     with strategy fields overridden."""
     from dataclasses import replace
 
-    from finetune.hydra_config import load_profiles
+    from finetune.core.composition import load_profiles
+    from finetune.pipeline.stages import resolve
     from finetune.planner import make_plan
-    from finetune.stages import resolve
 
     cfg = resolve(cfg)
     plan = make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
@@ -59,7 +59,7 @@ def prepare_run(cfg: Config) -> Path:
     plan.json and the launcher's engine files (the ranks are not started)."""
     from finetune import rundir
     from finetune.data import stage as data_stage
-    from finetune.stages import plan_stage, resolve
+    from finetune.pipeline.stages import plan_stage, resolve
 
     cfg = resolve(cfg)
     run = rundir.prepare(cfg)
@@ -80,7 +80,7 @@ def train_in_process(
 ) -> dict:
     """`finetune.train.stage.run` in this process on the tiny data (the first `n_train` training rows and
     `n_eval` eval rows), planned for this machine with `strategy` fixed (the batch shape)."""
-    from finetune.stages import resolve
+    from finetune.pipeline.stages import resolve
     from finetune.train import stage
 
     cfg = resolve(cfg)
@@ -122,8 +122,8 @@ def make_adapter_run(run_dir: Path, model_cfg: Any, method: Any, seed: int = 0, 
     import torch
     from peft import get_peft_model
 
-    from finetune import tiny
-    from finetune.models import lora_config
+    from finetune.modeling import tiny
+    from finetune.modeling.models import lora_config
 
     torch.manual_seed(seed)
     model = tiny.load_model(model_cfg)

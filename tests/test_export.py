@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from finetune.core.config.export import ExportConfig
 from finetune.export import merge
 from finetune.export import stage as export_stage
-from finetune.export.config import ExportConfig
 from tests.test_eval_support import compose_tiny, make_adapter_run, plan_for, with_stages
 
 # Export alone (no evaluation of the merged model: tests/test_eval.py covers that).
@@ -41,8 +41,8 @@ def _inputs(held_out, n=3):
 
 
 def test_lora_merge_matches_the_adapter_model_and_ships_everything(tmp_path, tiny_cache, held_out):
-    from finetune import tiny
-    from finetune.models import attach_adapter
+    from finetune.modeling import tiny
+    from finetune.modeling.models import attach_adapter
 
     run = tmp_path / "run"
     cfg = _cfg(run)
@@ -89,7 +89,7 @@ def test_qlora_merges_into_a_16_bit_base_exactly(tmp_path, tiny_cache, held_out,
     """QLoRA: merged in fp32/bf16, never NF4; equals the adapter on that (original or dequantized) base."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.models import attach_adapter, load_base
+    from finetune.modeling.models import attach_adapter, load_base
 
     run = tmp_path / "run"
     cfg = _cfg(run, "qlora", qlora_merge_base=merge_base)
@@ -162,7 +162,7 @@ def test_failed_merge_check_ships_nothing(tmp_path, tiny_cache, held_out):
 
 
 def test_full_finetune_exports_the_model(tmp_path, tiny_cache, held_out):
-    from finetune import tiny
+    from finetune.modeling import tiny
 
     run = tmp_path / "run"
     cfg = _cfg(run, "full")
@@ -190,7 +190,7 @@ def test_host_memory_check():
 
 
 def test_export_config_validation():
-    from finetune.errors import ConfigError
+    from finetune.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="export.qlora_merge_base"):
         ExportConfig(qlora_merge_base="nf4")
@@ -205,7 +205,7 @@ def test_export_config_validation():
 def test_export_yaml_matches_the_schema():
     import yaml
 
-    from finetune.hydra_config import package_dir
+    from finetune.core.composition import package_dir
 
     raw = yaml.safe_load((package_dir("configs") / "export" / "default.yaml").read_text())
     assert raw == {k: v for k, v in ExportConfig().__dict__.items()}

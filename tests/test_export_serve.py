@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from finetune.core.config.export import ExportConfig
 from finetune.export import serve
-from finetune.export.config import ExportConfig
 from tests.test_eval_support import compose_tiny, plan_for, with_stages
 
 

@@ -93,8 +93,8 @@ def test_generated_data_fills_8k_rows_as_asked(tmp_path, tiny_cache, kind):
     filling 85% of a row, counted in the tokens the data stage will see."""
     from gpu_pipeline import SINGLE_FILL, write_data
 
-    from finetune import tiny
-    from finetune.config import ModelConfig
+    from finetune.core.config import ModelConfig
+    from finetune.modeling import tiny
 
     path = write_data(tmp_path / f"{kind}.jsonl", kind, 8192, 30, 128256)
     tok = tiny.load_tokenizer(ModelConfig(vocab_size=128256))

@@ -18,14 +18,14 @@ import pytest
 from omegaconf import OmegaConf
 
 from finetune import rundir
-from finetune.config import Config
-from finetune.errors import ConfigError, LaunchError
-from finetune.hydra_config import compose, load_profiles, package_dir
-from finetune.launch import LaunchConfig, stage
+from finetune.core.composition import compose, load_profiles, package_dir
+from finetune.core.config import Config, LaunchConfig
+from finetune.core.errors import ConfigError, LaunchError
+from finetune.launch import stage
 from finetune.launch.runner import subprocess_runner, wait_for_rendezvous
-from finetune.machine import GPU, Machine
+from finetune.pipeline.stages import resolve
 from finetune.planner import Plan, make_plan
-from finetune.stages import resolve
+from finetune.rundir.machine import GPU, Machine
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = GPU("NVIDIA H200", 150_011_707_392, (9, 0))  # what torch.cuda reports for one H200
@@ -39,7 +39,7 @@ def node(*gpus: GPU) -> Machine:
 @pytest.fixture(autouse=True)
 def eight_h200(monkeypatch):
     """The llama70b_full plans are for h200x8: these launches start on a stand-in 8 x H200 node."""
-    monkeypatch.setattr("finetune.machine.read_machine", lambda run_dir=None: node(*[H200] * 8))
+    monkeypatch.setattr("finetune.rundir.machine.read_machine", lambda run_dir=None: node(*[H200] * 8))
 
 
 class Capture:
@@ -480,7 +480,7 @@ def test_cli_dry_run_llama70b_full(tmp_path):
 def test_the_launcher_and_the_ranks_read_the_layout_plan_json_carries(tmp_path, recipe, capsys):
     """The pipeline's plan.json carries the layout; the launcher starts exactly that many ranks, and
     engine.json (what each rank reads) says the same engine and world size."""
-    from finetune.stages import plan_stage
+    from finetune.pipeline.stages import plan_stage
 
     cfg = resolve(compose([f"+recipe={recipe}", f"run_dir={tmp_path / 'run'}"]))
     run_dir = rundir.prepare(cfg)
@@ -497,7 +497,7 @@ def test_the_launcher_and_the_ranks_read_the_layout_plan_json_carries(tmp_path, 
 
 def test_hardware_auto_plan_json_carries_the_chosen_profile(tmp_path):
     """Under hardware=auto the ranks read the profile the planner chose (config.yaml keeps `auto`)."""
-    from finetune.stages import plan_stage
+    from finetune.pipeline.stages import plan_stage
 
     cfg = resolve(compose(["+recipe=llama70b_lora", "hardware=auto", f"run_dir={tmp_path / 'run'}"]))
     run_dir = rundir.prepare(cfg)
@@ -511,7 +511,7 @@ def test_hardware_auto_plan_json_carries_the_chosen_profile(tmp_path):
 def test_the_pipeline_runs_the_prechecks_once_and_hands_them_to_the_ranks(run70, monkeypatch):
     """precheck=True (the pipeline): disk, resume and RAM are checked here, before the ranks start, and the
     ranks are told so; launch.sh (run later, elsewhere) carries no such promise."""
-    from finetune import preflight
+    from finetune.rundir import preflight
 
     cfg, plan, run_dir = run70
     calls = []

@@ -11,12 +11,11 @@ import pytest
 import yaml
 
 from finetune import rundir
-from finetune.config import Config
-from finetune.hydra_config import compose, load_profiles
-from finetune.launch import LaunchConfig
+from finetune.core.composition import compose, load_profiles
+from finetune.core.config import Config, LaunchConfig
 from finetune.launch.engines import layout, nccl_env, write_engine_files
+from finetune.pipeline.stages import resolve
 from finetune.planner import Plan, make_plan
-from finetune.stages import resolve
 
 
 def planned(*overrides: str) -> tuple[Config, Plan]:
@@ -358,7 +357,7 @@ def test_every_rung_on_every_profile_gets_the_engine_settings_it_plans(tmp_path,
 def test_a_hand_edited_plan_the_engine_cannot_run_is_refused(
     tmp_path, llama70b_full, sharding, changes, needle
 ):
-    from finetune.errors import LaunchError
+    from finetune.core.errors import LaunchError
 
     cfg, plan = llama70b_full
     edited = replace(

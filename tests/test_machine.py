@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from finetune import machine, preflight, rundir
-from finetune.errors import LaunchError
-from finetune.hydra_config import compose, load_profiles
-from finetune.machine import GPU, Machine, Requirement, local_profile, mismatch
+from finetune import rundir
+from finetune.core.composition import compose, load_profiles
+from finetune.core.errors import LaunchError
 from finetune.planner import Plan, make_plan
 from finetune.planner.contract import CONTRACT_HARDWARE
+from finetune.rundir import machine, preflight
+from finetune.rundir.machine import GPU, Machine, Requirement, local_profile, mismatch
 from tests.test_eval_support import train_in_process
 
 PROFILES = load_profiles()
@@ -146,7 +147,7 @@ def test_no_cuda_plans_for_the_cpu_as_hardware_cpu_does():
 
 def test_local_is_read_once_then_travels_in_config_yaml(tmp_path, monkeypatch):
     """The driver reads the machine at plan time; the worker reads the resolved profile back, it does not re-detect."""
-    from finetune.stages import resolve
+    from finetune.pipeline.stages import resolve
 
     reads = []
 
@@ -154,7 +155,7 @@ def test_local_is_read_once_then_travels_in_config_yaml(tmp_path, monkeypatch):
         reads.append(run_dir)
         return box(H100, H100)
 
-    monkeypatch.setattr("finetune.machine.read_machine", fake)
+    monkeypatch.setattr("finetune.rundir.machine.read_machine", fake)
     cfg = resolve(compose(["+recipe=tiny", "hardware=local", "launch.nnodes=2", f"run_dir={tmp_path}"]))
     assert reads == [tmp_path] and (cfg.hardware.gpus_per_node, cfg.hardware.nodes) == (2, 2)
     assert "2 node(s) from launch.nnodes, each assumed to be like this one" in cfg.hardware.notes[0]

@@ -1,4 +1,4 @@
-"""A method is one place: finetune/methods.py's specs, the configs that name them, and a new method as one entry.
+"""A method is one place: finetune/core/methods.py's specs, the configs that name them, and a new method as one entry.
 
 python -m pytest tests/test_methods.py -q
 """
@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from finetune.config import Config, MethodConfig
-from finetune.errors import ConfigError
-from finetune.hydra_config import compose, group_choices, load_profiles, package_dir
-from finetune.methods import MERGES, METHODS, MethodSpec
+from finetune.core.composition import compose, group_choices, load_profiles, package_dir
+from finetune.core.config import Config, MethodConfig
+from finetune.core.errors import ConfigError
+from finetune.core.methods import MERGES, METHODS, MethodSpec
 from finetune.planner import Plan, Strategy, make_plan, model_flops_per_token, why_not
 
 PROFILES = load_profiles()
@@ -212,7 +212,7 @@ def test_a_registered_method_is_refused_once_removed():
 
 
 def test_a_registered_method_loads_with_its_peft_options(dora_test: MethodSpec, tiny_cache):
-    from finetune.models import load_for_training
+    from finetune.modeling.models import load_for_training
 
     cfg = compose(["method.name=dora_test"])
     model, _ = load_for_training(cfg)

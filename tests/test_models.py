@@ -1,4 +1,4 @@
-"""The one model and tokenizer loader (finetune/models.py): what it gives every stage."""
+"""The one model and tokenizer loader (finetune/modeling/models.py): what it gives every stage."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from finetune import models
-from finetune.collator import PackedCollator
-from finetune.errors import DataError
+from finetune.core.errors import DataError
+from finetune.modeling import models
+from finetune.modeling.collator import PackedCollator
 
 
 def _saved_without_pad(tokenizer, path, *, drop_eos: bool = False):

@@ -9,9 +9,9 @@ from dataclasses import fields, replace
 
 import pytest
 
-from finetune.config import Config, HardwareConfig, ModelConfig
-from finetune.errors import PlanError
-from finetune.hydra_config import compose, group_choices, load_profiles
+from finetune.core.composition import compose, group_choices, load_profiles
+from finetune.core.config import Config, HardwareConfig, ModelConfig
+from finetune.core.errors import PlanError
 from finetune.planner import (
     Calibration,
     Plan,
@@ -92,7 +92,7 @@ GEMMA = dict(
 
 
 def _from_json(tmp_path, raw: dict) -> ModelConfig:
-    from finetune.models import model_from_config_json
+    from finetune.modeling.models import model_from_config_json
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(raw))
@@ -157,7 +157,7 @@ def test_gemma_style_config_takes_the_class_defaults(tmp_path):
 
 
 def test_phi3_fused_projections_are_refused(tmp_path):
-    from finetune.errors import ConfigError
+    from finetune.core.errors import ConfigError
 
     raw = dict(MIXTRAL, model_type="phi3")
     for key in ("num_local_experts", "num_experts_per_tok"):
@@ -167,7 +167,7 @@ def test_phi3_fused_projections_are_refused(tmp_path):
 
 
 def test_target_modules_a_layer_does_not_have_are_refused():
-    from finetune.errors import ConfigError
+    from finetune.core.errors import ConfigError
 
     cfg = compose(["mode=plan", "model=llama3_1_8b", "method.target_modules=[qkv_proj,o_proj]"])
     with pytest.raises(

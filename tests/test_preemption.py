@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune import checkpoints
+from finetune.rundir import checkpoints
 from finetune.train import callbacks as cb
 from finetune.train import stage
 
@@ -172,7 +172,7 @@ def _slow_worker(run: Path, flag: Path, module: str, name: str) -> subprocess.Po
 @pytest.mark.parametrize(
     "module, name, during",
     [
-        ("finetune.models", "load_for_training", "loading the model"),
+        ("finetune.modeling.models", "load_for_training", "loading the model"),
         ("finetune.evaluation.heldout", "evaluate", "the base evaluation"),
     ],
     ids=["model_load", "base_evaluation"],
@@ -232,7 +232,7 @@ def test_two_sigterms_to_the_pipeline_half_a_second_apart_exit_75(tmp_path, tiny
     exited 2 (reserved for bad input)."""
     run = prepare_run_dir(tmp_path / "run", tmp_path / "cache", "train.max_steps=4")
     flag = tmp_path / "flag"
-    fake = _fake_python(tmp_path, "finetune.models", "load_for_training", flag)
+    fake = _fake_python(tmp_path, "finetune.modeling.models", "load_for_training", flag)
     proc = subprocess.Popen(
         [sys.executable, "-m", "finetune", "mode=train", f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}",
          *RUN_DIR_ARGS, f"launch.python={fake}"],
@@ -253,7 +253,7 @@ def test_sigterm_to_the_pipeline_during_the_data_stage_exits_75(tmp_path, tiny_c
     code = (
         "import sys, time\nfrom pathlib import Path\nfrom finetune.data import stage\n"
         "def slow(*a, **k):\n    Path(sys.argv[1]).write_text('in')\n    time.sleep(120)\n"
-        "stage._prepare = slow\nfrom finetune.cli import main\nsys.exit(main(sys.argv[2:]))\n"
+        "stage._prepare = slow\nfrom finetune.pipeline.cli import main\nsys.exit(main(sys.argv[2:]))\n"
     )
     flag, run = tmp_path / "flag", tmp_path / "run"
     proc = subprocess.Popen(

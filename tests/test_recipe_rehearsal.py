@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.hydra_config import recipe_names
+from finetune.core.composition import recipe_names
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -30,9 +30,9 @@ WRAPPERS = {"none": None, "ddp": "DistributedDataParallel", "zero3": "DeepSpeedE
 
 
 def recipe_plan(recipe: str):
-    from finetune.hydra_config import compose, load_profiles
+    from finetune.core.composition import compose, load_profiles
+    from finetune.pipeline.stages import resolve
     from finetune.planner import make_plan
-    from finetune.stages import resolve
 
     cfg = resolve(compose([f"+recipe={recipe}"]))
     return cfg, make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune import checkpoints, rundir
-from finetune.errors import ConfigError
+from finetune import rundir
+from finetune.core.errors import ConfigError
+from finetune.rundir import checkpoints
 from tests.test_eval_support import train_in_process, write_engine
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,9 +38,9 @@ RUN = (
 def prepare_run_dir(run: Path, cache: Path, *overrides: str) -> Path:
     """config.yaml, data, plan.json and the engine files as the pipeline writes them before the ranks start
     (compose, data stage, plan stage, the launcher's engine files)."""
-    from finetune.cli import compose
     from finetune.data import stage as data_stage
-    from finetune.stages import plan_stage, resolve
+    from finetune.pipeline.cli import compose
+    from finetune.pipeline.stages import plan_stage, resolve
 
     cfg = resolve(compose([f"run_dir={run}", f"data.cache_dir={cache}", *RUN, *overrides]))
     rundir.prepare(cfg)
@@ -142,7 +143,7 @@ IN_PROCESS = (
 
 def train_run(run: Path, tiny_data, overrides: tuple[str, ...], **strategy) -> dict:
     """The tiny LoRA in this process with the resume tests' settings (4 eval rows, one generation)."""
-    from finetune.cli import compose
+    from finetune.pipeline.cli import compose
 
     cfg = compose([f"run_dir={run}", "train.seq_len=128", "train.report_to=[]", *overrides])
     return train_in_process(cfg, tiny_data, n_eval=4, max_generate=1, **strategy)
@@ -185,7 +186,7 @@ def test_resume_false_starts_fresh_and_resume_path_picks_one(tmp_path, tiny_cach
 
 
 def test_a_changed_config_does_not_overwrite_a_run_with_checkpoints(tmp_path):
-    from finetune.cli import compose
+    from finetune.pipeline.cli import compose
 
     run = tmp_path / "run"
     cfg = compose([f"run_dir={run}"])
@@ -193,12 +194,13 @@ def test_a_changed_config_does_not_overwrite_a_run_with_checkpoints(tmp_path):
     rundir.save_config(cfg, run)
     (run / "checkpoints" / "checkpoint-2").mkdir(parents=True)
     before = (run / "config.yaml").read_text()
-    rundir.save_config(compose([f"run_dir={run}", "train.max_steps=800"]), run)  # a longer run: fine
+    rundir.check_resumable(compose([f"run_dir={run}", "train.max_steps=800"]), run)  # a longer run: fine
     with pytest.raises(
         ConfigError, match=r"has checkpoints trained with method.lora_rank=32, not 8.*resume=false"
     ):
-        rundir.save_config(compose([f"run_dir={run}", "method.lora_rank=8"]), run)
+        rundir.check_resumable(compose([f"run_dir={run}", "method.lora_rank=8"]), run)
     assert "lora_rank: 32" in (run / "config.yaml").read_text() and before != ""
+    rundir.check_resumable(compose([f"run_dir={run}", "method.lora_rank=8", "resume=false"]), run)
     rundir.save_config(compose([f"run_dir={run}", "method.lora_rank=8", "resume=false"]), run)
     assert "lora_rank: 8" in (run / "config.yaml").read_text()
 

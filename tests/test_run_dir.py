@@ -30,7 +30,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _cli(args: list[str], capsys) -> tuple[int, str]:
-    from finetune.cli import main
+    from finetune.pipeline.cli import main
 
     code = main(args)
     return code, capsys.readouterr().err
@@ -307,7 +307,7 @@ def test_kill_9_of_mode_train_leaves_no_orphan_and_the_rerun_resumes(tmp_path, t
     pipeline.send_signal(signal.SIGKILL)
     pipeline.wait()
     assert _gone(worker.pid, timeout=60), "the worker went on training after its parent died"
-    from finetune import checkpoints
+    from finetune.rundir import checkpoints
 
     last = checkpoints.last_complete(run / "checkpoints")
     assert last is not None and checkpoints.step_of(last) >= 5

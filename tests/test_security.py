@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune import secrets
-from finetune.errors import ConfigError
+from finetune.core import secrets
+from finetune.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -186,9 +186,9 @@ def test_lock_is_reentrant_and_covers_children(tmp_path):
 def test_pickle_weights_refused_unless_allowed_and_opt_ins_logged(tmp_path, tiny_cache, caplog):
     import torch
 
-    from finetune import tiny
-    from finetune.cli import compose
-    from finetune.models import check_weight_safety, load_for_training
+    from finetune.modeling import tiny
+    from finetune.modeling.models import check_weight_safety, load_for_training
+    from finetune.pipeline.cli import compose
 
     cfg = compose(["train.seq_len=128"])
     assert cfg.model.trust_remote_code is False and cfg.model.allow_pickle_weights is False
@@ -214,12 +214,13 @@ def test_pickle_weights_refused_unless_allowed_and_opt_ins_logged(tmp_path, tiny
 
 def test_every_loading_path_refuses_pickle_only_weights(tmp_path, tiny_cache):
     """Evaluation's base, trained and merged models and export's trained model go through the same check as
-    training (finetune/models.py `load_pretrained`), not only the training path."""
+    training (finetune/modeling/models.py `load_pretrained`), not only the training path."""
     import torch
 
-    from finetune import models, rundir, tiny
-    from finetune.cli import compose
+    from finetune import rundir
     from finetune.export.merge import merged_model
+    from finetune.modeling import models, tiny
+    from finetune.pipeline.cli import compose
 
     def pickled(folder: Path) -> None:
         model = tiny.load_model(cfg.model)
@@ -327,7 +328,7 @@ def test_a_secret_given_on_the_command_line_is_referenced_by_name_only(tmp_path)
 
 
 def test_sbatch_script_quotes_and_references_secrets(tmp_path):
-    from finetune.launch import LaunchConfig
+    from finetune.core.config import LaunchConfig
     from finetune.launch import stage as launch_stage
     from tests.test_launch import Capture, prepared
 
@@ -463,9 +464,9 @@ def test_paths_and_plain_words_are_not_taken_for_keys(text):
 
 
 def test_aws_secret_in_the_data_reaches_neither_the_cache_nor_the_run(tmp_path, tiny_cache):
-    from finetune.cli import compose
     from finetune.data import stage as data_stage
     from finetune.data import synthetic
+    from finetune.pipeline.cli import compose
 
     rows = [{"messages": c} for c in synthetic.conversations(30, seed=2, median_words=8)]
     rows.append({"messages": [{"role": "user", "content": f"my key is {AWS_SECRET} ok"},

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune import smoke
-from finetune.cli import compose
-from finetune.errors import LaunchError
+from finetune.core.errors import LaunchError
+from finetune.pipeline import smoke
+from finetune.pipeline.cli import compose
 
 
 def test_sibling_overrides_keep_the_users_settings_but_not_the_real_runs():
@@ -42,7 +42,7 @@ def test_unreachable_hub_falls_back_to_tiny(tmp_path: Path, monkeypatch):
         seen["model"] = c.model.name
         raise LaunchError("stop here")
 
-    monkeypatch.setattr("finetune.stages.run", fake_stages)
+    monkeypatch.setattr("finetune.pipeline.stages.run", fake_stages)
     with pytest.raises(LaunchError, match="smoke run failed .*the real run was not launched"):
         smoke.run(cfg, ["+recipe=llama70b_qlora", "smoke=true"], hub_check=lambda: False)
     assert seen["model"] == "tiny"

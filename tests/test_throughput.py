@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.collator import IGNORE_INDEX, NUM_TOKENS_KEY, PackedCollator
-from finetune.errors import ConfigError
+from finetune.core.errors import ConfigError
+from finetune.modeling.collator import IGNORE_INDEX, NUM_TOKENS_KEY, PackedCollator
 from finetune.train import throughput
 from tests.test_eval_support import compose_tiny, plan_for, train_in_process, write_engine
 
@@ -155,7 +155,7 @@ def test_liger_goes_through_trls_switch_and_reaches_the_trainer(tmp_path, tiny_c
     chunked loss is told to use Liger's kernel (which it does for CUDA tensors only)."""
     import transformers.trainer
 
-    from finetune.models import load_for_training, load_tokenizer
+    from finetune.modeling.models import load_for_training, load_tokenizer
     from finetune.train.trainer import build_sft_config, build_trainer
 
     assert throughput.sft_kwargs(compose_tiny("hardware=h200")) == {}
@@ -200,8 +200,8 @@ def _segments(position_ids: list[int]) -> list[tuple[int, int]]:
 
 
 def _lora_model(tiny_cache, attention: str, precision: str):
-    from finetune.chunked_loss import add_chunked_loss_head
-    from finetune.models import load_for_training
+    from finetune.modeling.chunked_loss import add_chunked_loss_head
+    from finetune.modeling.models import load_for_training
 
     # flex: a GPU profile gets past the config's refusal; the model still loads on the CPU (LoRA has no
     # device map), in fp32 (on "cuda" without CUDA, bf16 would fall back to fp32).

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune import tasks, tiny
+from finetune.core import tasks
+from finetune.modeling import tiny
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from finetune import rundir
-from finetune.collator import NUM_TOKENS_KEY, PackedCollator
+from finetune.modeling.collator import NUM_TOKENS_KEY, PackedCollator
 from finetune.train import stage
 from finetune.train.callbacks import EarlyStop, RunMonitor
 from tests.test_eval_support import compose_tiny, plan_for, train_in_process, write_engine
@@ -63,7 +63,7 @@ def test_collator_pads_packs_and_masks():
 
 def test_packed_samples_do_not_see_each_other(tiny_cache, tiny_model_cfg):
     """Position ids restarting at a sample make a block-diagonal mask: packed == separate."""
-    from finetune import tiny
+    from finetune.modeling import tiny
 
     model = tiny.load_model(tiny_model_cfg).eval()
     a, b = [1, 40, 41, 42], [1, 50, 51]
@@ -102,7 +102,7 @@ def test_early_stop_saves_then_stops_the_trainer(tmp_path, tiny_cache, tiny_data
     """A (faked) loss spike at step 5 of 30: a checkpoint at step 5, and no step 6."""
     from transformers import TrainerCallback
 
-    from finetune.models import load_for_training, load_tokenizer
+    from finetune.modeling.models import load_for_training, load_tokenizer
     from finetune.train.trainer import build_trainer
 
     class Spike(TrainerCallback):
@@ -200,7 +200,7 @@ def test_adapter_and_optimizer_state_save_and_resume_exactly(tmp_path, tiny_cach
     from peft import PeftModel
 
     from finetune.evaluation.heldout import heldout_loss
-    from finetune.models import model_source
+    from finetune.modeling.models import model_source
 
     common = ("method=lora", "method.learning_rate=5e-3", "train.max_steps=12", "train.save_steps=6")
     cfg = _cfg(tmp_path, *common)
@@ -278,7 +278,7 @@ def test_qlora_gradients_after_eval_match_dequantized_reference(tiny_cache, tiny
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from finetune.models import load_for_training, lora_config, model_source
+    from finetune.modeling.models import load_for_training, lora_config, model_source
 
     cfg = _cfg(
         tmp_path,
@@ -328,7 +328,7 @@ def test_qlora_gradients_after_eval_match_dequantized_reference(tiny_cache, tiny
 
 def _prepare_run_dir(tmp_path: Path, *overrides: str) -> Path:
     from finetune.data import stage as data_stage
-    from finetune.stages import plan_stage, resolve
+    from finetune.pipeline.stages import plan_stage, resolve
 
     cfg = resolve(
         compose_tiny(f"run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", *overrides)
@@ -383,7 +383,7 @@ def test_tiny_recipe_learns_the_bundled_task(tmp_path, tiny_cache):
 
 
 def test_a_rank_reads_engine_json_and_refuses_another_world_size(tmp_path, monkeypatch):
-    from finetune.errors import LaunchError
+    from finetune.core.errors import LaunchError
     from finetune.train.trainer import engine_trainer_kwargs
 
     cfg = _cfg(tmp_path)
@@ -407,7 +407,7 @@ def test_a_rank_reads_engine_json_and_refuses_another_world_size(tmp_path, monke
 def test_a_rank_the_pipeline_started_does_not_check_again(tmp_path, monkeypatch):
     """The pipeline ran disk, resume, RAM and machine checks before starting the ranks (preflight.handoff);
     a rank started without that promise (launch.sh by hand, SLURM) runs them itself."""
-    from finetune import preflight
+    from finetune.rundir import preflight
 
     cfg = _cfg(tmp_path)
     plan = plan_for(cfg)

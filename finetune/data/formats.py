@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from finetune.data.config import DataConfig
+from finetune.core.config.data import DataConfig
 
 ROLES = ("system", "user", "assistant")
 # ShareGPT and friends.

@@ -31,8 +31,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from finetune.core.errors import DataError
 from finetune.data.formats import Messages
-from finetune.errors import DataError
 
 IGNORE_INDEX = -100
 _MARKERS = re.compile(r"\{%-?\s*generation\s*-?%\}")

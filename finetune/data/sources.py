@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.errors import DataError
+from finetune.core.errors import DataError
 
 EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
 _SAVE_TO_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")

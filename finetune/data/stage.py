@@ -28,14 +28,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from finetune import models, rundir, tiny
-from finetune.config import Config
+from finetune import rundir
+from finetune.core.config import Config
+from finetune.core.config.data import DataConfig
+from finetune.core.errors import DataError, DiskFullError, is_disk_full
 from finetune.data import cache, clean, pack, sources, stats
-from finetune.data.config import DataConfig
 from finetune.data.control import ControlTokens, special_tokens, template_markers
 from finetune.data.formats import Messages, RecordError, to_messages, turn_order_problem
 from finetune.data.render import IGNORE_INDEX, Renderer
-from finetune.errors import DataError, DiskFullError, is_disk_full
+from finetune.modeling import models, tiny
 
 # Bump when the prepared format or the cleaning rules change: old cache entries stop matching.
 PREPARED_VERSION = 2

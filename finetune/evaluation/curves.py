@@ -13,7 +13,8 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from finetune import checkpoints, rundir
+from finetune import rundir
+from finetune.rundir import checkpoints
 
 
 def _last_checkpoint_state(run_dir: Path) -> Optional[Path]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from finetune.evaluation.config import EvalConfig
+from finetune.core.config.evaluation import EvalConfig
 
 
 def sampling_kwargs(cfg: EvalConfig) -> dict[str, Any]:

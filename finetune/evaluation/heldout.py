@@ -3,7 +3,7 @@
 The same function scores the base model (before training) and the trained one,
 so `metrics.json` compares like with like: the loss is the mean over every
 labelled token of the split (computed with the chunked loss, so no full logits),
-and the task metric comes from `finetune.tasks.score` on greedy answers to the
+and the task metric comes from `finetune.core.tasks.score` on greedy answers to the
 held-out prompts rendered with the same chat template.
 """
 
@@ -14,11 +14,11 @@ from typing import Any, Optional
 
 import torch
 
-from finetune import tasks
-from finetune.chunked_loss import add_chunked_loss_head
-from finetune.collator import NUM_TOKENS_KEY, PackedCollator
-from finetune.evaluation.config import EvalConfig
+from finetune.core import tasks
+from finetune.core.config.evaluation import EvalConfig
 from finetune.evaluation.generate import generate
+from finetune.modeling.chunked_loss import add_chunked_loss_head
+from finetune.modeling.collator import NUM_TOKENS_KEY, PackedCollator
 
 # Generated answers stop at the end-of-turn token or after this many tokens beyond the longest reference.
 EXTRA_NEW_TOKENS = 4

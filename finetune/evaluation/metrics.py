@@ -12,9 +12,9 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from finetune import tasks
-from finetune.errors import ConfigError
-from finetune.evaluation.config import REGEX_PREFIX, check_metric_name
+from finetune.core import tasks
+from finetune.core.config.evaluation import REGEX_PREFIX, check_metric_name
+from finetune.core.errors import ConfigError
 
 Metric = Callable[[Sequence[str], Sequence[str], Sequence[str]], dict[str, float]]
 
@@ -26,7 +26,7 @@ def _mean(hits: Sequence[bool]) -> float:
 def exact_match(
     prompts: Sequence[str], predictions: Sequence[str], references: Sequence[str]
 ) -> dict[str, float]:
-    """Normalised exact match, broken down per task on the bundled data (`finetune.tasks.score`)."""
+    """Normalised exact match, broken down per task on the bundled data (`finetune.core.tasks.score`)."""
     return tasks.score(prompts, predictions, references)
 
 

@@ -14,13 +14,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from finetune.errors import DataError
+from finetune.core.errors import DataError
+from finetune.core.package import PACKAGE_DIR
 
 FLAGS = ("refusal", "empty", "check_failed")
 
 
 def bundled_path() -> Path:
-    return Path(__file__).resolve().parent.parent / "data" / "regression" / "prompts.jsonl"
+    return PACKAGE_DIR / "data" / "regression" / "prompts.jsonl"
 
 
 def load(path: Optional[str] = None) -> list[dict]:

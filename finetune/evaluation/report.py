@@ -6,9 +6,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from finetune import checkpoints, rundir
-from finetune.config import Config
-from finetune.models import VARIANTS
+from finetune import rundir
+from finetune.core.config import Config
+from finetune.modeling.models import VARIANTS
+from finetune.rundir import checkpoints
 
 # Metrics where lower is better; every other one is better higher.
 LOWER_IS_BETTER = ("loss", "regression_refusals", "regression_empty")

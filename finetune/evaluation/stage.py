@@ -24,14 +24,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune import rundir
-from finetune.config import Config
+from finetune.core.config import Config
+from finetune.core.config.evaluation import EvalConfig
 from finetune.data.stage import load_prepared
 from finetune.evaluation import curves, metrics, regression
-from finetune.evaluation.config import EvalConfig
 from finetune.evaluation.generate import generate, sampling_kwargs
 from finetune.evaluation.heldout import heldout_loss, split_prompt
 from finetune.evaluation.report import metric_names, write_report
-from finetune.models import (
+from finetune.modeling.models import (
     VARIANTS,
     attach_adapter,
     available_variants,

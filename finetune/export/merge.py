@@ -20,9 +20,9 @@ from typing import Any, Optional
 
 import torch
 
-from finetune.config import Config
-from finetune.errors import FinetuneError
-from finetune.models import attach_adapter, load_base, load_trained_model, trained_dir
+from finetune.core.config import Config
+from finetune.core.errors import FinetuneError
+from finetune.modeling.models import attach_adapter, load_base, load_trained_model, trained_dir
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def merged_model(cfg: Config, run_dir: Path, inputs: list[torch.Tensor]) -> tupl
     dtype = _DTYPES[dtype_name]
     info: dict[str, Any] = {"method": cfg.method.name, "dtype": dtype_name}
 
-    merge_kind = cfg.method.spec.merge  # finetune/methods.py: MERGES
+    merge_kind = cfg.method.spec.merge  # finetune/core/methods.py: MERGES
     if merge_kind == "cast":
         path = trained_dir(cfg, run_dir)
         model = load_trained_model(cfg, path, dtype="auto")

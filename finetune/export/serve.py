@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from finetune import rundir
-from finetune.config import Config
+from finetune.core.config import Config
 from finetune.planner import Plan
 
 # vLLM's accepted --max-lora-rank values.

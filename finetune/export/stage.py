@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from finetune import rundir
-from finetune.config import Config
+from finetune.core.config import Config
+from finetune.core.errors import LaunchError
 from finetune.data.stage import load_prepared
-from finetune.errors import LaunchError
 from finetune.evaluation import regression
 from finetune.evaluation import stage as eval_stage
 from finetune.export import merge, serve
-from finetune.models import load_tokenizer, model_source, trained_dir
+from finetune.modeling.models import load_tokenizer, model_source, trained_dir
 from finetune.planner import Plan
 
 log = logging.getLogger(__name__)

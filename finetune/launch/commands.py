@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from finetune.errors import LaunchError
-from finetune.launch.config import LaunchConfig
+from finetune.core.config.launch import LaunchConfig
+from finetune.core.errors import LaunchError
 from finetune.launch.engines import EngineFiles
 from finetune.planner import Layout
 from finetune.rundir import export_line, shell_comment

@@ -26,10 +26,10 @@ from typing import Any, Optional
 import yaml
 
 from finetune import rundir
-from finetune.architectures import ARCHITECTURES
-from finetune.config import Config
-from finetune.errors import LaunchError
-from finetune.launch.config import LaunchConfig
+from finetune.core.architectures import ARCHITECTURES
+from finetune.core.config import Config
+from finetune.core.config.launch import LaunchConfig
+from finetune.core.errors import LaunchError
 from finetune.planner import Layout, Plan, Strategy, why_not
 
 # TrainingArguments' AdamW defaults, written into the DeepSpeed optimizer block and returned

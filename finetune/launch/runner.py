@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from finetune import rundir
-from finetune.errors import LaunchError
+from finetune.core.errors import LaunchError
 
 Runner = Callable[[Sequence[str], Mapping[str, str], str], int]
 Probe = Callable[[str, int, float], bool]

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Optional
 
 from finetune import rundir
-from finetune.errors import LaunchError
+from finetune.core.config.launch import LaunchConfig
+from finetune.core.errors import LaunchError
 from finetune.launch.commands import python_of, tool, worker_args
-from finetune.launch.config import LaunchConfig
 from finetune.launch.engines import EngineFiles
 from finetune.planner import Layout
 from finetune.rundir import export_line, shell_comment

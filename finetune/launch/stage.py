@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Optional
 
 from finetune import rundir
-from finetune.config import Config
-from finetune.errors import LaunchError
+from finetune.core.config import Config
+from finetune.core.config.launch import LaunchConfig
+from finetune.core.errors import LaunchError
 from finetune.launch.commands import NODE_RANK_SLOT, Command, build_command, launch_script
-from finetune.launch.config import LaunchConfig
 from finetune.launch.engines import EngineFiles, launch_of, layout, nccl_env, write_engine_files
 from finetune.launch.runner import (
     Probe,
@@ -33,9 +33,9 @@ from finetune.launch.runner import (
     wait_for_rendezvous,
 )
 from finetune.launch.slurm import sbatch_script
-from finetune.machine import Machine
 from finetune.planner import Layout, Plan
-from finetune.preflight import MachineCheck, check, check_machine, handoff
+from finetune.rundir.machine import Machine
+from finetune.rundir.preflight import MachineCheck, check, check_machine, handoff
 
 
 def describe(files: EngineFiles, lay: Layout) -> str:

@@ -37,7 +37,7 @@ the same bias (the flash kernel takes no mask).
 
 from __future__ import annotations
 
-from finetune.methods import METHODS
+from finetune.core.methods import METHODS
 
 DEVICES = ("cpu", "cuda")
 
@@ -63,7 +63,7 @@ def layer_bytes_per_token(
 ) -> int:
     """Bytes one decoder layer keeps for backward per token (SDPA, batch rows of one sequence each).
 
-    `method` names a `finetune.methods` entry: one that trains the base weights follows full fine-tuning's
+    `method` names a `finetune.core.methods` entry: one that trains the base weights follows full fine-tuning's
     formulas, an adapter method LoRA's (on all seven projections; QLoRA measures the same). `dtype_bytes` is the
     compute dtype: 2 (bf16 weights) or 4 (everything fp32). `autocast` is accelerate's bf16 autocast
     around the forward: for full fine-tuning, fp32 weights under it (the residual stream is then fp32:

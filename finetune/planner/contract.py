@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Optional
 
-from finetune.config import HardwareConfig
-from finetune.errors import PlanError
+from finetune.core.config import HardwareConfig
+from finetune.core.errors import PlanError
 
 # plan.json's hardware block: the contract's five fields first, then the rest of the profile.
 CONTRACT_HARDWARE = ("name", "gpus", "gpu_memory_gb", "host_memory_gb", "usd_per_month")

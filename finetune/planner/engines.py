@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from finetune.methods import METHODS
+from finetune.core.methods import METHODS
 from finetune.planner.contract import Strategy
 
 EIGHT_BIT = ("adamw_8bit", "paged_adamw_8bit")

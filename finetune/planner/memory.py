@@ -5,7 +5,7 @@ job and strategy by `runtime()` exactly as finetune/train sets the run up;
 measurement scripts may describe what their own harness ran instead. `memory()`
 returns the contract's terms (decimal GB) and the bytes offloaded to host RAM.
 
-What runs, per engine (finetune/models.py, accelerate 1.15, DeepSpeed 0.19):
+What runs, per engine (finetune/modeling/models.py, accelerate 1.15, DeepSpeed 0.19):
 
 - one process / DDP: accelerate's bf16 autocast around the forward. Full
   fine-tuning holds fp32 weights (their own master copy), fp32 gradients and the
@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from finetune.config import HardwareConfig, MethodConfig, ModelConfig, TrainConfig
+from finetune.core.config import HardwareConfig, MethodConfig, ModelConfig, TrainConfig
 from finetune.planner.activations import (
     attention_mask_bytes,
     autocast_weight_copy_bytes,
@@ -306,7 +306,7 @@ def _head_dtype(job: Job, rt: Runtime) -> int:
 def loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
     """Peak bytes of the loss (the contract's `logits` term), on top of the saved activations.
 
-    Neither path builds the whole logits. The project's chunked loss (finetune/chunked_loss.py, inside
+    Neither path builds the whole logits. The project's chunked loss (finetune/modeling/chunked_loss.py, inside
     the model's forward) makes every gradient in the forward: a [chunk, V] fp32 logits buffer (1.5x with a
     16-bit compute dtype: the chunk in bf16, its fp32 copy, then the fp32 gradient and its bf16 cast), the
     hidden-state gradient [N, h] kept until the backward, cast copies of the hidden states and the head where

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.architectures import ARCHITECTURES, LLAMA_PROJECTIONS
-from finetune.config import MethodConfig, ModelConfig
-from finetune.errors import ConfigError
+from finetune.core.architectures import ARCHITECTURES, LLAMA_PROJECTIONS
+from finetune.core.config import MethodConfig, ModelConfig
+from finetune.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ import math
 from dataclasses import replace
 from typing import Any, Optional
 
-from finetune.architectures import ARCHITECTURES
-from finetune.config import HardwareConfig, MethodConfig, ModelConfig, PlanConfig, TrainConfig
-from finetune.errors import ConfigError, PlanError
+from finetune.core.architectures import ARCHITECTURES
+from finetune.core.config import HardwareConfig, MethodConfig, ModelConfig, PlanConfig, TrainConfig
+from finetune.core.errors import ConfigError, PlanError
 from finetune.planner.calibration import Calibration
 from finetune.planner.contract import GB, Alternative, Memory, Plan, Strategy
 from finetune.planner.engines import why_not

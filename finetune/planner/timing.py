@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from finetune.config import ModelConfig
-from finetune.methods import METHODS
+from finetune.core.config import ModelConfig
+from finetune.core.methods import METHODS
 from finetune.planner.contract import GB, Estimate, Strategy
 from finetune.planner.memory import Job, runtime
 from finetune.planner.params import count_params

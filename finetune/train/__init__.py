@@ -7,7 +7,7 @@
 - `throughput`: the train.* speed switches (attention, Liger, compile, fused optimizer)
 - `profiling`: train.profile's per-phase step timing
 
-Shared with the other stages, one layer down: model loading (finetune/models.py), the chunked loss
-(finetune/chunked_loss.py), the collator of packed rows (finetune/collator.py); the base-vs-trained
+Shared with the other stages, one layer down: model loading (finetune/modeling/models.py), the chunked loss
+(finetune/modeling/chunked_loss.py), the collator of packed rows (finetune/modeling/collator.py); the base-vs-trained
 evaluation is finetune/evaluation/heldout.py.
 """

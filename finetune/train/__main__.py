@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from finetune.errors import (
+from finetune.core.errors import (
     INTERRUPTED_EXIT_CODE,
     DiskFullError,
     FinetuneError,

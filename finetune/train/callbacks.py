@@ -28,7 +28,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from finetune import checkpoints
+from finetune.rundir import checkpoints
 
 log = logging.getLogger(__name__)
 

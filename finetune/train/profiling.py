@@ -33,7 +33,7 @@ import torch
 from transformers import TrainerCallback
 
 from finetune import rundir
-from finetune.collator import NUM_TOKENS_KEY
+from finetune.modeling.collator import NUM_TOKENS_KEY
 
 PHASES = ("data", "forward", "loss", "backward", "optimizer", "other")
 TOP_OPS = 12

@@ -12,11 +12,11 @@ Several ranks: rank 0 alone logs, evaluates and writes files; under ZeRO-3/FSDP 
 across ranks) the in-worker evaluation is skipped and left to the eval stage (mode=eval).
 
 When a run dies: re-running resumes from the newest complete checkpoint (`resume`,
-`finetune.checkpoints`); SIGTERM/SIGINT during training saves one at the next step and
+`finetune.rundir.checkpoints`); SIGTERM/SIGINT during training saves one at the next step and
 exits 75 (`Preempted`); before and after the training loop (data and model loading, the
 base and final evaluations) it stops at once, saves nothing and exits 75 too
 (`interrupted_message` says where it stood); disk and RAM are checked first
-(`finetune.preflight`); rank 0 holds the run directory's lock (`rundir.lock`), inherited
+(`finetune.rundir.preflight`); rank 0 holds the run directory's lock (`rundir.lock`), inherited
 from the pipeline that launched it.
 """
 
@@ -32,13 +32,15 @@ from typing import Any, Optional, Union
 
 import transformers
 
-from finetune import checkpoints, models, preflight, rundir
-from finetune.config import Config
+from finetune import rundir
+from finetune.core.config import Config
+from finetune.core.errors import INTERRUPTED_EXIT_CODE, FinetuneError
+from finetune.core.secrets import install_log_filter
 from finetune.data.stage import load_prepared
-from finetune.errors import INTERRUPTED_EXIT_CODE, FinetuneError
 from finetune.evaluation import heldout
+from finetune.modeling import models
 from finetune.planner import Plan
-from finetune.secrets import install_log_filter
+from finetune.rundir import checkpoints, preflight
 from finetune.train import callbacks as cb
 from finetune.train import throughput
 from finetune.train.profiling import StepProfiler

@@ -1,5 +1,5 @@
 """Throughput levers, each a `train.*` switch: attention for packed rows, Liger's kernels, torch.compile of
-the decoder layers, the fused optimizer step (`method.adapter_dtype=bf16` is the fifth, in finetune/models.py).
+the decoder layers, the fused optimizer step (`method.adapter_dtype=bf16` is the fifth, in finetune/modeling/models.py).
 
 Each is exact against the default path on the CPU (tests/test_throughput.py); which is fastest on a GPU
 is measured by scripts/gpu_check.sh (its pipeline cases time every step's phases: `train.profile`).
@@ -30,8 +30,8 @@ import importlib.util
 import logging
 from typing import Any, Optional
 
-from finetune.config import Config
-from finetune.errors import ConfigError
+from finetune.core.config import Config
+from finetune.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ gives learning rate, schedule, warm-up, length, intervals, logging and seed.
 The data arrive pre-tokenized and packed from the data stage, so TRL's own
 preparation is skipped and `PackedCollator` batches them.
 
-Checkpoints are atomic (`_save_checkpoint`, see `finetune.checkpoints`): staged,
+Checkpoints are atomic (`_save_checkpoint`, see `finetune.rundir.checkpoints`): staged,
 checksummed, renamed into place; a crash mid-save leaves the previous one intact.
 
 With `strategy.chunked_loss`, `compute_loss` asks the model for the project's
@@ -29,12 +29,13 @@ from typing import Any, Optional
 import torch
 from trl import SFTConfig, SFTTrainer
 
-from finetune import checkpoints, rundir
-from finetune.chunked_loss import add_chunked_loss_head
-from finetune.collator import NUM_TOKENS_KEY, PackedCollator
-from finetune.config import Config
-from finetune.errors import LaunchError
+from finetune import rundir
+from finetune.core.config import Config
+from finetune.core.errors import LaunchError
+from finetune.modeling.chunked_loss import add_chunked_loss_head
+from finetune.modeling.collator import NUM_TOKENS_KEY, PackedCollator
 from finetune.planner import Plan
+from finetune.rundir import checkpoints
 from finetune.train import throughput
 from finetune.train.callbacks import RunMonitor
 
@@ -205,7 +206,7 @@ class FinetuneTrainer(SFTTrainer):
         """Atomic: the trainer writes into checkpoints/.staging/checkpoint-N, rank 0 seals and renames it.
 
         Every rank writes its share (optimizer shards under FSDP/ZeRO) into the staging
-        folder; after a barrier, rank 0 records sizes and checksums (`finetune.checkpoints`),
+        folder; after a barrier, rank 0 records sizes and checksums (`finetune.rundir.checkpoints`),
         renames the folder into place and keeps the newest `save_total_limit` complete ones.
         """
         folder = Path(self._get_output_dir(trial))

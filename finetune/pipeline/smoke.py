@@ -20,11 +20,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from finetune import rundir, stages
-from finetune.config import Config
+from finetune import rundir
+from finetune.core.composition import compose
+from finetune.core.config import Config
+from finetune.core.errors import FinetuneError, LaunchError
 from finetune.data.stage import load_prepared
-from finetune.errors import FinetuneError, LaunchError
-from finetune.hydra_config import compose
+from finetune.pipeline import stages
 
 RESUME_EXTRA_STEPS = 2
 

@@ -2,7 +2,7 @@
 
 One path for every model: `from_pretrained(source)`, where the source is the hub
 id, the folder of a local `config.json`, or the folder the tiny model was built
-into (`finetune.tiny.model_dir`). Every load goes through `load_pretrained`, which
+into (`finetune.modeling.tiny.model_dir`). Every load goes through `load_pretrained`, which
 runs the weight-safety check first (`check_weight_safety`): weights load from
 safetensors only unless `model.allow_pickle_weights` is set, and every opt-in that
 can run code is logged.
@@ -10,7 +10,7 @@ can run code is logged.
 - the data stage renders with `load_tokenizer`; training, evaluation and export use
   the same one (the tiny tokenizer, or the model's own);
 - training loads with `load_for_training` (full / LoRA / QLoRA, as the method's spec says:
-  finetune/methods.py);
+  finetune/core/methods.py);
 - evaluation and export load the base, the trained output and the merged model with
   `load_base`, `attach_adapter` and `load_variant` (the base loads as training loaded
   it, so `base` and `trained` differ only by what training changed);
@@ -39,10 +39,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from finetune import rundir, tiny
-from finetune.architectures import ARCHITECTURES, refusal
-from finetune.config import Config, MethodConfig, ModelConfig
-from finetune.errors import ConfigError, DataError, LaunchError
+from finetune import rundir
+from finetune.core.architectures import ARCHITECTURES, refusal
+from finetune.core.config import Config, MethodConfig, ModelConfig
+from finetune.core.errors import ConfigError, DataError, LaunchError
+from finetune.modeling import tiny
 
 if TYPE_CHECKING:
     import torch
@@ -65,7 +66,7 @@ ATTN_IMPLEMENTATIONS = {
 
 
 def is_tiny(model: ModelConfig) -> bool:
-    """The embedded default's model, built locally (`finetune.tiny`): no hub id, no config.json."""
+    """The embedded default's model, built locally (`finetune.modeling.tiny`): no hub id, no config.json."""
     return model.name == "tiny" and not model.hub_id and not model.config_path
 
 
@@ -116,7 +117,7 @@ def model_from_config_json(model: ModelConfig) -> ModelConfig:
     Read through transformers' AutoConfig, offline, so every key the file leaves out takes the model class's
     own default (Gemma's tied embeddings, a missing max_position_embeddings), exactly as loading the model
     would. The planner then gets a typed ModelConfig; families it does not model are refused here with one
-    line (finetune/architectures.py).
+    line (finetune/core/architectures.py).
     """
     if not model.config_path:
         return model

@@ -13,14 +13,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from finetune import compare, machine, models, rundir
-from finetune.config import RUNS_DIR, Config
+from finetune import rundir
+from finetune.core.composition import load_profiles
+from finetune.core.config import RUNS_DIR, Config
+from finetune.core.errors import INTERRUPTED_EXIT_CODE, ConfigError, LaunchError, PlanError
 from finetune.data import stage as data_stage
-from finetune.errors import INTERRUPTED_EXIT_CODE, ConfigError, LaunchError, PlanError
-from finetune.hydra_config import load_profiles
 from finetune.launch import stage as launch_stage
+from finetune.modeling import models
+from finetune.pipeline import compare
+from finetune.pipeline.plan_report import print_plan
 from finetune.planner import Plan, make_plan
-from finetune.report import print_plan
+from finetune.rundir import machine
 
 # What the pipeline is doing now, for the one line a signal leaves (`cli.main`).
 current_stage = "the set-up"
@@ -169,6 +172,7 @@ def run(cfg: Config) -> int:
         rundir.mark_owned(out)
         return 0
     run_dir = rundir.prepare(cfg)
+    rundir.check_resumable(cfg, run_dir)
     rundir.save_config(cfg, run_dir)
     mode = cfg.mode
     if mode == "plan":

@@ -1,16 +1,16 @@
 """Hydra: configs/ and recipes/ composed with the command line into one typed, validated `Config`.
 
-    from finetune.hydra_config import compose
+    from finetune.core.composition import compose
     cfg = compose(["+recipe=llama70b_qlora", "hardware=h200", "mode=plan"])
 
-The schemas (finetune/config.py) are registered in Hydra's ConfigStore, the
+The schemas (finetune/core/config/) are registered in Hydra's ConfigStore, the
 recipes under the group `recipe` (package `_global_`) so `+recipe=NAME` works
 although the folder is called `recipes/`. The entry point composes once and
 converts once (`OmegaConf.to_object`): everything downstream gets the typed
 objects, never a dict. `load_profiles` reads every hardware profile under
 configs/hardware (the planner's alternatives and `hardware=auto`'s candidates).
 
-Hydra and OmegaConf are imported inside the functions: `import finetune.config`
+Hydra and OmegaConf are imported inside the functions: `import finetune.core.config`
 stays light for the planner and the workers.
 """
 
@@ -23,22 +23,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from finetune import secrets
-from finetune.config import Config, HardwareConfig, MethodConfig, ModelConfig, PlanConfig, TrainConfig
-from finetune.data.config import DataConfig
-from finetune.errors import ConfigError, FinetuneError
-from finetune.evaluation.config import EvalConfig
-from finetune.export.config import ExportConfig
-from finetune.launch.config import LaunchConfig
+from finetune.core import secrets
+from finetune.core.config import Config, HardwareConfig, MethodConfig, ModelConfig, PlanConfig, TrainConfig
+from finetune.core.config.data import DataConfig
+from finetune.core.config.evaluation import EvalConfig
+from finetune.core.config.export import ExportConfig
+from finetune.core.config.launch import LaunchConfig
+from finetune.core.errors import ConfigError, FinetuneError
+from finetune.core.package import PACKAGE_DIR
 
 # ---------------------------------------------------------------- the files
 
 
 def package_dir(name: str) -> Path:
     """`configs/` or `recipes/`: inside the installed package, else at the repository root."""
-    here = Path(__file__).resolve().parent
-    installed = here / f"_{name}"
-    return installed if installed.is_dir() else here.parent / name
+    installed = PACKAGE_DIR / f"_{name}"
+    return installed if installed.is_dir() else PACKAGE_DIR.parent / name
 
 
 def register_configs() -> None:

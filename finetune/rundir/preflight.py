@@ -32,10 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from finetune import checkpoints, machine, rundir
-from finetune.config import Config
-from finetune.errors import LaunchError, format_bytes
+from finetune import rundir
+from finetune.core.config import Config
+from finetune.core.errors import LaunchError, format_bytes
 from finetune.planner import Plan
+from finetune.rundir import checkpoints, machine
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 One table for every consumer: the config's validation (`model.architecture`),
 the planner's parameter counts and LoRA targets, the config.json reader
-(finetune/models.py, through transformers' AutoConfig) and FSDP's auto-wrap
+(finetune/modeling/models.py, through transformers' AutoConfig) and FSDP's auto-wrap
 class (finetune/launch/engines.py). A family is planned only where its decoder
 layer is the Llama layer the activation formulas were measured on
 (finetune/planner/activations.py): RMSNorm, rotary attention through SDPA,

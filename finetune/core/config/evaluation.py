@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from finetune.errors import ConfigError
+from finetune.core.errors import ConfigError
 
 BUILTIN_METRICS = ("exact_match", "contains")
 REGEX_PREFIX = "regex:"

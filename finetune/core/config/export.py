@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from finetune.errors import ConfigError
+from finetune.core.errors import ConfigError
 
 QLORA_MERGE_BASES = ("original", "dequantized")
 

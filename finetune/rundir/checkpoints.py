@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Optional, Union
 
-from finetune.errors import ConfigError
+from finetune.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from finetune.config import ModelConfig
-from finetune.errors import ConfigError
+from finetune.core.config import ModelConfig
+from finetune.core.errors import ConfigError
+from finetune.core.package import PACKAGE_DIR
 
 if TYPE_CHECKING:
     import torch
@@ -55,7 +56,7 @@ CHAT_TEMPLATE = (
 
 def bundled_data_path() -> Path:
     """The bundled chat data set (messages JSONL), shipped inside the package."""
-    return Path(__file__).resolve().parent / "data" / "bundled" / "chat.jsonl"
+    return PACKAGE_DIR / "data" / "bundled" / "chat.jsonl"
 
 
 def cache_root() -> Path:

@@ -1,6 +1,6 @@
 """Typed configuration: one dataclass per concern (the schemas; pure, stdlib only).
 
-The YAML files under `configs/` extend these schemas; finetune/hydra_config.py
+The YAML files under `configs/` extend these schemas; finetune/core/composition.py
 registers them in Hydra's ConfigStore and composes configs/, recipes/ and the
 command line once (`OmegaConf.to_object`): everything downstream gets these
 objects, never a dict. Cross-field checks live in `__post_init__` and raise
@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from finetune.architectures import ARCHITECTURES
-from finetune.data.config import DataConfig
-from finetune.errors import ConfigError
-from finetune.evaluation.config import EvalConfig
-from finetune.export.config import ExportConfig
-from finetune.launch.config import LaunchConfig
-from finetune.methods import METHODS, MethodSpec
+from finetune.core.architectures import ARCHITECTURES
+from finetune.core.config.data import DataConfig
+from finetune.core.config.evaluation import EvalConfig
+from finetune.core.config.export import ExportConfig
+from finetune.core.config.launch import LaunchConfig
+from finetune.core.errors import ConfigError
+from finetune.core.methods import METHODS, MethodSpec
 
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
 SHARDINGS = ("none", "ddp", "fsdp", "zero3")
@@ -86,7 +86,7 @@ class ModelConfig:
     hub_id: Optional[str] = None
     config_path: Optional[str] = None
     architecture: str = (
-        "llama"  # llama | mistral | qwen2 | gemma (finetune/architectures.py); mixtral is refused
+        "llama"  # llama | mistral | qwen2 | gemma (finetune/core/architectures.py); mixtral is refused
     )
     hidden_size: int = 64
     num_layers: int = 2
@@ -134,7 +134,7 @@ class ModelConfig:
 
 @dataclass
 class MethodConfig:
-    """Full fine-tuning, LoRA or QLoRA (finetune/methods.py says what each is), and the settings each takes."""
+    """Full fine-tuning, LoRA or QLoRA (finetune/core/methods.py says what each is), and the settings each takes."""
 
     name: str = "lora"
     # None: the planner chooses (adamw, or an 8-bit optimizer when memory needs it).
@@ -177,7 +177,7 @@ class MethodConfig:
 
     @property
     def spec(self) -> MethodSpec:
-        """What this method is (finetune/methods.py): every distinction between methods is read from it."""
+        """What this method is (finetune/core/methods.py): every distinction between methods is read from it."""
         return METHODS[self.name]
 
     @property

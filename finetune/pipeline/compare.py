@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune import rundir
-from finetune.config import RUNS_DIR
-from finetune.errors import ConfigError
-from finetune.models import VARIANTS
+from finetune.core.config import RUNS_DIR
+from finetune.core.errors import ConfigError
+from finetune.modeling.models import VARIANTS
 
 # Config keys that differ between any two runs without being a knob of the experiment.
 IGNORED_KEYS = ("run_dir", "mode", "runs", "plan.out", "resume", "name", "data.cache_dir")

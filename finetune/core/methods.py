@@ -2,7 +2,7 @@
 
 Every consumer reads the method's facts from here instead of comparing its
 name: the config's validation (`method.name`, and whether the LoRA keys
-apply), the loader (finetune/models.py: the base's dtype or its 4-bit
+apply), the loader (finetune/modeling/models.py: the base's dtype or its 4-bit
 quantization, PEFT's adapters), the planner (which weights train, the frozen
 base's bytes, whether FSDP2 / ZeRO-3 may shard it, FLOPs a token, what to
 suggest when it does not fit) and the export (what merging means, how vLLM

@@ -15,18 +15,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from finetune import smoke, stages
-from finetune.config import Config
-from finetune.errors import (
+from finetune.core.composition import compose, group_choices, recipe_names
+from finetune.core.config import Config
+from finetune.core.errors import (
     INTERRUPTED_EXIT_CODE,
     DiskFullError,
     FinetuneError,
     interrupt_on_signals,
     is_disk_full,
 )
-from finetune.hydra_config import compose, group_choices, recipe_names
+from finetune.core.secrets import install_log_filter
+from finetune.pipeline import smoke, stages
 from finetune.rundir import free_bytes
-from finetune.secrets import install_log_filter
 
 __all__ = ["compose", "main", "run"]
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from finetune.config import HardwareConfig
-from finetune.hydra_config import load_profiles
+from finetune.core.composition import load_profiles
+from finetune.core.config import HardwareConfig
 
 GB = 1e9
 GIB_PER_GB = 2**30 / GB

@@ -1,0 +1,106 @@
+"""What a run directory holds between stages: the resolved config, the plan, the engine record, read back
+by every later stage and rank (which never parse the command line or re-plan); and the resume policy that
+refuses to write a config over checkpoints trained under another one."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from finetune.core.config import Config
+from finetune.core.errors import ConfigError, LaunchError
+from finetune.core.secrets import scrub
+from finetune.planner import Plan
+from finetune.rundir import checkpoints
+from finetune.rundir.files import atomic_write_text
+from finetune.rundir.layout import CONFIG_FILE, ENGINE_FILE, PLAN_FILE, checkpoint_dir
+
+
+def save_config(cfg: Config, run_dir: Path) -> Path:
+    """The resolved config that every rank and later stage reads (no command-line parsing there).
+
+    The pipeline checks `check_resumable` first: a config is never written over checkpoints it does not fit.
+    """
+    from omegaconf import OmegaConf
+
+    path = run_dir / CONFIG_FILE
+    atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.structured(scrub(asdict(cfg)))))
+    return path
+
+
+# What the checkpoints of a run depend on: resuming them under other values would be a different run.
+_IGNORED = {"model": {"trust_remote_code", "allow_pickle_weights"}, "data": {"cache_dir", "num_proc"}}
+_TRAIN_KEYS = ("seq_len", "batch_size", "seed")
+
+
+def _resume_facts(d: dict) -> dict[str, Any]:
+    facts = {}
+    for section in ("model", "method", "data"):
+        for key, value in (d.get(section) or {}).items():
+            if key not in _IGNORED.get(section, ()):
+                facts[f"{section}.{key}"] = value
+    for key in _TRAIN_KEYS:
+        facts[f"train.{key}"] = (d.get("train") or {}).get(key)
+    return facts
+
+
+def check_resumable(cfg: Config, run_dir: Path) -> None:
+    """Refuse to overwrite the config of a run that has checkpoints with one its checkpoints do not belong to.
+
+    Only when resuming (resume=true or a path): resume=false discards the checkpoints anyway.
+    """
+    import yaml
+
+    path = Path(run_dir) / CONFIG_FILE
+    if cfg.resume is False or not path.is_file() or not checkpoints.listing(checkpoint_dir(run_dir)):
+        return
+    try:
+        old = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return
+    before, after = _resume_facts(old), _resume_facts(scrub(asdict(cfg)))
+    changed = [k for k in after if k in before and before[k] != after[k]]
+    if changed:
+        key = changed[0]
+        raise ConfigError(
+            f"run_dir={run_dir} has checkpoints trained with {key}={before[key]!r}, not {after[key]!r}"
+            + (f" (and {len(changed) - 1} more change(s))" if len(changed) > 1 else "")
+            + ": resume=false starts over (discarding them), or choose another run_dir"
+        )
+
+
+def load_plan(run_dir: Path) -> Plan:
+    """`plan.json` back into a `Plan`, with its hardware profile and process layout (workers read it;
+    they never re-plan)."""
+    path = Path(run_dir) / PLAN_FILE
+    if not path.is_file():
+        raise LaunchError(
+            f"{path}: missing; run the plan stage (python -m finetune mode=plan run_dir={run_dir}) first"
+        )
+    return Plan.from_dict(json.loads(path.read_text()))
+
+
+def load_engine(run_dir: Path) -> dict[str, Any]:
+    """`engine.json`: the engine, world size, engine files and SFTConfig arguments the launcher wrote."""
+    path = Path(run_dir) / ENGINE_FILE
+    if not path.is_file():
+        raise LaunchError(
+            f"{path}: missing; the launcher writes it: train with python -m finetune mode=train run_dir={run_dir} "
+            "(or mode=launch; launch.dry_run=true writes it without starting)"
+        )
+    return json.loads(path.read_text())
+
+
+def load_config(run_dir: Path) -> Config:
+    """Read `config.yaml` back into the typed `Config` (what workers do instead of parsing argv)."""
+    from omegaconf import OmegaConf
+
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise LaunchError(f"{path}: missing; run the pipeline (python -m finetune run_dir={run_dir}) first")
+    node = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+    cfg = OmegaConf.to_object(node)
+    assert isinstance(cfg, Config)
+    return cfg
