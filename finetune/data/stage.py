@@ -22,9 +22,8 @@ import json
 import os
 import shutil
 import time
-from collections import Counter
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,9 +31,9 @@ from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.config.data import DataConfig
 from finetune.core.errors import DataError, DiskFullError, is_disk_full
-from finetune.data import cache, clean, pack, sources, stats
+from finetune.data import cache, pack, samples, sources, stats
 from finetune.data.control import ControlTokens, special_tokens, template_markers
-from finetune.data.formats import Messages, RecordError, to_messages, turn_order_problem
+from finetune.data.formats import Messages
 from finetune.data.render import IGNORE_INDEX, Renderer
 from finetune.modeling import models, tiny
 
@@ -55,18 +54,6 @@ def max_chars(tokenizer: Any, max_tokens: int) -> int:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     normalizes = backend is None or backend.normalizer is not None
     return max_tokens * max(longest, 1) * (2 if normalizes else 1)
-
-
-def _cut(msgs: Messages, limit: int) -> Messages:
-    """The head of a conversation holding `limit` characters of content (data.too_long=truncate)."""
-    out: Messages = []
-    total = 0
-    for m in msgs:
-        if total >= limit:
-            break
-        out.append({**m, "content": m["content"][: limit - total]})
-        total += len(out[-1]["content"])
-    return out
 
 
 def _tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -195,41 +182,6 @@ def _copy_file(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-def _raise_bad_input(loaded: sources.Loaded, path: str, num_input: int) -> None:
-    counts = sources.bad_summary(loaded.bad)
-    if loaded.empty_files:
-        counts["empty_file"] += len(loaded.empty_files)
-    detail = ", ".join(f"{n} {reason}" for reason, n in counts.most_common())
-    if loaded.bad:
-        first = loaded.bad[0]
-        head = f"{first.where}: {first.message}"
-    else:
-        head = f"{loaded.empty_files[0]}: empty file (no records)"
-    raise DataError(
-        f"{head}; {sum(counts.values())} problems in {num_input} records of data.path={path} ({detail}); "
-        "fix the input or set data.on_error=skip to skip and count them"
-    )
-
-
-def _to_conversations(loaded: sources.Loaded, cfg: Config, progress) -> list[tuple[sources.Record, Messages]]:
-    out = []
-    task = progress.add_task("messages", total=len(loaded.records))
-    for i, rec in enumerate(loaded.records):
-        try:
-            out.append((rec, to_messages(rec.data, cfg.data)))
-        except RecordError as exc:
-            loaded.bad.append(sources.BadRecord(rec.source, rec.line, exc.reason, str(exc)))
-        if i % 1000 == 999:
-            progress.update(task, completed=i + 1)
-    progress.update(task, completed=len(loaded.records))
-    loaded.bad.sort(key=lambda b: (b.source, b.line))
-    return out
-
-
-def _split_order(keys: list[str], seed: int) -> list[int]:
-    return sorted(range(len(keys)), key=lambda i: hashlib.sha1(f"{seed}:{keys[i]}".encode()).hexdigest())
-
-
 def _encode_batch(batch: dict, renderer: Renderer) -> dict:
     input_ids, labels = renderer.encode([json.loads(m) for m in batch["messages"]])
     for lab in labels:  # the first token of a sample is never predicted (and never from the previous sample)
@@ -253,30 +205,6 @@ def tokenize(convs: list[Messages], renderer: Renderer, num_proc: int = 1):
         load_from_cache_file=False,
         desc="data: render+tokenize",
     )
-
-
-@dataclass
-class _Tally:
-    """What reading and cleaning counted: records read (good or bad), samples dropped by reason (in the
-    order first met), personal data scrubbed by kind, and samples with control tokens in their content."""
-
-    num_input: int = 0
-    dropped: Counter = field(default_factory=Counter)
-    pii: Counter = field(default_factory=Counter)
-    with_control: int = 0
-
-
-@dataclass
-class _Kept:
-    """Conversations still kept, with their keys (deduplication, split order) and MinHashes (None: not needed)."""
-
-    messages: list[Messages]
-    keys: list[str]
-    hashes: Optional[list]
-
-    def select(self, rows: list[int]) -> _Kept:
-        hashes = [self.hashes[i] for i in rows] if self.hashes is not None else None
-        return _Kept([self.messages[i] for i in rows], [self.keys[i] for i in rows], hashes)
 
 
 @dataclass
@@ -312,15 +240,16 @@ def _prepare(cfg: Config, tokenizer: Any, loaded: sources.Loaded, path: str, con
     """What a cache miss runs: messages -> clean -> deduplicate -> split -> tokenize -> length limits -> pack."""
     dc = cfg.data
     t0 = time.perf_counter()
-    tally = _Tally()
+    tally = samples.Tally()
     renderer = Renderer(tokenizer, dc.train_on)
     control = ControlTokens(special_tokens(tokenizer) | template_markers(renderer.template_texts()))
     hard = _hard_limit(cfg)
     char_limit = max_chars(tokenizer, hard)
     with _progress(console) as progress:
-        convs = _read_messages(loaded, cfg, path, tally, progress)
-        kept = _deduplicate(_clean(convs, dc, control, char_limit, tally, progress), dc, tally, progress)
-        train_convs, eval_convs = _split(kept, dc, tally)
+        convs = samples.read(loaded, dc, path, tally, progress)
+        kept = samples.cleaned(convs, dc, control, char_limit, tally, progress)
+        kept_unique = samples.deduplicate(kept, dc, tally, progress)
+        train_convs, eval_convs = samples.split(kept_unique, dc, tally)
     tokens = _tokenize_splits(train_convs, eval_convs, renderer, dc.train_on, dc.num_proc)
     rows = _length_limits(tokens, cfg, hard, tally)
     train, evals = _packed(tokens, rows, eval_convs, dc)
@@ -337,101 +266,6 @@ def _hard_limit(cfg: Config) -> int:
     if cfg.data.max_tokens:
         hard = min(hard, cfg.data.max_tokens)
     return hard
-
-
-def _read_messages(loaded: sources.Loaded, cfg: Config, path: str, tally: _Tally, progress) -> list[Messages]:
-    """Every record as messages; bad records raise (data.on_error=raise) or are counted as dropped."""
-    tally.num_input = loaded.num_input  # every record read, good or bad (before messages add bad ones)
-    convs = _to_conversations(loaded, cfg, progress)
-    if (loaded.bad or loaded.empty_files) and cfg.data.on_error == "raise":
-        _raise_bad_input(loaded, path, tally.num_input)
-    tally.dropped.update(sources.bad_summary(loaded.bad))
-    if tally.num_input == 0:
-        raise DataError(f"data.path={path}: no records")
-    return [msgs for _, msgs in convs]
-
-
-def _clean(
-    convs: list[Messages], dc: DataConfig, control: ControlTokens, char_limit: int, tally: _Tally, progress
-) -> list[Messages]:
-    """The conversations that pass cleaning (`_clean_sample`), in input order."""
-    kept: list[Messages] = []
-    task = progress.add_task("clean", total=len(convs))
-    for msgs in convs:
-        progress.advance(task)
-        cleaned = _clean_sample(msgs, dc, control, char_limit, tally)
-        if cleaned is not None:
-            kept.append(cleaned)
-    return kept
-
-
-def _clean_sample(
-    msgs: Messages, dc: DataConfig, control: ControlTokens, char_limit: int, tally: _Tally
-) -> Optional[Messages]:
-    """One conversation cleaned, or None where dropped; checked in the order that makes each count mean one thing."""
-    if any(not m["content"].strip() for m in msgs):
-        tally.dropped["empty"] += 1
-        return None
-    if dc.check_roles and turn_order_problem(msgs):
-        tally.dropped["invalid_turn_order"] += 1
-        return None
-    if sum(len(m["content"]) for m in msgs) > char_limit:  # cannot fit: no rendering, no tokenizing
-        if dc.too_long == "drop":
-            tally.dropped["too_long_chars"] += 1
-            return None
-        msgs = _cut(msgs, 2 * char_limit)  # the head, with room: truncation to seq_len follows
-    if control.in_messages(msgs):
-        tally.with_control += 1
-        if dc.control_tokens == "drop":
-            tally.dropped["control_tokens"] += 1
-            return None
-        if dc.control_tokens == "escape":
-            msgs = control.escape_messages(msgs)
-    if dc.scrub_pii:
-        msgs = [{"role": m["role"], "content": clean.scrub_pii(m["content"], tally.pii)} for m in msgs]
-    return msgs
-
-
-def _deduplicate(messages: list[Messages], dc: DataConfig, tally: _Tally, progress) -> _Kept:
-    """Exact duplicates out (data.dedup), then near duplicates (data.near_dedup); MinHashes kept for the split."""
-    kept = _Kept(messages, [clean.conversation_key(m) for m in messages], None)
-    if dc.dedup:
-        seen: set[str] = set()
-        keep = []
-        for i, k in enumerate(kept.keys):
-            h = clean.exact_hash(k)
-            if h in seen:
-                tally.dropped["duplicate"] += 1
-            else:
-                seen.add(h)
-                keep.append(i)
-        kept = kept.select(keep)
-    need_minhash = dc.near_dedup or dc.eval_fraction > 0
-    kept.hashes = clean.minhashes(kept.keys) if need_minhash and kept.messages else None
-    if dc.near_dedup and kept.hashes is not None:
-        task = progress.add_task("near-duplicates", total=1)
-        dup = clean.near_duplicates(kept.hashes, dc.near_dedup_threshold)
-        progress.advance(task)
-        tally.dropped["near_duplicate"] += sum(dup)
-        kept = kept.select([i for i, d in enumerate(dup) if not d])
-    return kept
-
-
-def _split(kept: _Kept, dc: DataConfig, tally: _Tally) -> tuple[list[Messages], list[Messages]]:
-    """(train, eval) conversations: held out by seed, after deduplication; then no exact or near duplicate
-    of an eval sample stays in train."""
-    n = len(kept.messages)
-    n_eval = round(dc.eval_fraction * n)
-    if dc.eval_fraction > 0 and n >= 2:
-        n_eval = min(max(n_eval, 1), n - 1)
-    order = _split_order(kept.keys, dc.seed)
-    eval_idx, train_idx = sorted(order[:n_eval]), sorted(order[n_eval:])
-    if eval_idx:
-        train, evals = kept.select(train_idx), kept.select(eval_idx)
-        leak = clean.leaks(train.keys, train.hashes, evals.keys, evals.hashes, dc.near_dedup_threshold)
-        tally.dropped["eval_leak"] += sum(leak)
-        train_idx = [i for i, bad in zip(train_idx, leak) if not bad]
-    return [kept.messages[i] for i in train_idx], [kept.messages[i] for i in eval_idx]
 
 
 def _tokenize_splits(
@@ -461,7 +295,7 @@ def _tokenize_splits(
     return tokens
 
 
-def _length_limits(tokens: _Tokens, cfg: Config, hard: int, tally: _Tally) -> _Rows:
+def _length_limits(tokens: _Tokens, cfg: Config, hard: int, tally: samples.Tally) -> _Rows:
     """Length limits, then train.seq_len=auto (the longest kept sample, or a percentile with truncation)."""
     import numpy as np
 
@@ -524,7 +358,7 @@ def _stats(
     cfg: Config,
     loaded: sources.Loaded,
     path: str,
-    tally: _Tally,
+    tally: samples.Tally,
     char_limit: int,
     renderer: Renderer,
     tokens: _Tokens,
