@@ -8,7 +8,7 @@ reply lengths, 1-6 turns, some system prompts), the same byte-level BPE
 tokenizer and the same Llama-3-shaped chat template, and produce
 assistant-only labels:
 
-- ours: `finetune.data.stage.tokenize` (batched fast tokenizer under
+- ours: `finetune.data.tokens.tokenize` (batched fast tokenizer under
   `datasets.map`, masks by prefix rendering: the stock template has no
   `{% generation %}` markers) + best-fit-decreasing packing into rows with
   restarting position ids;
@@ -51,7 +51,7 @@ def run_ours(n: int, seq_len: int, num_proc: int, seed: int, markers: bool) -> d
 
     from finetune.data import pack, synthetic
     from finetune.data.render import IGNORE_INDEX, Renderer
-    from finetune.data.stage import tokenize
+    from finetune.data.tokens import tokenize
 
     convs, tok = _setup(n, seed, synthetic.LLAMA3_MARKERS if markers else synthetic.LLAMA3)
     renderer = Renderer(tok, "assistant")

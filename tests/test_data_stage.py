@@ -11,7 +11,7 @@ import pytest
 from finetune.core.config import Config, TrainConfig
 from finetune.core.config.data import DataConfig
 from finetune.core.errors import DataError
-from finetune.data import clean, stage, synthetic
+from finetune.data import clean, limits, render, stage, synthetic, tokens
 
 IGNORE = -100
 
@@ -323,8 +323,8 @@ def test_tokenize_with_worker_processes_matches_one_process(tokenizer):
 
     convs = synthetic.conversations(1100, seed=2, median_words=4, sigma=0.3)
     renderer = Renderer(tokenizer)
-    one = stage.tokenize(convs, renderer, num_proc=1)[:]
-    two = stage.tokenize(convs, renderer, num_proc=2)[:]
+    one = tokens.tokenize(convs, renderer, num_proc=1)[:]
+    two = tokens.tokenize(convs, renderer, num_proc=2)[:]
     assert one["input_ids"] == two["input_ids"] and one["labels"] == two["labels"]
 
 
@@ -408,7 +408,7 @@ def test_control_token_markers_cover_special_tokens_and_template_text(tmp_path, 
 def test_over_long_records_are_dropped_by_characters_before_tokenizing(tmp_path, tokenizer, monkeypatch):
     """The reported case: a 50 MB line cost 337 s and 13.8 GB before it was dropped as too long."""
     rows = _rows(40)
-    bound = stage.max_chars(tokenizer, 256)
+    bound = limits.max_chars(tokenizer, 256)
     longest = max(len(t) for t in tokenizer.get_vocab())
     assert bound == 256 * longest  # byte-level BPE, no normalizer: the exact bound
     huge = "lorem ipsum dolor " * (5_000_000 // 18)  # 5 MB in one message
@@ -419,13 +419,13 @@ def test_over_long_records_are_dropped_by_characters_before_tokenizing(tmp_path,
     rows.append({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": edge}]})
     path = _write(tmp_path / "d.jsonl", rows)
     seen: list[int] = []
-    real = stage.Renderer.encode
+    real = render.Renderer.encode
 
     def encode(self, convs):
         seen.extend(sum(len(m["content"]) for m in c) for c in convs)
         return real(self, convs)
 
-    monkeypatch.setattr(stage.Renderer, "encode", encode)
+    monkeypatch.setattr(render.Renderer, "encode", encode)
     import time
 
     t0 = time.perf_counter()
@@ -449,7 +449,7 @@ def test_char_bound_never_drops_a_record_that_fits(tokenizer):
         text = "".join(rng.choice(vocab) for _ in range(rng.randint(1, 60)))
         text = tokenizer.convert_tokens_to_string(tokenizer.tokenize(text))
         n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        assert len(text) <= stage.max_chars(tokenizer, n)
+        assert len(text) <= limits.max_chars(tokenizer, n)
 
 
 def test_unencodable_text_is_skipped_and_counted_or_one_line(tmp_path, tokenizer):

@@ -23,7 +23,7 @@ import os
 import shutil
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,29 +31,16 @@ from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.config.data import DataConfig
 from finetune.core.errors import DataError, DiskFullError, is_disk_full
-from finetune.data import cache, pack, samples, sources, stats
+from finetune.data import cache, limits, pack, samples, sources, stats
 from finetune.data.control import ControlTokens, special_tokens, template_markers
 from finetune.data.formats import Messages
-from finetune.data.render import IGNORE_INDEX, Renderer
+from finetune.data.limits import Rows
+from finetune.data.render import Renderer
+from finetune.data.tokens import Tokens, tokenize_splits
 from finetune.modeling import models, tiny
 
 # Bump when the prepared format or the cleaning rules change: old cache entries stop matching.
 PREPARED_VERSION = 2
-
-
-def max_chars(tokenizer: Any, max_tokens: int) -> int:
-    """Characters of content beyond which a sample cannot fit in `max_tokens` tokens, so it is dropped (or
-    cut, with data.too_long=truncate) before it costs any rendering or tokenizing.
-
-    A token covers at most as many characters of text as its vocabulary string is long (byte-level
-    BPE: a byte per vocabulary character; SentencePiece: a character each, byte fallback tokens are
-    longer), so `max_tokens` tokens never hold more than `max_tokens` x the longest vocabulary entry;
-    doubled where the tokenizer normalizes first (NFKC can compose two characters into one).
-    """
-    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    normalizes = backend is None or backend.normalizer is not None
-    return max_tokens * max(longest, 1) * (2 if normalizes else 1)
 
 
 def _tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -182,60 +169,6 @@ def _copy_file(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-def _encode_batch(batch: dict, renderer: Renderer) -> dict:
-    input_ids, labels = renderer.encode([json.loads(m) for m in batch["messages"]])
-    for lab in labels:  # the first token of a sample is never predicted (and never from the previous sample)
-        if lab:
-            lab[0] = IGNORE_INDEX
-    return {"input_ids": input_ids, "labels": labels}
-
-
-def tokenize(convs: list[Messages], renderer: Renderer, num_proc: int = 1):
-    """Render + mask + tokenize with `datasets.map` (batched, fast tokenizer, `num_proc` workers)."""
-    from datasets import Dataset
-
-    ds = Dataset.from_dict({"messages": [json.dumps(m, ensure_ascii=False) for m in convs]})
-    return ds.map(
-        _encode_batch,
-        batched=True,
-        batch_size=256,
-        num_proc=num_proc if num_proc > 1 and len(convs) > 1000 else None,
-        fn_kwargs={"renderer": renderer},
-        keep_in_memory=True,
-        load_from_cache_file=False,
-        desc="data: render+tokenize",
-    )
-
-
-@dataclass
-class _Tokens:
-    """Every sample rendered, masked and tokenized (train first, then eval): (start, length) slices of flat
-    numpy token arrays, with a running count of trainable labels."""
-
-    ids: Any
-    labels: Any
-    starts: Any
-    full_lengths: Any  # before any length limit
-    trainable_cum: Any
-    num_train: int  # the first `num_train` samples are the training split
-
-    def trainable(self, lengths: Any) -> Any:
-        """Trainable labels in each sample's first `lengths` tokens."""
-        return self.trainable_cum[self.starts + lengths] - self.trainable_cum[self.starts]
-
-
-@dataclass
-class _Rows:
-    """After the length limits: every sample's length, the sequence length, and the samples kept per split."""
-
-    lengths: Any
-    seq_len: int
-    truncated: int
-    empty_masks: int
-    train: Any  # indices into the samples of `_Tokens`
-    evals: Any
-
-
 def _prepare(cfg: Config, tokenizer: Any, loaded: sources.Loaded, path: str, console) -> dict:
     """What a cache miss runs: messages -> clean -> deduplicate -> split -> tokenize -> length limits -> pack."""
     dc = cfg.data
@@ -243,104 +176,22 @@ def _prepare(cfg: Config, tokenizer: Any, loaded: sources.Loaded, path: str, con
     tally = samples.Tally()
     renderer = Renderer(tokenizer, dc.train_on)
     control = ControlTokens(special_tokens(tokenizer) | template_markers(renderer.template_texts()))
-    hard = _hard_limit(cfg)
-    char_limit = max_chars(tokenizer, hard)
+    hard = limits.hard_limit(cfg)
+    char_limit = limits.max_chars(tokenizer, hard)
     with _progress(console) as progress:
         convs = samples.read(loaded, dc, path, tally, progress)
         kept = samples.cleaned(convs, dc, control, char_limit, tally, progress)
         kept_unique = samples.deduplicate(kept, dc, tally, progress)
         train_convs, eval_convs = samples.split(kept_unique, dc, tally)
-    tokens = _tokenize_splits(train_convs, eval_convs, renderer, dc.train_on, dc.num_proc)
-    rows = _length_limits(tokens, cfg, hard, tally)
+    tokens = tokenize_splits(train_convs, eval_convs, renderer, dc.train_on, dc.num_proc)
+    rows = limits.apply(tokens, cfg, hard, tally.dropped)
     train, evals = _packed(tokens, rows, eval_convs, dc)
     result = _stats(cfg, loaded, path, tally, char_limit, renderer, tokens, rows, train["bins"])
     result["seconds"] = round(time.perf_counter() - t0, 3)
     return {"stats": result, "train": train, "evals": evals}
 
 
-def _hard_limit(cfg: Config) -> int:
-    """Tokens a sample may hold before `train.seq_len=auto` is resolved: the sequence length or the
-    model's context, capped by data.max_tokens."""
-    seq_len_cfg = cfg.train.seq_len
-    hard = cfg.model.max_position_embeddings if seq_len_cfg == "auto" else int(seq_len_cfg)
-    if cfg.data.max_tokens:
-        hard = min(hard, cfg.data.max_tokens)
-    return hard
-
-
-def _tokenize_splits(
-    train_convs: list[Messages], eval_convs: list[Messages], renderer: Renderer, train_on: str, num_proc: int
-) -> _Tokens:
-    """Render, mask, tokenize. From here on samples are (start, length) slices of flat numpy token arrays."""
-    import numpy as np
-
-    encoded = tokenize(train_convs + eval_convs, renderer, num_proc)
-    ids_col = encoded.data.column("input_ids").combine_chunks()
-    labels_col = encoded.data.column("labels").combine_chunks()
-    offsets = ids_col.offsets.to_numpy().astype(np.int64)
-    labels_flat = labels_col.values.to_numpy()
-    tokens = _Tokens(
-        ids=ids_col.values.to_numpy(),
-        labels=labels_flat,
-        starts=offsets[:-1],
-        full_lengths=np.diff(offsets),
-        trainable_cum=np.concatenate([[0], np.cumsum(labels_flat != IGNORE_INDEX)]),
-        num_train=len(train_convs),
-    )
-    if not tokens.trainable(tokens.full_lengths).any():
-        raise DataError(
-            f"every sample has an empty label mask (data.train_on={train_on}, {len(tokens.full_lengths)} "
-            "samples): training would see zero loss; check the chat template and the assistant turns"
-        )
-    return tokens
-
-
-def _length_limits(tokens: _Tokens, cfg: Config, hard: int, tally: samples.Tally) -> _Rows:
-    """Length limits, then train.seq_len=auto (the longest kept sample, or a percentile with truncation)."""
-    import numpy as np
-
-    dc, seq_len_cfg, full_lengths = cfg.data, cfg.train.seq_len, tokens.full_lengths
-    keep = full_lengths >= dc.min_tokens
-    tally.dropped["too_short"] += int((~keep).sum())
-    over = keep & (full_lengths > hard)
-    if dc.too_long == "drop":
-        tally.dropped["too_long"] += int(over.sum())
-        keep &= ~over
-    lengths = np.minimum(full_lengths, hard)
-    truncated = int((keep & over).sum())
-    if not keep.any():
-        raise DataError(f"no samples left after the length limits ({dict(tally.dropped)})")
-    seq_len = (
-        stats.percentile(np.sort(lengths[keep]).tolist(), dc.seq_len_percentile)
-        if seq_len_cfg == "auto"
-        else int(seq_len_cfg)
-    )
-    truncated += int((keep & (lengths > seq_len)).sum())  # only with auto below the 100th percentile
-    lengths = np.minimum(lengths, seq_len)
-    empty = keep & (tokens.trainable(lengths) == 0)
-    empty_masks = int(empty.sum())
-    if empty_masks == int(keep.sum()):
-        raise DataError(
-            f"every sample has an empty label mask after the length limits (seq_len {seq_len}, "
-            f"data.train_on={dc.train_on}): training would see zero loss; raise train.seq_len or data.max_tokens"
-        )
-    tally.dropped["no_trainable_tokens"] += empty_masks
-    keep &= ~empty
-    n_train = tokens.num_train
-    train_rows = np.flatnonzero(keep[:n_train])
-    eval_rows = n_train + np.flatnonzero(keep[n_train:])
-    if not len(train_rows):
-        raise DataError(f"no training samples left after cleaning ({dict(tally.dropped)})")
-    if len(tokens.full_lengths) > n_train and not len(eval_rows):
-        # A held-out split was asked for and the limits emptied it: evaluation would report a NaN loss.
-        raise DataError(
-            f"no held-out samples left after the length limits (seq_len {seq_len}, all "
-            f"{len(tokens.full_lengths) - n_train} dropped): raise train.seq_len, or set data.eval_fraction=0"
-        )
-    return _Rows(lengths, seq_len, truncated, empty_masks, train_rows, eval_rows)
-
-
-def _packed(tokens: _Tokens, rows: _Rows, eval_convs: list[Messages], dc: DataConfig) -> tuple[dict, dict]:
+def _packed(tokens: Tokens, rows: Rows, eval_convs: list[Messages], dc: DataConfig) -> tuple[dict, dict]:
     """(train, eval) as `_save` writes them: training rows packed into bins (best fit decreasing, longest
     first), eval rows one conversation each with its messages."""
     train_lengths = rows.lengths[rows.train].tolist()
@@ -361,8 +212,8 @@ def _stats(
     tally: samples.Tally,
     char_limit: int,
     renderer: Renderer,
-    tokens: _Tokens,
-    rows: _Rows,
+    tokens: Tokens,
+    rows: Rows,
     bins: list[list[int]],
 ) -> dict:
     """data_stats.json's content (less the cache, the input fingerprint and the seconds, filled in later)."""
@@ -406,7 +257,7 @@ def _stats(
     }
 
 
-def _token_stats(tokens: _Tokens, rows: _Rows) -> dict:
+def _token_stats(tokens: Tokens, rows: Rows) -> dict:
     """data_stats.json's `tokens`, `splits` and `trainable_tokens`: lengths after the limits, by split."""
     train_lengths = rows.lengths[rows.train].tolist()
     eval_lengths = rows.lengths[rows.evals].tolist()
@@ -516,4 +367,4 @@ def _report(console, s: dict) -> None:
     )
 
 
-__all__ = ["run", "load_prepared", "tokenize"]
+__all__ = ["run", "load_prepared"]

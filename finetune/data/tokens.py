@@ -1,0 +1,86 @@
+"""Conversations to tokens: rendered with the chat template, labels masked, tokenized in batches.
+
+From here on a sample is a (start, length) slice of flat numpy arrays of token
+ids and labels, train samples first, then eval; nothing is copied per sample.
+The first label of every sample is masked (`IGNORE_INDEX`): a sample never
+predicts its first token, nor (packed) one from the sample before it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from finetune.core.errors import DataError
+from finetune.data.formats import Messages
+from finetune.data.render import IGNORE_INDEX, Renderer
+
+
+@dataclass
+class Tokens:
+    """Every sample rendered, masked and tokenized (train first, then eval): (start, length) slices of flat
+    numpy token arrays, with a running count of trainable labels."""
+
+    ids: Any
+    labels: Any
+    starts: Any
+    full_lengths: Any  # before any length limit
+    trainable_cum: Any
+    num_train: int  # the first `num_train` samples are the training split
+
+    def trainable(self, lengths: Any) -> Any:
+        """Trainable labels in each sample's first `lengths` tokens."""
+        return self.trainable_cum[self.starts + lengths] - self.trainable_cum[self.starts]
+
+
+def tokenize(convs: list[Messages], renderer: Renderer, num_proc: int = 1):
+    """Render + mask + tokenize with `datasets.map` (batched, fast tokenizer, `num_proc` workers)."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"messages": [json.dumps(m, ensure_ascii=False) for m in convs]})
+    return ds.map(
+        _encode_batch,
+        batched=True,
+        batch_size=256,
+        num_proc=num_proc if num_proc > 1 and len(convs) > 1000 else None,
+        fn_kwargs={"renderer": renderer},
+        keep_in_memory=True,
+        load_from_cache_file=False,
+        desc="data: render+tokenize",
+    )
+
+
+def _encode_batch(batch: dict, renderer: Renderer) -> dict:
+    input_ids, labels = renderer.encode([json.loads(m) for m in batch["messages"]])
+    for lab in labels:  # the first token of a sample is never predicted (and never from the previous sample)
+        if lab:
+            lab[0] = IGNORE_INDEX
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def tokenize_splits(
+    train_convs: list[Messages], eval_convs: list[Messages], renderer: Renderer, train_on: str, num_proc: int
+) -> Tokens:
+    """Both splits tokenized into one `Tokens`; raises when no sample has a label to learn."""
+    import numpy as np
+
+    encoded = tokenize(train_convs + eval_convs, renderer, num_proc)
+    ids_col = encoded.data.column("input_ids").combine_chunks()
+    labels_col = encoded.data.column("labels").combine_chunks()
+    offsets = ids_col.offsets.to_numpy().astype(np.int64)
+    labels_flat = labels_col.values.to_numpy()
+    tokens = Tokens(
+        ids=ids_col.values.to_numpy(),
+        labels=labels_flat,
+        starts=offsets[:-1],
+        full_lengths=np.diff(offsets),
+        trainable_cum=np.concatenate([[0], np.cumsum(labels_flat != IGNORE_INDEX)]),
+        num_train=len(train_convs),
+    )
+    if not tokens.trainable(tokens.full_lengths).any():
+        raise DataError(
+            f"every sample has an empty label mask (data.train_on={train_on}, {len(tokens.full_lengths)} "
+            "samples): training would see zero loss; check the chat template and the assistant turns"
+        )
+    return tokens
