@@ -11,10 +11,10 @@ through the LM head to the scalar loss, for a frozen head (LoRA/QLoRA: only the
 hidden states get a gradient) and a trainable head (full fine-tuning: the head
 gets a [V, h] gradient too). The plain path is ``transformers``'
 ``ForCausalLMLoss(F.linear(hidden, W), labels)`` (what an nn.Linear head feeds it); the chunked path is
-``finetune.modeling.chunked_loss.chunked_causal_lm_loss``; the trl path is TRL 1.16's SFTTrainer loss
-(its fused LM head: vocabulary tiles, log-probabilities recomputed in the backward). On a CPU TRL
-folds its tiles with torch ops; on GPUs with a Triton kernel, so its CPU time and memory are an
-upper bound.
+``finetune.modeling.chunked_loss.chunked_causal_lm_loss``; the trl path is SFTTrainer's loss in the TRL of
+ARCHITECTURE.md's "Checked against" (its fused LM head: vocabulary tiles, log-probabilities recomputed in
+the backward). On a CPU TRL folds its tiles with torch ops; on GPUs with a Triton kernel, so its CPU time
+and memory are an upper bound.
 
 Each measurement runs in a fresh subprocess: peak = the process's RSS
 high-water mark (VmHWM, reset through /proc/self/clear_refs once the inputs are
@@ -52,7 +52,7 @@ def load_chunked_loss():
 
 
 def trl_fused_lm_head_loss(hidden_states, weight, labels):
-    """TRL 1.16's SFTTrainer loss, as its fused LM head computes it (trl.trainer.utils.add_fused_lm_head):
+    """TRL's SFTTrainer loss, as its fused LM head computes it (trl.trainer.utils.add_fused_lm_head):
     vocabulary tiles through `ChunkedLogProbFunction` on the labelled positions, with the entropy and
     top-1 outputs SFTTrainer asks for its metrics; the mean negative log-probability."""
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction

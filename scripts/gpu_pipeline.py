@@ -10,8 +10,8 @@ launcher, TRL's SFTTrainer with PEFT, the worker's evaluation of the base and th
 bf16; the last case is the tiny recipe's whole pipeline (`python -m finetune hardware=h200`: data,
 plan, train, evaluation, merge, export). No model hub: the model is built locally by the tiny
 builder (random init) with the real Llama-3.1-8B layer shapes, 4 decoder layers and the real
-128,256-token vocabulary (the tiny tokenizer uses the first ids of it), as DESIGN.md's GPU
-reference table. Recorded per case, from the run's metrics.json and plan.json: CUDA
+128,256-token vocabulary (the tiny tokenizer uses the first ids of it), as the GPU reference table
+of finetune/planner/MEMORY_MODEL.md. Recorded per case, from the run's metrics.json and plan.json: CUDA
 max_memory_allocated against the plan's total and terms, tokens/s and MFU, what ran (precision,
 loss path, checkpointing, optimizer), held-out loss before and after. A case fails when the
 command fails or the run is not what was asked (steps, bf16, loss path, checkpointing); memory
@@ -51,7 +51,7 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parent.parent
 GB = 1e9
 
-# Llama-3.1-8B's layer shapes, 4 layers, its real vocabulary (DESIGN.md's GPU reference model).
+# Llama-3.1-8B's layer shapes, 4 layers, its real vocabulary (MEMORY_MODEL.md's GPU reference model).
 SHAPE_8B = [
     "model.hidden_size=4096",
     "model.intermediate_size=14336",

@@ -1,4 +1,5 @@
-"""The planner's arithmetic and verdicts, checked against exact counts, DESIGN.md's figures and what the trainer runs."""
+"""The planner's arithmetic and verdicts, checked against exact counts, the figures of
+finetune/planner/MEMORY_MODEL.md and what the trainer runs."""
 
 from __future__ import annotations
 
@@ -188,7 +189,7 @@ def test_config_json_without_max_position_embeddings_names_the_model_not_tiny(tm
 def test_lora_parameter_count_70b_matches_design():
     cfg = compose(["+recipe=llama70b_lora"])
     n = lora_params(cfg.model, cfg.method)
-    assert n == LORA_70B  # DESIGN.md: "about 207M parameters (~0.3% of the model)"
+    assert n == LORA_70B  # MEMORY_MODEL.md, Parameters: 207,093,760 (0.29%)
     assert 0.0029 < n / count_params(cfg.model).total < 0.0030
 
 

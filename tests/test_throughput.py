@@ -308,7 +308,7 @@ def test_flex_block_mask_keeps_packed_samples_apart(tiny_cache, tiny_data, monke
     with warnings.catch_warnings():
         # Dynamo traces torch's own code here and turns its warnings into errors under pytest's
         # `error` filter: "flex_attention called without torch.compile" (meant: the math reference),
-        # create_block_mask's deprecated `_compile` (passed by transformers 5.24), vmap's and
+        # create_block_mask's deprecated `_compile` (passed by transformers), vmap's and
         # autograd's internal deprecations. None is ours; they are silenced for this test alone.
         warnings.simplefilter("ignore")
         model = _lora_model(tiny_cache, "flex", "fp32")
@@ -383,7 +383,8 @@ def test_eager_attention_trains_like_sdpa(tmp_path, tiny_data, baseline):
 
 
 def test_fused_optimizer_trains_like_the_unfused_one(tmp_path, tiny_data, baseline):
-    """torch 2.13 runs the fused AdamW on the CPU too: the same trajectory to fp32 rounding."""
+    """torch (ARCHITECTURE.md, "Checked against") runs the fused AdamW on the CPU too: the same trajectory to
+    fp32 rounding."""
     fused = _train(tmp_path, tiny_data, "fused", "train.fused_optimizer=true")
     assert fused["train"]["engine"]["fused_optimizer"] is True
     assert baseline["train"]["engine"]["fused_optimizer"] is False

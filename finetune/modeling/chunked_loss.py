@@ -334,7 +334,7 @@ def chunked_causal_lm_loss(
         if labels is None:
             raise ValueError("chunked_causal_lm_loss needs labels or shift_labels")
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])  # 2-D rows: see DESIGN.md "Loss memory"
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])  # 2-D rows: MEMORY_MODEL.md, "The two traps"
     return linear_cross_entropy(
         hidden,
         lm_head_weight,

@@ -366,8 +366,9 @@ def prepare_kbit_model(model: Any, compute_dtype: torch.dtype) -> Any:
 
 @contextlib.contextmanager
 def _peft_reading_deprecated_alias() -> Iterator[None]:
-    """peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` alias when it wraps a model
-    (get_peft_model, PeftModel.from_pretrained): a FutureWarning a user can do nothing about."""
+    """peft (ARCHITECTURE.md, "Checked against") reads transformers' deprecated `is_gradient_checkpointing`
+    alias when it wraps a model (get_peft_model, PeftModel.from_pretrained): a FutureWarning a user can do
+    nothing about."""
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning

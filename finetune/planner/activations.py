@@ -2,13 +2,15 @@
 
 Where the coefficients come from: scripts/measure_activations.py counts, under
 `torch.autograd.graph.saved_tensors_hooks`, the distinct storages autograd keeps
-(parameters and the shared rotary cos/sin excluded) for transformers 5.24's
-LlamaDecoderLayer / Qwen2DecoderLayer, batch 1, SDPA, on CPU (torch 2.13,
-peft 0.21, bitsandbytes 0.50), over 10 layer shapes from hidden 256 to 8192;
-the measurements are in activations.json next to this file. Every term below
-is an integer count of saved tensors and reproduces every measurement to the
-byte (tests/test_activations.py checks it). Rerun the script after upgrading
-torch, transformers or peft.
+(parameters and the shared rotary cos/sin excluded) for transformers'
+LlamaDecoderLayer / Qwen2DecoderLayer, batch 1, SDPA, on CPU (torch,
+transformers, peft and bitsandbytes at the versions of ARCHITECTURE.md,
+"Checked against"; activations.json's meta records the torch and transformers
+that ran), over 11 layer shapes from hidden 256 to 8192; the measurements are
+in activations.json next to this file (MEMORY_MODEL.md, Activations, has the
+reference table). Every term below is an integer count of saved tensors and
+reproduces every measurement to the byte (tests/test_activations.py checks
+it). Rerun the script after upgrading torch, transformers or peft.
 
 Symbols: h hidden, I intermediate, H heads, KV kv heads, d head dim, r LoRA rank,
 c the compute dtype's bytes (2 bf16, 4 fp32). Per layer, without checkpointing:

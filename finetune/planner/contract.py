@@ -1,4 +1,4 @@
-"""The plan contract (DESIGN.md): the strategy, the memory terms, the estimate, the layout, the frozen `Plan`.
+"""The plan contract (MEMORY_MODEL.md): the strategy, memory terms, estimate, layout, the frozen `Plan`.
 
 Sizes are decimal GB (1e9 bytes), per GPU unless named otherwise. `Plan.to_dict` is
 plan.json; workers read it back with `Plan.from_dict` and never re-plan. After the
@@ -144,7 +144,7 @@ class Plan:
         return replace(self, nproc_per_node=nproc_per_node, nnodes=nnodes)
 
     def to_dict(self) -> dict[str, Any]:
-        """The plan contract of DESIGN.md (sizes in decimal GB, per GPU unless named otherwise), then
+        """The plan contract of MEMORY_MODEL.md (sizes in decimal GB, per GPU unless named otherwise), then
         the whole hardware profile and the process layout."""
         hw = self.hardware
         profile = {

@@ -5,7 +5,8 @@ job and strategy by `runtime()` exactly as finetune/train sets the run up;
 measurement scripts may describe what their own harness ran instead. `memory()`
 returns the contract's terms (decimal GB) and the bytes offloaded to host RAM.
 
-What runs, per engine (finetune/modeling/models.py, accelerate 1.15, DeepSpeed 0.19):
+What runs, per engine (finetune/modeling/models.py; accelerate and DeepSpeed at the
+versions of ARCHITECTURE.md, "Checked against"; MEMORY_MODEL.md has the tables):
 
 - one process / DDP: accelerate's bf16 autocast around the forward. Full
   fine-tuning holds fp32 weights (their own master copy), fp32 gradients and the

@@ -30,8 +30,8 @@ from finetune.planner.params import count_params
 from finetune.planner.timing import HOURS_PER_MONTH, disk, estimate, executed_flops_per_token
 
 # The loss when train.chunked_loss is unset: the project's chunked loss (True) or TRL's fused LM head (False).
-# Measured on an H200 (DESIGN.md, 8B shape, 4 layers, 8,192 tokens): ours 40,177 tokens/s and 13.55 GB, TRL's
-# 26,063 tokens/s and 13.16 GB. Flip here after scripts/bench_loss.py says otherwise.
+# Measured on an H200 (MEMORY_MODEL.md, GPU reference; 8B shape, 4 layers, 8,192 tokens): ours 40,177 tokens/s
+# and 13.55 GB, TRL's 26,063 tokens/s and 13.16 GB. Flip here after scripts/bench_loss.py says otherwise.
 DEFAULT_CHUNKED_LOSS = True
 
 

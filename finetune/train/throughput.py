@@ -6,15 +6,15 @@ is measured by scripts/gpu_check.sh (its pipeline cases time every step's phases
 Defaults stay the measured baseline until GPU measurements say otherwise.
 
 Attention for packed rows (several samples in one row, position ids restarting at each sample, no
-attention mask: `PackedCollator`). transformers 5.24 finds the samples from the position ids
-(`masking_utils.find_packed_sequence_indices`) and, per implementation:
+attention mask: `PackedCollator`). transformers (ARCHITECTURE.md, "Checked against") finds the samples
+from the position ids (`masking_utils.find_packed_sequence_indices`) and, per implementation:
 
 - `sdpa`: a [batch, 1, seq, seq] block-diagonal boolean mask. On CUDA any mask rules SDPA's flash
   kernel out: it runs the memory-efficient kernel over the whole seq x seq square, masked parts
   included. A row holding one sequence gets no mask (`is_causal=True`) and keeps the flash kernel.
 - `flex`: a FlexAttention `BlockMask` built from the same mask function; 128 x 128 blocks outside
   every sample are skipped, so the work follows the samples' lengths, on a fused kernel. Training
-  needs CUDA (torch 2.13 has no FlexAttention backward on the CPU).
+  needs CUDA (the torch of ARCHITECTURE.md's "Checked against" has no FlexAttention backward on the CPU).
 - `flash`: flash-attn's variable-length kernel, sample boundaries taken from the position ids;
   transformers does that only for a batch of one row (`_is_packed_sequence`), so with `flash` the
   collator flattens each micro-batch into one row (`PackedCollator(flatten=True)`). CUDA and the
@@ -36,7 +36,7 @@ from finetune.core.errors import ConfigError
 log = logging.getLogger(__name__)
 
 # Liger's layer kernels, applied by the Trainer (`use_liger_kernel`, transformers' `apply_liger_kernel`)
-# when training starts. Its fused linear cross-entropy is not patched into the model: TRL 1.16 refuses
+# when training starts. Its fused linear cross-entropy is not patched into the model: TRL refuses
 # that (its own fused LM head replaces the forward), and the chunked loss runs Liger's kernel itself
 # when `train.liger` is on (`chunked_loss.linear_cross_entropy`).
 LIGER_KERNELS = {
@@ -51,9 +51,9 @@ LIGER_KERNELS = {
 def sft_kwargs(cfg: Config) -> dict[str, Any]:
     """The SFTConfig arguments of the levers the Trainer applies (Liger's kernels through TRL's switch).
 
-    TRL 1.16 deprecates `use_liger_kernel` for Hub kernels (`model_init_kwargs={"use_kernels": True}`),
-    which are downloaded when the model loads: not possible without the model hub, so the installed
-    liger-kernel package is what `train.liger` uses.
+    TRL (ARCHITECTURE.md, "Checked against") deprecates `use_liger_kernel` for Hub kernels
+    (`model_init_kwargs={"use_kernels": True}`), which are downloaded when the model loads: not possible
+    without the model hub, so the installed liger-kernel package is what `train.liger` uses.
     """
     if not cfg.train.liger:
         return {}

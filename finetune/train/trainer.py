@@ -145,7 +145,7 @@ class FinetuneTrainer(SFTTrainer):
     ):
         with (
             warnings.catch_warnings()
-        ):  # TRL 1.16 deprecates use_liger_kernel for Hub kernels: see sft_kwargs
+        ):  # the checked TRL deprecates use_liger_kernel for Hub kernels: see sft_kwargs
             warnings.filterwarnings(
                 "ignore", message=r"`use_liger_kernel=True` is deprecated", category=FutureWarning
             )

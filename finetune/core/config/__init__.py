@@ -198,7 +198,8 @@ class MethodConfig:
 
 @dataclass
 class HardwareConfig:
-    """One GPU profile (DESIGN.md's table). Facts a vendor does not publish stay None."""
+    """One GPU profile (configs/hardware/*.yaml; planner/MEMORY_MODEL.md, "Hardware profiles"). Facts a vendor
+    does not publish stay None."""
 
     name: str = "cpu"
     device: str = "cpu"  # cuda | cpu
