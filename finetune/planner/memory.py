@@ -36,6 +36,8 @@ from typing import Optional
 
 from finetune.core.config import HardwareConfig, MethodConfig, ModelConfig, TrainConfig
 from finetune.planner.activations import (
+    LayerRun,
+    LayerShape,
     attention_mask_bytes,
     autocast_weight_copy_bytes,
     layer_bytes_per_token,
@@ -228,25 +230,23 @@ def weights(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
 
 def _layer(job: Job, rt: Runtime, checkpointing: bool) -> int:
     """Saved bytes of one decoder layer per token (the fitted formulas of `finetune.planner.activations`)."""
-    m, method = job.model, job.method
+    return layer_bytes_per_token(LayerShape.of(job.model), layer_run(job, rt, checkpointing))
+
+
+def layer_run(job: Job, rt: Runtime, checkpointing: bool) -> LayerRun:
+    """How the trainer runs a decoder layer of this job (what the activation formulas need)."""
+    method = job.method
     full = method.spec.trains_base_weights
-    return layer_bytes_per_token(
-        hidden=m.hidden_size,
-        intermediate=m.intermediate_size,
-        heads=m.num_heads,
-        kv_heads=m.num_kv_heads,
-        head_dim=m.head_dim,
+    return LayerRun(
         method=method.name,
-        adapter_bytes=rt.adapter_compute if rt.engine in ("fsdp", "zero3") else rt.adapter_storage,
-        lora_dropout=method.uses_adapters and method.lora_dropout > 0,
-        attention_bias=m.attention_bias,
-        lora_rank=method.lora_rank,
-        checkpointing=checkpointing,
-        autocast=rt.fp32_residual if full else rt.autocast,
         dtype_bytes=rt.compute,
+        autocast=rt.fp32_residual if full else rt.autocast,
+        adapter_bytes=rt.adapter_compute if rt.engine in ("fsdp", "zero3") else rt.adapter_storage,
+        lora_rank=method.lora_rank,
+        lora_dropout=method.uses_adapters and method.lora_dropout > 0,
+        checkpointing=checkpointing,
         device=rt.device,
         packed=rt.packed,
-        fp32_norm_product=m.architecture == "gemma",
     )
 
 
@@ -260,7 +260,7 @@ def _once_per_token(job: Job, rt: Runtime) -> int:
         head_in_model=False,
         autocast=rt.fp32_residual,
         dtype_bytes=rt.compute,
-        fp32_norm_product=job.model.architecture == "gemma",
+        fp32_norm_product=LayerShape.of(job.model).fp32_norm_product,
     )
 
 
