@@ -31,10 +31,10 @@ What runs, per engine (finetune/modeling/models.py, accelerate 1.15, DeepSpeed 0
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
-from finetune.core.config import HardwareConfig, MethodConfig, ModelConfig, TrainConfig
+from finetune.core.config import HardwareConfig, MethodConfig, ModelConfig, PlanConfig, TrainConfig
 from finetune.planner.activations import (
     LayerRun,
     LayerShape,
@@ -62,7 +62,8 @@ def quant_constant_bits(double_quant: bool) -> float:
 
 @dataclass(frozen=True)
 class Job:
-    """Everything the memory terms depend on, resolved."""
+    """Everything the plan depends on, resolved: the model, method, hardware, training settings, sequence
+    length, the exact counts, the calibration, and the planning settings (headroom, utilisation)."""
 
     model: ModelConfig
     method: MethodConfig
@@ -72,6 +73,7 @@ class Job:
     counts: ParamCounts
     adapter: int  # LoRA parameters (0 for full fine-tuning)
     cal: Calibration
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     @property
     def trainable(self) -> int:
@@ -81,6 +83,15 @@ class Job:
     def device(self) -> DeviceCalibration:
         return self.cal.device(self.hw.device)
 
+    def but(self, **changes: Any) -> Job:
+        """The same job with some of its settings changed (model, method, hw, train, seq_len); the counts
+        are derived again."""
+        settings: dict[str, Any] = dict(
+            model=self.model, method=self.method, hw=self.hw, train=self.train, seq_len=self.seq_len
+        )
+        settings.update(changes)
+        return make_job(**settings, cal=self.cal, plan=self.plan)
+
 
 def make_job(
     model: ModelConfig,
@@ -89,9 +100,13 @@ def make_job(
     train: TrainConfig,
     seq_len: int,
     cal: Optional[Calibration] = None,
+    plan: Optional[PlanConfig] = None,
 ) -> Job:
     adapter = lora_params(model, method) if method.uses_adapters else 0
-    return Job(model, method, hw, train, seq_len, count_params(model), adapter, cal or Calibration.default())
+    return Job(
+        model, method, hw, train, seq_len, count_params(model), adapter, cal or Calibration.default(),
+        plan or PlanConfig(),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
