@@ -548,11 +548,11 @@ def test_seq_len_beyond_model_positions_is_bad_input():
                 "method.optimizer=adamw_8bit",
             ],
             "method.optimizer=adamw_8bit does not run under train.sharding=fsdp (bitsandbytes' 8-bit optimizers have "
-            "no DTensor support): use train.engine=deepspeed",
+            "no DTensor support): use train.engine=zero3",
         ),
         (
             ["+recipe=llama8b_lora", "train.offload_optimizer=true"],
-            "train.offload_optimizer=true needs train.sharding=zero3 or fsdp: one process holds everything",
+            "train.offload_optimizer=true needs train.sharding=fsdp or zero3: one process holds everything",
         ),
         (
             [
@@ -588,7 +588,7 @@ def test_fsdp_never_gets_8bit_states_and_offloads_everything_together():
     s = plan.strategy
     assert s.sharding == "fsdp" and s.optimizer == "adamw"
     assert s.offload_optimizer == s.offload_params
-    _, ds = plan_for("+recipe=qwen32b_full", "train.engine=deepspeed")
+    _, ds = plan_for("+recipe=qwen32b_full", "train.engine=zero3")
     assert (
         ds.strategy.sharding == "zero3" and ds.strategy.optimizer == "adamw_8bit"
     )  # ZeRO-3 runs 8-bit states

@@ -22,6 +22,7 @@ from typing import Any, Optional
 from finetune.core.architectures import ARCHITECTURES
 from finetune.core.config import HardwareConfig, MethodConfig, ModelConfig, PlanConfig, TrainConfig
 from finetune.core.errors import ConfigError, PlanError
+from finetune.core.parallelism import ENGINES, REPLICATED, SHARDED_ENGINES, SINGLE
 from finetune.planner.calibration import Calibration
 from finetune.planner.contract import GB, Alternative, Memory, Plan, Strategy
 from finetune.planner.engines import why_not
@@ -72,8 +73,7 @@ def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
     """Every strategy the user's open settings allow and the engine runs; and, when none does, why."""
     t, hw = job.train, job.hw
     multi = hw.total_gpus > 1
-    sharded = "zero3" if t.engine == "deepspeed" else "fsdp"
-    shardings = [t.sharding] if t.sharding is not None else (["ddp", sharded] if multi else ["none"])
+    shardings = [t.sharding] if t.sharding is not None else ([REPLICATED, t.engine] if multi else [SINGLE])
     optimizers = (
         [job.method.optimizer]
         if job.method.optimizer is not None
@@ -150,7 +150,7 @@ def _seconds_per_token(job: Job, s: Strategy, mfu: Optional[float]) -> float:
 def _preference(job: Job, s: Strategy, mfu: Optional[float]) -> tuple[Any, ...]:
     return (
         _seconds_per_token(job, s, mfu),
-        s.sharding in ("fsdp", "zero3"),
+        s.engine.shards,
         s.optimizer != "adamw",
         -s.micro_batch_size,
     )
@@ -161,21 +161,18 @@ def _describe(s: Strategy, gpus: int) -> list[tuple[str, Strategy]]:
     out = []
     if s.activation_checkpointing:
         out.append(("activation checkpointing", replace(s, activation_checkpointing=False)))
-    if s.sharding in ("fsdp", "zero3"):
-        engine = "ZeRO-3" if s.sharding == "zero3" else "FSDP2"
-        whole = replace(s, sharding="ddp", offload_optimizer=False, offload_params=False)
-        out.append((f"{engine} full shard across {gpus} GPUs", whole))
+    e = s.engine
+    if e.shards:
+        whole = replace(s, sharding=REPLICATED, offload_optimizer=False, offload_params=False)
+        out.append((f"{e.short} full shard across {gpus} GPUs", whole))
     if s.optimizer != "adamw" and not s.offload_optimizer:
         out.append(("8-bit optimizer states", replace(s, optimizer="adamw")))
-    if s.offload_optimizer and s.sharding == "zero3":
+    if s.offload_optimizer and e.offloads_optimizer_alone:
         out.append(("optimizer offload to CPU", replace(s, offload_optimizer=False, offload_params=False)))
     if s.offload_params:
-        what = (
-            "parameter, gradient and optimizer offload to CPU"
-            if s.sharding == "fsdp"
-            else "parameter offload"
-        )
-        out.append((what, replace(s, offload_params=False, offload_optimizer=s.sharding == "zero3")))
+        alone = e.offloads_optimizer_alone
+        what = "parameter offload" if alone else "parameter, gradient and optimizer offload to CPU"
+        out.append((what, replace(s, offload_params=False, offload_optimizer=alone)))
     return out
 
 
@@ -295,14 +292,17 @@ def _suggestions(plan: Plan, job: Job, alts: list[Plan]) -> list[str]:
         lo = _try(job, method=replace(method, name=lighter, **settings))
         if lo is not None and lo.fits:
             out.append(f"method={lighter} fits on {hw.name} ({lo.gpu_memory.total:.1f} GB per GPU)")
-    if (
-        train.engine == "fsdp"
-        and hw.total_gpus > 1
-        and method.optimizer in ("adamw_8bit", "paged_adamw_8bit")
-    ):
-        ds = _try(job, train=replace(train, engine="deepspeed"))
-        if ds is not None and ds.fits:
-            out.append(f"train.engine=deepspeed fits on {hw.name} (ZeRO-3 runs {method.optimizer})")
+    if hw.total_gpus > 1 and method.optimizer is not None:
+        # a fixed optimizer the chosen sharded engine does not run, that another one does
+        for other in SHARDED_ENGINES:
+            runs = method.optimizer in ENGINES[other].optimizers
+            if other == train.engine or not runs or method.optimizer in ENGINES[train.engine].optimizers:
+                continue
+            alt = _try(job, train=replace(train, engine=other))
+            if alt is not None and alt.fits:
+                out.append(
+                    f"train.engine={other} fits on {hw.name} ({ENGINES[other].short} runs {method.optimizer})"
+                )
     seq = plan.seq_len // 2
     while seq >= 256:
         shorter = _try(job, seq_len=seq)
