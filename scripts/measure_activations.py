@@ -59,7 +59,7 @@ SHAPES: dict[str, tuple[int, int, int, int, int, bool]] = {
 }
 BIG = ("llama3_1_8b", "qwen2_5_32b", "llama3_1_70b")
 
-# case name: keyword arguments of layer_bytes_per_token (besides the shape)
+# case name: the LayerRun of layer_bytes_per_token (the layer's shape is the measured one)
 CASES: dict[str, dict[str, Any]] = {
     "full": dict(method="full"),
     "lora_fp32": dict(method="lora", adapter_bytes=4),
@@ -325,18 +325,13 @@ def measure_head(hidden: int, vocab: int, tokens: int, trainable_head: bool, aut
 
 
 def formula(shape: tuple[int, int, int, int, int, bool], case: str) -> int:
-    from finetune.planner.activations import layer_bytes_per_token
+    from finetune.planner.activations import LayerRun, LayerShape, layer_bytes_per_token
 
     hidden, inter, heads, kv, head_dim, bias = shape
-    return layer_bytes_per_token(
-        hidden=hidden,
-        intermediate=inter,
-        heads=heads,
-        kv_heads=kv,
-        head_dim=head_dim,
-        attention_bias=bias,
-        **CASES[case],
+    layer = LayerShape(
+        hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv, head_dim=head_dim, attention_bias=bias
     )
+    return layer_bytes_per_token(layer, LayerRun(**CASES[case]))
 
 
 def formula_bytes(row: dict[str, Any]) -> int:

@@ -12,6 +12,8 @@ from types import ModuleType
 import pytest
 
 from finetune.planner.activations import (
+    LayerRun,
+    LayerShape,
     attention_mask_bytes,
     autocast_weight_copy_bytes,
     layer_bytes_per_token,
@@ -66,33 +68,39 @@ def test_formula_reproduces_measurement(row: dict):
 
 
 def test_design_reference_values():
-    llama8b = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128)
-    assert layer_bytes_per_token(**llama8b, method="full") == 200_840
-    assert layer_bytes_per_token(**llama8b, method="lora", adapter_bytes=4) == 295_496
-    assert layer_bytes_per_token(**llama8b, method="lora", adapter_bytes=2) == 184_680
-    assert layer_bytes_per_token(**llama8b, method="lora", adapter_bytes=4, lora_dropout=True) == 451_144
-    assert layer_bytes_per_token(**llama8b, method="full", checkpointing=True) == 8_192
+    llama8b = LayerShape(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128)
+    assert layer_bytes_per_token(llama8b, LayerRun(method="full")) == 200_840
+    assert layer_bytes_per_token(llama8b, LayerRun(method="lora", adapter_bytes=4)) == 295_496
+    assert layer_bytes_per_token(llama8b, LayerRun(method="lora", adapter_bytes=2)) == 184_680
+    assert (
+        layer_bytes_per_token(llama8b, LayerRun(method="lora", adapter_bytes=4, lora_dropout=True)) == 451_144
+    )
+    assert layer_bytes_per_token(llama8b, LayerRun(method="full", checkpointing=True)) == 8_192
 
 
 def test_what_the_trainer_runs_on_the_8b_shape():
     """fp32 adapters under accelerate's autocast keep 18h + 8I + 6Hd + 4KVd + 4H + 8 + 14r (26% less than PEFT's
     upcast without autocast); CUDA's dropout keeps a 1-byte mask where the CPU keeps an a-byte noise tensor;
     packed rows copy k and v to every head."""
-    llama8b = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128)
+    llama8b = LayerShape(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128)
     h, i, q, kv = 4096, 14336, 4096, 1024
-    autocast = layer_bytes_per_token(**llama8b, method="lora", adapter_bytes=4, autocast=True)
+    autocast = layer_bytes_per_token(llama8b, LayerRun(method="lora", adapter_bytes=4, autocast=True))
     assert autocast == 18 * h + 8 * i + 6 * q + 4 * kv + 4 * 32 + 8 + 14 * 16 == 217_448
-    cpu = layer_bytes_per_token(**llama8b, method="lora", adapter_bytes=4, lora_dropout=True)
-    cuda = layer_bytes_per_token(**llama8b, method="lora", adapter_bytes=4, lora_dropout=True, device="cuda")
+    cpu = layer_bytes_per_token(llama8b, LayerRun(method="lora", adapter_bytes=4, lora_dropout=True))
+    cuda = layer_bytes_per_token(
+        llama8b, LayerRun(method="lora", adapter_bytes=4, lora_dropout=True, device="cuda")
+    )
     assert cpu - cuda == 3 * (5 * h + q + i)  # a 4-byte noise tensor vs a bool, per adapted input
-    packed = layer_bytes_per_token(**llama8b, method="lora", adapter_bytes=4, autocast=True, packed=True)
+    packed = layer_bytes_per_token(
+        llama8b, LayerRun(method="lora", adapter_bytes=4, autocast=True, packed=True)
+    )
     assert packed - autocast == 2 * 2 * (q - kv)
     assert attention_mask_bytes(tokens=8192, rows=1) == 134_217_728  # a bf16 [T, T] bias a layer
 
 
 def test_bad_method_is_refused():
     with pytest.raises(ValueError, match="method"):
-        layer_bytes_per_token(hidden=8, intermediate=8, heads=1, kv_heads=1, head_dim=8, method="dora")
+        LayerRun(method="dora")
 
 
 @pytest.mark.parametrize(
@@ -148,7 +156,8 @@ def test_live_measurement_of_a_gemma_and_a_mistral_layer(case: str):
             measured.append(SCRIPT.measure_layer(shape, case, tokens, layer))
         per_token = (measured[1] - measured[0]) / 64
         expected = layer_bytes_per_token(
-            hidden=h, intermediate=inter, heads=heads, kv_heads=kv, head_dim=head_dim, fp32_norm_product=gemma, **kw
+            LayerShape(hidden=h, intermediate=inter, heads=heads, kv_heads=kv, head_dim=head_dim, fp32_norm_product=gemma),
+            LayerRun(**kw),
         )  # fmt: skip
         assert per_token == expected, config_cls.__name__
 
@@ -173,8 +182,8 @@ def test_live_measurement_under_fp32_autocast(shape: tuple, case: str):
     per_token, constant = (b128 - b64) / 64, 2 * b64 - b128
     hidden, inter, heads, kv, head_dim, _ = shape
     assert per_token == layer_bytes_per_token(
-        hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv, head_dim=head_dim, method="full",
-        checkpointing=case == "full_ckpt", autocast=True,
+        LayerShape(hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv, head_dim=head_dim),
+        LayerRun(method="full", checkpointing=case == "full_ckpt", autocast=True),
     )  # fmt: skip
     linear = hidden * (heads * head_dim + 2 * kv * head_dim) + heads * head_dim * hidden + 3 * hidden * inter
     assert constant == (0 if case == "full_ckpt" else autocast_weight_copy_bytes(linear))
@@ -195,12 +204,13 @@ def test_live_measurement_of_the_head_under_fp32_autocast():
 
 
 def test_autocast_changes_nothing_for_bf16_adapters_and_needs_a_bf16_base():
-    small = dict(hidden=8, intermediate=8, heads=1, kv_heads=1, head_dim=8, method="lora", adapter_bytes=2)
-    assert layer_bytes_per_token(**small, autocast=True) == layer_bytes_per_token(
-        **small
+    small = LayerShape(hidden=8, intermediate=8, heads=1, kv_heads=1, head_dim=8)
+    lora = dict(method="lora", adapter_bytes=2)
+    assert layer_bytes_per_token(small, LayerRun(**lora, autocast=True)) == layer_bytes_per_token(
+        small, LayerRun(**lora)
     )  # measured: identical
     with pytest.raises(ValueError, match="autocast"):
-        layer_bytes_per_token(**{**small, "adapter_bytes": 4}, autocast=True, dtype_bytes=4)
+        LayerRun(method="lora", adapter_bytes=4, autocast=True, dtype_bytes=4)
 
 
 def test_import_does_not_load_torch():

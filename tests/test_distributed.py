@@ -161,7 +161,7 @@ def test_ddp_two_processes_train_like_one(root, reference):
 def test_deepspeed_zero3_two_processes_train_like_one(root, reference, offload):
     extra = [
         "train.sharding=zero3",
-        "train.engine=deepspeed",
+        "train.engine=zero3",
         f"train.offload_optimizer={str(offload).lower()}",
     ]
     run = train_run(root, "zero3-offload" if offload else "zero3", "hardware.gpus_per_node=2", *extra)

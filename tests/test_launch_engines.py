@@ -108,7 +108,7 @@ def test_cpu_two_process_zero3_is_fp32_unpinned_and_says_use_cpu(tmp_path, monke
     cfg, plan = planned(
         "hardware.gpus_per_node=2",
         "train.sharding=zero3",
-        "train.engine=deepspeed",
+        "train.engine=zero3",
         "train.offload_optimizer=true",
     )
     files = write_engine_files(cfg, plan, tmp_path)
@@ -277,10 +277,10 @@ def _rungs(overrides: list[str], profile: str) -> tuple[Config, list]:
 
 
 JOBS = [
-    ["+recipe=llama70b_full", "train.engine=deepspeed"],
+    ["+recipe=llama70b_full", "train.engine=zero3"],
     ["+recipe=llama70b_full", "train.engine=fsdp"],
     ["+recipe=llama70b_lora", "train.engine=fsdp"],
-    ["+recipe=llama70b_lora", "train.engine=deepspeed"],
+    ["+recipe=llama70b_lora", "train.engine=zero3"],
     ["+recipe=llama8b_qlora"],
 ]
 GPU_PROFILES = sorted(

@@ -26,7 +26,13 @@ from finetune.planner import (
     runtime,
 )
 from finetune.planner import search as search_module
-from finetune.planner.activations import attention_mask_bytes, layer_bytes_per_token, model_bytes_per_token
+from finetune.planner.activations import (
+    LayerRun,
+    LayerShape,
+    attention_mask_bytes,
+    layer_bytes_per_token,
+    model_bytes_per_token,
+)
 from finetune.planner.contract import CONTRACT_HARDWARE
 from finetune.planner.memory import quant_constant_bits
 
@@ -310,10 +316,10 @@ def test_fp32_precision_doubles_the_16_bit_activations():
                        "train.activation_checkpointing=false", "train.micro_batch_size=1", "method.precision=bf16")  # fmt: skip
     _, fp32 = plan_for("model=llama3_1_8b", "method=full", "hardware=b300", "train.seq_len=1024",
                        "train.activation_checkpointing=false", "train.micro_batch_size=1", "method.precision=fp32")  # fmt: skip
-    layer = dict(
-        hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, method="full", packed=True
+    shape = LayerShape(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128)
+    per_token = layer_bytes_per_token(
+        shape, LayerRun(method="full", packed=True, dtype_bytes=4, device="cuda")
     )
-    per_token = layer_bytes_per_token(**layer, dtype_bytes=4, device="cuda")
     assert per_token == 24 * 4096 + 16 * 14336 + 8 * 4096 + 8 * 1024 + 4 * 32 + 8 + 8 * (4096 - 1024)
     once = model_bytes_per_token(
         hidden=4096, vocab=128_256, plain_loss=False, head_in_model=False, dtype_bytes=4
@@ -331,8 +337,10 @@ def test_full_fine_tuning_activations_as_the_trainer_runs_them():
         "model=llama3_1_8b", "method=full", "hardware=b300", "train.seq_len=2048",
         "train.activation_checkpointing=false", "train.micro_batch_size=1",
     )  # fmt: skip
-    layer = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, method="full")
-    per_token = layer_bytes_per_token(**layer, autocast=True, device="cuda", packed=True)
+    shape = LayerShape(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128)
+    per_token = layer_bytes_per_token(
+        shape, LayerRun(method="full", autocast=True, device="cuda", packed=True)
+    )
     once = model_bytes_per_token(
         hidden=4096, vocab=128_256, plain_loss=False, head_in_model=False, autocast=True
     )
@@ -415,10 +423,11 @@ def test_recomputed_layer_is_transient_and_counted_above_the_loss_peak():
         "train.activation_checkpointing=true", "train.micro_batch_size=1",
     )  # fmt: skip
     mem = plan.gpu_memory
-    layer = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, method="lora")
-    full_layer = layer_bytes_per_token(
-        **layer, adapter_bytes=4, autocast=True, lora_dropout=True, device="cuda", packed=True
-    ) * tokens + attention_mask_bytes(tokens=tokens, rows=1)
+    shape = LayerShape(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128)
+    run = LayerRun(
+        method="lora", adapter_bytes=4, autocast=True, lora_dropout=True, device="cuda", packed=True
+    )
+    full_layer = layer_bytes_per_token(shape, run) * tokens + attention_mask_bytes(tokens=tokens, rows=1)
     once = model_bytes_per_token(hidden=4096, vocab=128_256, plain_loss=False, trainable_head=False) * tokens
     cfg = compose(["model=llama3_1_8b", "method=lora"])
     adapter_copies = (
@@ -540,11 +549,11 @@ def test_seq_len_beyond_model_positions_is_bad_input():
                 "method.optimizer=adamw_8bit",
             ],
             "method.optimizer=adamw_8bit does not run under train.sharding=fsdp (bitsandbytes' 8-bit optimizers have "
-            "no DTensor support): use train.engine=deepspeed",
+            "no DTensor support): use train.engine=zero3",
         ),
         (
             ["+recipe=llama8b_lora", "train.offload_optimizer=true"],
-            "train.offload_optimizer=true needs train.sharding=zero3 or fsdp: one process holds everything",
+            "train.offload_optimizer=true needs train.sharding=fsdp or zero3: one process holds everything",
         ),
         (
             [
@@ -580,7 +589,7 @@ def test_fsdp_never_gets_8bit_states_and_offloads_everything_together():
     s = plan.strategy
     assert s.sharding == "fsdp" and s.optimizer == "adamw"
     assert s.offload_optimizer == s.offload_params
-    _, ds = plan_for("+recipe=qwen32b_full", "train.engine=deepspeed")
+    _, ds = plan_for("+recipe=qwen32b_full", "train.engine=zero3")
     assert (
         ds.strategy.sharding == "zero3" and ds.strategy.optimizer == "adamw_8bit"
     )  # ZeRO-3 runs 8-bit states

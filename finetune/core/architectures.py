@@ -25,13 +25,17 @@ class Architecture:
     projections: tuple[str, ...]  # a decoder layer's linear modules (PEFT's target_modules)
     attention_bias: bool  # q/k/v biases (Qwen2 has them, its config does not say so)
     mixture_of_experts: bool = False
+    # RMSNorm multiplies by (1 + weight) in fp32 (Gemma): a trainable norm keeps its normalized input in fp32
+    fp32_norm_product: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("llama", "LlamaDecoderLayer", LLAMA_PROJECTIONS, attention_bias=False),
     "mistral": Architecture("mistral", "MistralDecoderLayer", LLAMA_PROJECTIONS, attention_bias=False),
     "qwen2": Architecture("qwen2", "Qwen2DecoderLayer", LLAMA_PROJECTIONS, attention_bias=True),
-    "gemma": Architecture("gemma", "GemmaDecoderLayer", LLAMA_PROJECTIONS, attention_bias=False),
+    "gemma": Architecture(
+        "gemma", "GemmaDecoderLayer", LLAMA_PROJECTIONS, attention_bias=False, fp32_norm_product=True
+    ),
     # Counted exactly (the plan refuses it with its real size): Llama attention, and in each layer a router
     # and `num_experts` gate/up/down experts of which `num_experts_per_token` run per token.
     "mixtral": Architecture(

@@ -135,7 +135,9 @@ def check_runnable(cfg: Config, lay: Layout) -> None:
     """Refuse a strategy the engine would not run as planned (finetune/planner/engines.py's table)."""
     reason = why_not(lay.strategy, cfg.method.name)
     if reason is not None:
-        raise LaunchError(f"plan.json asks for what {lay.engine} cannot run: {reason}; re-run mode=plan")
+        raise LaunchError(
+            f"plan.json asks for what {lay.engine.runs_as} cannot run: {reason}; re-run mode=plan"
+        )
 
 
 def accelerate_config(
@@ -145,14 +147,9 @@ def accelerate_config(
     for zero3, multi-GPU/CPU data parallel otherwise. machine_rank is 0 here; other nodes pass --machine_rank."""
     s = lay.strategy
     cpu = lay.device == "cpu"
-    if lay.engine == "fsdp":
-        distributed_type = "FSDP"
-    elif lay.engine == "deepspeed":
-        distributed_type = "DEEPSPEED"
-    elif lay.engine == "ddp":
+    distributed_type = lay.engine.accelerate_type
+    if distributed_type == "MULTI":
         distributed_type = "MULTI_CPU" if cpu else "MULTI_GPU"
-    else:
-        distributed_type = "NO"
     out: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": distributed_type,
@@ -173,7 +170,7 @@ def accelerate_config(
             rdzv_backend=launch.rdzv_backend,
             same_network=True,
         )
-    if lay.engine == "fsdp":
+    if lay.engine.fsdp2:
         out["fsdp_config"] = {
             "fsdp_version": 2,
             "fsdp_reshard_after_forward": True,  # full shard
@@ -185,7 +182,7 @@ def accelerate_config(
             "fsdp_cpu_ram_efficient_loading": True,
             "fsdp_sync_module_states": True,  # accelerate requires it with cpu_ram_efficient_loading
         }
-    elif lay.engine == "deepspeed":
+    elif lay.engine.deepspeed:
         if deepspeed_file is None:
             raise LaunchError("a zero3 plan under accelerate needs the DeepSpeed JSON written first")
         # With a config file, accelerate takes mixed precision from the JSON and refuses its own setting.
@@ -216,7 +213,7 @@ def fsdp_trainer_config(cfg: Config, lay: Layout) -> dict[str, Any]:
 class EngineFiles:
     """The engine of a run and the files and SFTConfig arguments that configure it."""
 
-    engine: str  # deepspeed | fsdp | ddp | single
+    engine: str  # the engine's `runs_as` (finetune/core/parallelism.py)
     world_size: int
     deepspeed: Optional[Path] = None
     accelerate_config: Optional[Path] = None
@@ -267,11 +264,11 @@ def write_engine_files(
     }
     ds_path: Optional[Path] = None
     acc_path: Optional[Path] = None
-    if lay.engine == "deepspeed":
+    if lay.engine.deepspeed:
         ds_path = run_dir / rundir.DEEPSPEED_FILE
         _write_if_changed(ds_path, json.dumps(deepspeed_config(cfg, lay), indent=2) + "\n")
         kwargs["deepspeed"] = str(ds_path)
-    elif lay.engine == "fsdp":
+    elif lay.engine.fsdp2:
         acc_path = run_dir / rundir.ACCELERATE_FSDP_FILE
         _write_if_changed(acc_path, yaml.safe_dump(accelerate_config(cfg, lay, launch), sort_keys=False))
         kwargs["fsdp"] = True
@@ -284,7 +281,7 @@ def write_engine_files(
             acc_path, yaml.safe_dump(accelerate_config(cfg, lay, launch, ds_path), sort_keys=False)
         )
     files = EngineFiles(
-        engine=lay.engine,
+        engine=lay.engine.runs_as,
         world_size=lay.world_size,
         deepspeed=ds_path,
         accelerate_config=acc_path,
@@ -303,9 +300,9 @@ def nccl_env(launch: LaunchConfig, lay: Layout) -> dict[str, str]:
         if launch.nccl_debug:
             env["NCCL_DEBUG"] = launch.nccl_debug
         # The trainer passes ddp_timeout; DeepSpeed's own process group reads this (whole minutes).
-        if lay.engine == "deepspeed":
+        if lay.engine.deepspeed:
             env["DEEPSPEED_TIMEOUT"] = str(max(1, math.ceil(launch.nccl_timeout_s / 60)))
-        if lay.device == "cpu" and lay.engine != "deepspeed":
+        if lay.device == "cpu" and not lay.engine.deepspeed:
             # Without it accelerate looks for CUDA, finds none, and each torchrun rank trains alone.
             # Not for DeepSpeed: accelerate refuses DeepSpeed when this is set and silently runs DDP
             # instead; there SFTConfig(use_cpu=True) alone gives the gloo group DeepSpeed runs on.

@@ -67,7 +67,7 @@ def sbatch_script(
     lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives)]
     lines += [
         shell_comment(
-            f"{run_name}: {lay.engine} on {lay.nnodes} node(s) x {lay.nproc_per_node} process(es); "
+            f"{run_name}: {lay.engine.runs_as} on {lay.nnodes} node(s) x {lay.nproc_per_node} process(es); "
             f"submit: sbatch {run_dir / rundir.SBATCH_FILE}"
         ),
         "set -euo pipefail",

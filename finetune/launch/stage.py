@@ -40,17 +40,11 @@ from finetune.rundir.preflight import MachineCheck, check, check_machine, handof
 
 def describe(files: EngineFiles, lay: Layout) -> str:
     s = lay.strategy
-    engine = {
-        "deepspeed": "DeepSpeed ZeRO-3",
-        "fsdp": "FSDP2 full shard",
-        "ddp": "DDP (replicated)",
-        "single": "one process",
-    }[files.engine]
     offload = [
         name for name, on in (("optimizer", s.offload_optimizer), ("parameters", s.offload_params)) if on
     ]
     parts = [
-        engine,
+        lay.engine.label,
         f"{lay.nnodes} node(s) x {lay.nproc_per_node} process(es)",
         f"micro-batch {s.micro_batch_size} x accumulation {s.grad_accum_steps} x {lay.world_size} rank(s)"
         f" = {s.micro_batch_size * s.grad_accum_steps * lay.world_size} sequences a step",

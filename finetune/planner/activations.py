@@ -39,36 +39,82 @@ the same bias (the flash kernel takes no mask).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+from finetune.core.architectures import ARCHITECTURES
 from finetune.core.methods import METHODS
 
 DEVICES = ("cpu", "cuda")
 
 
-def layer_bytes_per_token(
-    *,
-    hidden: int,
-    intermediate: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    method: str,
-    adapter_bytes: int = 2,
-    lora_dropout: bool = False,
-    checkpointing: bool = False,
-    attention_bias: bool = False,
-    lora_rank: int = 16,
-    autocast: bool = False,
-    dtype_bytes: int = 2,
-    device: str = "cpu",
-    packed: bool = False,
-    fp32_norm_product: bool = False,
-) -> int:
+@dataclass(frozen=True)
+class LayerShape:
+    """One decoder layer's shape: what its saved bytes depend on."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    # Qwen2's q/k/v biases (measured: the bias add keeps no tensor; kept for the measurements' record).
+    attention_bias: bool = False
+    # Gemma's RMSNorm multiplies by (1 + weight) in fp32: a trainable norm keeps its normalized input in fp32.
+    fp32_norm_product: bool = False
+
+    @classmethod
+    def of(cls, model: Any) -> LayerShape:
+        """The shape of a `ModelConfig`'s decoder layer."""
+        return cls(
+            hidden=model.hidden_size,
+            intermediate=model.intermediate_size,
+            heads=model.num_heads,
+            kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            attention_bias=model.attention_bias,
+            fp32_norm_product=ARCHITECTURES[model.architecture].fp32_norm_product,
+        )
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    """How a layer runs, as far as its saved bytes care (the planner derives it from the job and strategy;
+    the measurement scripts describe their own harness)."""
+
+    # a `finetune.core.methods` entry: one that trains the base weights follows full fine-tuning's formulas
+    method: str
+    # the compute dtype's bytes: 2 (bf16 weights) or 4 (everything fp32)
+    dtype_bytes: int = 2
+    # accelerate's bf16 autocast around the forward
+    autocast: bool = False
+    # the adapters' dtype as they multiply: 2 (bf16) or 4 (fp32, PEFT's default upcast)
+    adapter_bytes: int = 2
+    lora_rank: int = 16
+    lora_dropout: bool = False
+    checkpointing: bool = False
+    # cpu | cuda: dropout masks differ
+    device: str = "cpu"
+    # rows carry position_ids (packed samples): transformers builds a block-diagonal mask for SDPA
+    packed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {tuple(METHODS)}, got {self.method!r}")
+        if self.adapter_bytes not in (2, 4):
+            raise ValueError(f"adapter_bytes must be 2 (bf16) or 4 (fp32), got {self.adapter_bytes!r}")
+        if self.dtype_bytes not in (2, 4):
+            raise ValueError(f"dtype_bytes must be 2 (bf16) or 4 (fp32), got {self.dtype_bytes!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.autocast and self.dtype_bytes == 4 and not METHODS[self.method].trains_base_weights:
+            raise ValueError("autocast: bf16 autocast runs on a bf16 base (dtype_bytes=2) for LoRA")
+
+
+def layer_bytes_per_token(shape: LayerShape, run: LayerRun) -> int:
     """Bytes one decoder layer keeps for backward per token (SDPA, batch rows of one sequence each).
 
-    `method` names a `finetune.core.methods` entry: one that trains the base weights follows full fine-tuning's
-    formulas, an adapter method LoRA's (on all seven projections; QLoRA measures the same). `dtype_bytes` is the
-    compute dtype: 2 (bf16 weights) or 4 (everything fp32). `autocast` is accelerate's bf16 autocast
-    around the forward: for full fine-tuning, fp32 weights under it (the residual stream is then fp32:
+    An adapter method follows LoRA's formulas (on all seven projections; QLoRA measures the same). Under
+    `autocast`: for full fine-tuning, fp32 weights under it (the residual stream is then fp32:
     10 x hidden more a layer, and autocast's bf16 copy of every weight is saved too, a constant per
     layer: `autocast_weight_copy_bytes`); for LoRA on a bf16 base, PEFT's fp32 cast of each adapter
     input is cast back to bf16 (fp32 adapters keep 2 bytes a value instead of 4; bf16 adapters are
@@ -79,26 +125,18 @@ def layer_bytes_per_token(
     RMSNorm multiplies by (1 + weight) in fp32, so a trainable norm keeps its normalized input in fp32
     (2 x hidden more a norm; measured, as is everything else of Gemma's layer equal to Llama's).
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
-    full = METHODS[method].trains_base_weights
-    if adapter_bytes not in (2, 4):
-        raise ValueError(f"adapter_bytes must be 2 (bf16) or 4 (fp32), got {adapter_bytes!r}")
-    if dtype_bytes not in (2, 4):
-        raise ValueError(f"dtype_bytes must be 2 (bf16) or 4 (fp32), got {dtype_bytes!r}")
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-    if autocast and dtype_bytes == 4 and not full:
-        raise ValueError("autocast: bf16 autocast runs on a bf16 base (dtype_bytes=2) for LoRA")
-    h, inter, q_dim, kv_dim = hidden, intermediate, heads * head_dim, kv_heads * head_dim
-    c = dtype_bytes
+    hidden, intermediate, heads = shape.hidden, shape.intermediate, shape.heads
+    full = METHODS[run.method].trains_base_weights
+    autocast, lora_rank, lora_dropout, device = run.autocast, run.lora_rank, run.lora_dropout, run.device
+    h, inter, q_dim, kv_dim = hidden, intermediate, heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    c = run.dtype_bytes
     fp32_residual = c == 4 or (autocast and full)
-    if checkpointing:
+    if run.checkpointing:
         return (4 if fp32_residual else 2) * h  # the layer input, saved by torch.utils.checkpoint
     # attention: q and k after rotary, v, SDPA's output and its fp32 logsumexp per head; o_proj's input is
     # a view of SDPA's output. Packed rows: repeat_kv's copies of k and v for every head.
     attention = c * (2 * q_dim + 2 * kv_dim) + 4 * heads
-    if packed:
+    if run.packed:
         attention += 2 * c * (q_dim - kv_dim)
     # each RMSNorm: its fp32 upcast of the input (the input itself when it is fp32), and the fp32 rsqrt
     norms = 2 * (4 * h + 4)
@@ -109,9 +147,9 @@ def layer_bytes_per_token(
         # and its output (for the projections' weight grads); down_proj keeps act*up. Under autocast the
         # residual stream is fp32: the norms' inputs and normalized outputs are fp32 and each projection
         # saves its own bf16 cast of its input (measured: exactly 10 x hidden more than bf16).
-        wider = 4 * h if fp32_norm_product and not fp32_residual else 0
+        wider = 4 * h if shape.fp32_norm_product and not fp32_residual else 0
         return norms + 2 * c * (2 * h) + attention + mlp + c * inter + (10 * h if autocast else 0) + wider
-    a = adapter_bytes
+    a = run.adapter_bytes
     adapted = 5 * h + q_dim + inter  # the inputs of the seven adapters (q, k, v, gate, up share h)
     kept = 2 if autocast and a == 4 else a  # what each adapter's lora_A keeps of its input
     lora_a_outputs = 7 * lora_rank * kept  # kept by each lora_B

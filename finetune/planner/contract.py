@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from finetune.core.config import HardwareConfig
 from finetune.core.errors import PlanError
+from finetune.core.parallelism import ENGINES, REPLICATED, SINGLE, Engine, Mesh
 
 # plan.json's hardware block: the contract's five fields first, then the rest of the profile.
 CONTRACT_HARDWARE = ("name", "gpus", "gpu_memory_gb", "host_memory_gb", "usd_per_month")
@@ -24,9 +25,9 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Strategy:
-    """How the job runs. The engine is the sharding's (finetune/planner/engines.py says what each one runs)."""
+    """How the job runs. `sharding` names the engine (a key of finetune/core/parallelism.py's ENGINES)."""
 
-    sharding: str = "none"  # none | ddp | fsdp | zero3
+    sharding: str = SINGLE
     offload_optimizer: bool = False
     offload_params: bool = False
     optimizer: str = "adamw"
@@ -35,11 +36,19 @@ class Strategy:
     micro_batch_size: int = 1
     grad_accum_steps: int = 1
 
+    @property
+    def engine(self) -> Engine:
+        return ENGINES[self.sharding]
+
+    def mesh(self, world: int) -> Mesh:
+        """How the engine divides `world` ranks."""
+        return Mesh.of(self.engine, world)
+
 
 @dataclass(frozen=True)
 class Layout:
-    """Where the ranks run: processes per node x nodes on one kind of device, and the engine the
-    strategy's sharding names (finetune/planner/engines.py)."""
+    """Where the ranks run: processes per node x nodes on one kind of device, the engine the strategy's
+    sharding names, and how it divides the ranks (the mesh)."""
 
     strategy: Strategy
     nproc_per_node: int
@@ -51,20 +60,23 @@ class Layout:
         return self.nproc_per_node * self.nnodes
 
     @property
-    def engine(self) -> str:
-        """deepspeed | fsdp | ddp | single."""
-        if self.strategy.sharding == "zero3":
-            return "deepspeed"
-        if self.strategy.sharding == "fsdp":
-            return "fsdp"
-        return "ddp" if self.world_size > 1 else "single"
+    def engine(self) -> Engine:
+        """The strategy's engine; unsharded, data parallel on several processes and one process on one."""
+        engine = self.strategy.engine
+        if engine.shards:
+            return engine
+        return ENGINES[REPLICATED if self.world_size > 1 else SINGLE]
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh.of(self.engine, self.world_size)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "nodes": self.nnodes,
             "processes_per_node": self.nproc_per_node,
             "world_size": self.world_size,
-            "engine": self.engine,
+            "engine": self.engine.runs_as,
         }
 
 

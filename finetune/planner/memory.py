@@ -32,11 +32,14 @@ versions of ARCHITECTURE.md, "Checked against"; MEMORY_MODEL.md has the tables):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
-from finetune.core.config import HardwareConfig, MethodConfig, ModelConfig, TrainConfig
+from finetune.core.config import HardwareConfig, MethodConfig, ModelConfig, PlanConfig, TrainConfig
+from finetune.core.parallelism import Engine
 from finetune.planner.activations import (
+    LayerRun,
+    LayerShape,
     attention_mask_bytes,
     autocast_weight_copy_bytes,
     layer_bytes_per_token,
@@ -61,7 +64,8 @@ def quant_constant_bits(double_quant: bool) -> float:
 
 @dataclass(frozen=True)
 class Job:
-    """Everything the memory terms depend on, resolved."""
+    """Everything the plan depends on, resolved: the model, method, hardware, training settings, sequence
+    length, the exact counts, the calibration, and the planning settings (headroom, utilisation)."""
 
     model: ModelConfig
     method: MethodConfig
@@ -71,6 +75,7 @@ class Job:
     counts: ParamCounts
     adapter: int  # LoRA parameters (0 for full fine-tuning)
     cal: Calibration
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     @property
     def trainable(self) -> int:
@@ -80,6 +85,15 @@ class Job:
     def device(self) -> DeviceCalibration:
         return self.cal.device(self.hw.device)
 
+    def but(self, **changes: Any) -> Job:
+        """The same job with some of its settings changed (model, method, hw, train, seq_len); the counts
+        are derived again."""
+        settings: dict[str, Any] = dict(
+            model=self.model, method=self.method, hw=self.hw, train=self.train, seq_len=self.seq_len
+        )
+        settings.update(changes)
+        return make_job(**settings, cal=self.cal, plan=self.plan)
+
 
 def make_job(
     model: ModelConfig,
@@ -88,16 +102,20 @@ def make_job(
     train: TrainConfig,
     seq_len: int,
     cal: Optional[Calibration] = None,
+    plan: Optional[PlanConfig] = None,
 ) -> Job:
     adapter = lora_params(model, method) if method.uses_adapters else 0
-    return Job(model, method, hw, train, seq_len, count_params(model), adapter, cal or Calibration.default())
+    return Job(
+        model, method, hw, train, seq_len, count_params(model), adapter, cal or Calibration.default(),
+        plan or PlanConfig(),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Runtime:
     """What runs: the engine and the dtypes (bytes per value) of each kind of tensor."""
 
-    engine: str  # none | ddp | fsdp | zero3 (the plan's sharding)
+    engine: Engine  # the plan's (finetune/core/parallelism.py)
     device: str  # cpu | cuda: dropout masks and TRL's tile folding differ
     compute: int  # 2 bf16, 4 fp32: what the matmuls run in
     autocast: bool  # accelerate's bf16 autocast around the forward
@@ -111,18 +129,18 @@ class Runtime:
 def runtime(job: Job, s: Strategy) -> Runtime:
     """What the trainer runs for this job and strategy (see the module docstring)."""
     compute = 2 if job.method.dtype_on(job.hw.device) == "bf16" else 4
-    engine = s.sharding
-    autocast = compute == 2 and engine != "zero3"
-    full_weights = 2 if engine == "zero3" and compute == 2 else 4
+    engine = s.engine
+    autocast = compute == 2 and not engine.deepspeed
+    full_weights = 2 if engine.deepspeed and compute == 2 else 4
     stored = 4 if job.method.adapter_dtype == "fp32" else 2
-    if engine == "fsdp":
+    if engine.fp32_trainable:
         stored, adapter_compute = 4, compute  # accelerate upcasts trainable parameters; gathered in bf16
-    elif engine == "zero3":
+    elif engine.deepspeed:
         stored = adapter_compute = compute  # DeepSpeed's bf16 casts every parameter
     else:
         adapter_compute = stored
     fp32_residual = (
-        job.method.spec.trains_base_weights and full_weights == 4 and autocast and engine in ("none", "ddp")
+        job.method.spec.trains_base_weights and full_weights == 4 and autocast and not engine.shards
     )
     return Runtime(
         engine, job.hw.device, compute, autocast, full_weights, stored, adapter_compute, fp32_residual
@@ -130,7 +148,7 @@ def runtime(job: Job, s: Strategy) -> Runtime:
 
 
 def _shards(job: Job, s: Strategy) -> int:
-    return job.hw.total_gpus if s.sharding in ("fsdp", "zero3") else 1
+    return s.mesh(job.hw.total_gpus).state_shards
 
 
 def _base_bytes(job: Job, rt: Runtime) -> float:
@@ -157,7 +175,7 @@ def trainable_state(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
     """
     n, shards = job.trainable, _shards(job, s)
     full = job.method.spec.trains_base_weights
-    if rt.engine == "zero3":
+    if rt.engine.deepspeed:
         weight = 0 if full else rt.compute  # adapters' partitions (full fine-tuning's are the weights term)
         grad = rt.compute
         master = 4 if rt.compute == 2 else 0
@@ -171,7 +189,7 @@ def trainable_state(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
             return weight * n / shards + bucket, host
         sub_group = 4 * min(ZERO3_SUB_GROUP, n / shards)  # fp32 gradients of one optimizer sub-group
         return (weight + grad + master + moments) * n / shards + sub_group + bucket, 0.0
-    if rt.engine == "fsdp":
+    if rt.engine.shards:  # FSDP2: fp32 trainable parameters, gradients and moments over the shards
         weight = 0 if full else 4
         per = weight + 4 + _moment_bytes(s.optimizer, 4)
         if s.offload_optimizer:  # CPUOffloadPolicy: parameters, gradients and optimizer state together
@@ -180,7 +198,7 @@ def trainable_state(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
     param = rt.full_weights if full else rt.adapter_storage
     weight = 0 if full else param
     on_gpu = (weight + param + _moment_bytes(s.optimizer, param)) * n
-    if rt.engine == "ddp":
+    if rt.engine.gradient_buckets:
         on_gpu += param * n  # DDP's gradient buckets hold a second copy of the gradients
     return on_gpu, 0.0
 
@@ -202,9 +220,9 @@ def load_host_bytes(job: Job, s: Strategy) -> float:
     per_node, spec = job.hw.gpus_per_node, job.method.spec
     load_dtype = 4 if spec.trains_base_weights else (2 if job.method.dtype_on(job.hw.device) == "bf16" else 4)
     whole = float(load_dtype * job.counts.total)
-    if spec.quantized_base or s.sharding == "zero3":
+    if spec.quantized_base or s.engine.loading == "partitioned":
         return per_node * min(whole, CHECKPOINT_SHARD_BYTES)
-    if s.sharding == "fsdp":
+    if s.engine.loading == "first":
         return whole
     return per_node * whole
 
@@ -221,7 +239,7 @@ def weights(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
     on_gpu, host = (0.0, base / shards) if s.offload_params else (base / shards, 0.0)
     # the layer being computed and the next one (prefetch), gathered in the compute dtype
     on_gpu += 2 * rt.compute * _one_layer_params(job.counts)
-    if rt.engine == "fsdp":
+    if rt.engine.holds_tail_gathered:
         # the tail unit (final norm and LM head; the embedding too when tied) stays gathered across the loss
         on_gpu += rt.compute * (job.counts.head + job.counts.final_norm)
     return on_gpu, host
@@ -229,25 +247,23 @@ def weights(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
 
 def _layer(job: Job, rt: Runtime, checkpointing: bool) -> int:
     """Saved bytes of one decoder layer per token (the fitted formulas of `finetune.planner.activations`)."""
-    m, method = job.model, job.method
+    return layer_bytes_per_token(LayerShape.of(job.model), layer_run(job, rt, checkpointing))
+
+
+def layer_run(job: Job, rt: Runtime, checkpointing: bool) -> LayerRun:
+    """How the trainer runs a decoder layer of this job (what the activation formulas need)."""
+    method = job.method
     full = method.spec.trains_base_weights
-    return layer_bytes_per_token(
-        hidden=m.hidden_size,
-        intermediate=m.intermediate_size,
-        heads=m.num_heads,
-        kv_heads=m.num_kv_heads,
-        head_dim=m.head_dim,
+    return LayerRun(
         method=method.name,
-        adapter_bytes=rt.adapter_compute if rt.engine in ("fsdp", "zero3") else rt.adapter_storage,
-        lora_dropout=method.uses_adapters and method.lora_dropout > 0,
-        attention_bias=m.attention_bias,
-        lora_rank=method.lora_rank,
-        checkpointing=checkpointing,
-        autocast=rt.fp32_residual if full else rt.autocast,
         dtype_bytes=rt.compute,
+        autocast=rt.fp32_residual if full else rt.autocast,
+        adapter_bytes=rt.adapter_compute if rt.engine.shards else rt.adapter_storage,
+        lora_rank=method.lora_rank,
+        lora_dropout=method.uses_adapters and method.lora_dropout > 0,
+        checkpointing=checkpointing,
         device=rt.device,
         packed=rt.packed,
-        fp32_norm_product=m.architecture == "gemma",
     )
 
 
@@ -261,7 +277,7 @@ def _once_per_token(job: Job, rt: Runtime) -> int:
         head_in_model=False,
         autocast=rt.fp32_residual,
         dtype_bytes=rt.compute,
-        fp32_norm_product=job.model.architecture == "gemma",
+        fp32_norm_product=LayerShape.of(job.model).fp32_norm_product,
     )
 
 
@@ -269,7 +285,7 @@ def _adapter_copies(job: Job, rt: Runtime) -> int:
     """Autocast's bf16 copies of fp32 weights saved for backward, per decoder layer."""
     if job.method.spec.trains_base_weights:
         return autocast_weight_copy_bytes(job.counts.linear_per_layer) if rt.fp32_residual else 0
-    fp32_adapters = rt.autocast and rt.adapter_storage == 4 and rt.engine in ("none", "ddp")
+    fp32_adapters = rt.autocast and rt.adapter_storage == 4 and not rt.engine.shards
     return autocast_weight_copy_bytes(job.adapter // job.model.num_layers) if fp32_adapters else 0
 
 
@@ -300,7 +316,7 @@ def _mask_bias(job: Job, s: Strategy, rt: Runtime) -> int:
 def _head_dtype(job: Job, rt: Runtime) -> int:
     """Bytes of a value of the LM head's weight as the loss sees it."""
     if job.method.spec.trains_base_weights:
-        return rt.compute if rt.engine in ("fsdp", "zero3") else rt.full_weights
+        return rt.compute if rt.engine.shards else rt.full_weights
     return rt.compute
 
 
@@ -324,7 +340,7 @@ def loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
     head = _head_dtype(job, rt)
     c = rt.compute
     trainable = job.method.spec.trains_base_weights
-    gathered = 2 * vocab * h if rt.engine == "zero3" else 0
+    gathered = 2 * vocab * h if rt.engine.gathers_head_for_loss else 0
     if s.chunked_loss:
         rows = min(tokens, job.train.loss_chunk_size)
         chunk = (job.cal.chunked_loss_peak_factor if c == 2 else 1.0) * 4 * rows * vocab
@@ -381,7 +397,7 @@ def working_set(job: Job, s: Strategy, rt: Runtime) -> float:
     if job.method.spec.quantized_base:
         compute = 4 if job.method.quant_compute_dtype_on(job.hw.device) == "fp32" else 2
         working += compute * max(d_in * d_out for d_in, d_out in projection_shapes(job.model).values())
-    if job.method.spec.trains_base_weights and rt.engine in ("fsdp", "zero3"):
+    if job.method.spec.trains_base_weights and rt.engine.shards:
         working += 2 * _one_layer_params(job.counts)
     return working
 

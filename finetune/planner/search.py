@@ -22,6 +22,7 @@ from typing import Any, Optional
 from finetune.core.architectures import ARCHITECTURES
 from finetune.core.config import HardwareConfig, MethodConfig, ModelConfig, PlanConfig, TrainConfig
 from finetune.core.errors import ConfigError, PlanError
+from finetune.core.parallelism import ENGINES, REPLICATED, SHARDED_ENGINES, SINGLE
 from finetune.planner.calibration import Calibration
 from finetune.planner.contract import GB, Alternative, Memory, Plan, Strategy
 from finetune.planner.engines import why_not
@@ -72,8 +73,7 @@ def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
     """Every strategy the user's open settings allow and the engine runs; and, when none does, why."""
     t, hw = job.train, job.hw
     multi = hw.total_gpus > 1
-    sharded = "zero3" if t.engine == "deepspeed" else "fsdp"
-    shardings = [t.sharding] if t.sharding is not None else (["ddp", sharded] if multi else ["none"])
+    shardings = [t.sharding] if t.sharding is not None else ([REPLICATED, t.engine] if multi else [SINGLE])
     optimizers = (
         [job.method.optimizer]
         if job.method.optimizer is not None
@@ -150,7 +150,7 @@ def _seconds_per_token(job: Job, s: Strategy, mfu: Optional[float]) -> float:
 def _preference(job: Job, s: Strategy, mfu: Optional[float]) -> tuple[Any, ...]:
     return (
         _seconds_per_token(job, s, mfu),
-        s.sharding in ("fsdp", "zero3"),
+        s.engine.shards,
         s.optimizer != "adamw",
         -s.micro_batch_size,
     )
@@ -161,36 +161,26 @@ def _describe(s: Strategy, gpus: int) -> list[tuple[str, Strategy]]:
     out = []
     if s.activation_checkpointing:
         out.append(("activation checkpointing", replace(s, activation_checkpointing=False)))
-    if s.sharding in ("fsdp", "zero3"):
-        engine = "ZeRO-3" if s.sharding == "zero3" else "FSDP2"
-        whole = replace(s, sharding="ddp", offload_optimizer=False, offload_params=False)
-        out.append((f"{engine} full shard across {gpus} GPUs", whole))
+    e = s.engine
+    if e.shards:
+        whole = replace(s, sharding=REPLICATED, offload_optimizer=False, offload_params=False)
+        out.append((f"{e.short} full shard across {gpus} GPUs", whole))
     if s.optimizer != "adamw" and not s.offload_optimizer:
         out.append(("8-bit optimizer states", replace(s, optimizer="adamw")))
-    if s.offload_optimizer and s.sharding == "zero3":
+    if s.offload_optimizer and e.offloads_optimizer_alone:
         out.append(("optimizer offload to CPU", replace(s, offload_optimizer=False, offload_params=False)))
     if s.offload_params:
-        what = (
-            "parameter, gradient and optimizer offload to CPU"
-            if s.sharding == "fsdp"
-            else "parameter offload"
-        )
-        out.append((what, replace(s, offload_params=False, offload_optimizer=s.sharding == "zero3")))
+        alone = e.offloads_optimizer_alone
+        what = "parameter offload" if alone else "parameter, gradient and optimizer offload to CPU"
+        out.append((what, replace(s, offload_params=False, offload_optimizer=alone)))
     return out
 
 
-def _plan_on(
-    model: ModelConfig,
-    method: MethodConfig,
-    hw: HardwareConfig,
-    train: TrainConfig,
-    plan_cfg: PlanConfig,
-    seq_len: int,
-    cal: Calibration,
-) -> Plan:
+def _plan_on(job: Job) -> Plan:
+    """The fastest strategy for the job on its hardware profile (or, when none fits, the smallest)."""
+    hw, method, train, plan_cfg, cal = job.hw, job.method, job.train, job.plan, job.cal
     if hw.gpu_memory_gb is None:
         raise PlanError(f"hardware.gpu_memory_gb is unknown for profile {hw.name!r}; set it")
-    job = make_job(model, method, hw, train, seq_len, cal)
     usable = _usable_gb(hw, plan_cfg.headroom)
     runnable, refused = candidates(job)
     if not runnable:
@@ -260,7 +250,7 @@ def _plan_on(
         disk_checkpoint_gb=checkpoint_gb,
         disk_export_gb=export_gb,
         estimate=est,
-        seq_len=seq_len,
+        seq_len=job.seq_len,
         reasons=tuple(reasons),
         usable_gpu_memory_gb=usable,
         merge_host_memory_gb=merge_host,
@@ -276,30 +266,18 @@ def _biggest_term(mem: Memory, usable: float) -> str:
     )
 
 
-def _try(
-    model: ModelConfig,
-    method: MethodConfig,
-    hw: HardwareConfig,
-    train: TrainConfig,
-    plan_cfg: PlanConfig,
-    seq_len: int,
-    cal: Calibration,
-) -> Optional[Plan]:
+def _try(job: Job, **changes: Any) -> Optional[Plan]:
+    """The plan of the job with `changes` (Job.but), or None when that variant cannot be planned."""
     try:
-        return _plan_on(model, method, hw, train, plan_cfg, seq_len, cal)
+        return _plan_on(job.but(**changes))
     except (PlanError, ConfigError):
         return None
 
 
-def _suggestions(
-    plan: Plan,
-    model: ModelConfig,
-    method: MethodConfig,
-    train: TrainConfig,
-    plan_cfg: PlanConfig,
-    alts: list[Plan],
-    cal: Calibration,
-) -> list[str]:
+def _suggestions(plan: Plan, job: Job, alts: list[Plan]) -> list[str]:
+    """What would fit instead of a plan that does not: another profile, the lighter method, the other
+    engine, a shorter sequence."""
+    method, train = job.method, job.train
     out: list[str] = []
     fitting = sorted((a for a in alts if a.fits), key=lambda a: _monthly(a.hardware))
     if fitting:
@@ -311,20 +289,23 @@ def _suggestions(
     lighter = method.spec.fallback
     if lighter is not None:
         settings = dict(method.spec.fallback_settings)
-        lo = _try(model, replace(method, name=lighter, **settings), hw, train, plan_cfg, plan.seq_len, cal)
+        lo = _try(job, method=replace(method, name=lighter, **settings))
         if lo is not None and lo.fits:
             out.append(f"method={lighter} fits on {hw.name} ({lo.gpu_memory.total:.1f} GB per GPU)")
-    if (
-        train.engine == "fsdp"
-        and hw.total_gpus > 1
-        and method.optimizer in ("adamw_8bit", "paged_adamw_8bit")
-    ):
-        ds = _try(model, method, hw, replace(train, engine="deepspeed"), plan_cfg, plan.seq_len, cal)
-        if ds is not None and ds.fits:
-            out.append(f"train.engine=deepspeed fits on {hw.name} (ZeRO-3 runs {method.optimizer})")
+    if hw.total_gpus > 1 and method.optimizer is not None:
+        # a fixed optimizer the chosen sharded engine does not run, that another one does
+        for other in SHARDED_ENGINES:
+            runs = method.optimizer in ENGINES[other].optimizers
+            if other == train.engine or not runs or method.optimizer in ENGINES[train.engine].optimizers:
+                continue
+            alt = _try(job, train=replace(train, engine=other))
+            if alt is not None and alt.fits:
+                out.append(
+                    f"train.engine={other} fits on {hw.name} ({ENGINES[other].short} runs {method.optimizer})"
+                )
     seq = plan.seq_len // 2
     while seq >= 256:
-        shorter = _try(model, method, hw, train, plan_cfg, seq, cal)
+        shorter = _try(job, seq_len=seq)
         if shorter is not None and shorter.fits:
             out.append(f"train.seq_len={seq} fits on {hw.name} ({shorter.gpu_memory.total:.1f} GB per GPU)")
             break
@@ -374,8 +355,8 @@ def make_plan(
     `seq_len` overrides `train.seq_len` (the data stage resolves `auto` to the longest kept sequence).
     """
     check_model(model)
-    cal = calibration or Calibration.default()
     n = _resolve_seq_len(model, train, seq_len)
+    job = make_job(model, method, hardware, train, n, calibration, plan_cfg)
     gpu_profiles = [p for p in profiles.values() if p.device == "cuda" and p.gpu_memory_gb is not None]
     notes: list[str] = []
     if hardware.is_auto:
@@ -398,7 +379,7 @@ def make_plan(
     refused: dict[str, str] = {}
     for p in gpu_profiles:
         try:
-            alts.append(_plan_on(model, method, p, train, plan_cfg, n, cal))
+            alts.append(_plan_on(job.but(hw=p)))
         except Unrunnable as exc:
             refused[p.name] = exc.reason
     if hardware.is_auto:
@@ -410,12 +391,12 @@ def make_plan(
         plan = _choose(alts)
         plan = replace(plan, reasons=(plan.reasons[0],) + tuple(notes) + plan.reasons[1:])
     else:
-        plan = _plan_on(model, method, hardware, train, plan_cfg, n, cal)
+        plan = _plan_on(job)
     alternatives = tuple(
         Alternative(a.hardware.name, a.fits, round(a.gpu_memory.total, 3), a.hardware.usd_per_month)
         for a in sorted(alts, key=lambda a: (_monthly(a.hardware), a.hardware.name))
     )
-    suggestions = () if plan.fits else tuple(_suggestions(plan, model, method, train, plan_cfg, alts, cal))
+    suggestions = () if plan.fits else tuple(_suggestions(plan, job.but(hw=plan.hardware), alts))
     return replace(plan, alternatives=alternatives, suggestions=suggestions)
 
 

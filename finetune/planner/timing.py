@@ -75,7 +75,7 @@ def estimate(job: Job, s: Strategy, override: Optional[float] = None) -> tuple[E
     tokens_per_second = util * hw.peak_bf16_tflops * 1e12 * hw.total_gpus / executed_flops_per_token(job, s)
     step_tokens = s.micro_batch_size * s.grad_accum_steps * hw.total_gpus * job.seq_len
     step_seconds = step_tokens / tokens_per_second
-    shards = hw.total_gpus if s.sharding in ("fsdp", "zero3") else 1
+    shards = s.mesh(hw.total_gpus).state_shards
     if s.offload_optimizer:
         local = job.trainable / shards
         # The optimizer runs on the CPU and gradients/weights cross PCIe every step.
@@ -109,7 +109,7 @@ def disk(job: Job, s: Strategy) -> tuple[float, float]:
     """(one resumable checkpoint, the export) in GB: the trained weights as stored, a master copy where the
     engine keeps one (ZeRO-3), and the optimizer's moments."""
     rt = runtime(job, s)
-    if rt.engine == "zero3" and rt.compute == 2:
+    if rt.engine.deepspeed and rt.compute == 2:
         per = 2.0 + 4.0 + (2.0 if s.optimizer != "adamw" else 8.0)
     else:
         param = rt.full_weights if job.method.spec.trains_base_weights else rt.adapter_storage

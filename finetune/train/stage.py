@@ -53,8 +53,6 @@ phase = "starting"
 # A run stopped by SIGTERM/SIGINT after saving its checkpoint exits with this (EX_TEMPFAIL,
 # "try again later"); running the same command again resumes.
 PREEMPTED_EXIT_CODE = INTERRUPTED_EXIT_CODE
-# Strategies whose weights are split across ranks: no rank can evaluate the model alone.
-SHARDED = ("zero3", "fsdp")
 
 
 def _final_loss(log_history: list[dict]) -> Optional[float]:
@@ -171,7 +169,8 @@ def run(
     # Rank 0 alone evaluates, and only where it holds the whole model (one process, DDP); under
     # ZeRO-3/FSDP the weights are partitioned across ranks and the eval stage (mode=eval, run by
     # the pipeline after the launcher returns) scores the saved adapter or model instead.
-    in_worker_eval = rank0 and plan.strategy.sharding not in SHARDED
+    # sharded weights: no rank can evaluate the model alone
+    in_worker_eval = rank0 and not plan.strategy.engine.shards
     session = _build_session(cfg, plan, run_dir, loaded, (train_ds, eval_ds), baseline_gb, rank0)
     try:
         resumed_from, complete = _agreed_resume_point(session.trainer, cfg, run_dir, rank0)

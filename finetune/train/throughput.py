@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from finetune.core.config import Config
 from finetune.core.errors import ConfigError
+from finetune.core.parallelism import ENGINES
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def check_runtime(cfg: Config, sharding: Optional[str] = None) -> None:
         raise ConfigError(
             "train.attention=flex needs a CUDA GPU (FlexAttention has no backward on the CPU); none here"
         )
-    if t.compile and sharding in ("fsdp", "zero3"):
+    if t.compile and sharding is not None and ENGINES[sharding].shards:
         raise ConfigError(
             f"train.compile=true is proven with sharding none or ddp only; the plan shards with {sharding}"
         )

@@ -23,9 +23,10 @@ from finetune.core.config.export import ExportConfig
 from finetune.core.config.launch import LaunchConfig
 from finetune.core.errors import ConfigError
 from finetune.core.methods import METHODS, MethodSpec
+from finetune.core.parallelism import ENGINES, SHARDED_ENGINES
 
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
-SHARDINGS = ("none", "ddp", "fsdp", "zero3")
+SHARDINGS = tuple(ENGINES)
 # train.attention: transformers' attention implementations (finetune/train/throughput.py maps the names).
 ATTENTIONS = ("sdpa", "flex", "eager", "flash")
 MODES = ("all", "plan", "data", "train", "eval", "export", "launch", "compare")
@@ -253,7 +254,8 @@ class TrainConfig:
     chunked_loss: Optional[bool] = None
     loss_chunk_size: int = 1024
     sharding: Optional[str] = None  # none | ddp | fsdp | zero3
-    engine: str = "fsdp"  # fsdp | deepspeed: which engine runs a sharded plan
+    # Which engine runs a sharded plan: a key of finetune/core/parallelism.py ENGINES that shards.
+    engine: str = "fsdp"
     offload_optimizer: Optional[bool] = None
     offload_params: Optional[bool] = None
     # Length of the run: max_steps when > 0, else epochs over the prepared data.
@@ -303,9 +305,11 @@ class TrainConfig:
         _check_positive("train.epochs", self.epochs)
         _check_positive("train.dataset_tokens", self.dataset_tokens, allow_none=True)
         _check_choice("train.sharding", self.sharding, SHARDINGS, allow_none=True)
-        _check_choice("train.engine", self.engine, ("fsdp", "deepspeed"))
+        if self.engine == "deepspeed":
+            raise ConfigError("train.engine=deepspeed is now train.engine=zero3 (DeepSpeed ZeRO-3)")
+        _check_choice("train.engine", self.engine, SHARDED_ENGINES)
         _check_choice("train.attention", self.attention, ATTENTIONS)
-        if self.compile and self.sharding in ("fsdp", "zero3"):
+        if self.compile and self.sharding is not None and ENGINES[self.sharding].shards:
             raise ConfigError(
                 f"train.compile=true is proven with train.sharding=none or ddp only, not {self.sharding!r}"
             )
@@ -318,9 +322,9 @@ class TrainConfig:
             _check_positive(f"train.{key}", getattr(self, key))
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError(f"train.max_steps={self.max_steps} must be > 0, or -1 to train by epochs")
-        if self.offload_params and self.sharding in ("none", "ddp"):
+        if self.offload_params and self.sharding is not None and not ENGINES[self.sharding].shards:
             raise ConfigError(
-                f"train.offload_params=true needs train.sharding=fsdp or zero3, not {self.sharding!r}"
+                f"train.offload_params=true needs train.sharding={' or '.join(SHARDED_ENGINES)}, not {self.sharding!r}"
             )
 
 
