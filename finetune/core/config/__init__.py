@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from finetune.core.config.checks import check_all_finite, check_choice
+from finetune.core.config.checks import check_all_finite, check_choices, choice
 from finetune.core.config.data import DataConfig
 from finetune.core.config.evaluation import EvalConfig
 from finetune.core.config.export import ExportConfig
@@ -70,7 +70,7 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
     # The recipe's name; names the default run directory.
     name: str = "tiny"
-    mode: str = "all"
+    mode: str = choice("all", MODES)
     run_dir: Optional[str] = None  # default: runs/<name>
     # resume: true (last complete checkpoint), false (start fresh) or a checkpoint path.
     resume: Union[bool, str] = True
@@ -79,7 +79,7 @@ class Config:
 
     def __post_init__(self) -> None:
         check_all_finite(self, "")
-        check_choice("mode", self.mode, MODES)
+        check_choices(self, "")
         if not _NAME.fullmatch(self.name):
             raise ConfigError(
                 f"name={self.name!r}: use letters, digits and . _ + - (at most 128, no '/' or '..'); "

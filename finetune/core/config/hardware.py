@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from finetune.core.config.checks import check_choice, check_positive
+from finetune.core.config.checks import check_choices, check_positive, choice
 
 
 @dataclass
@@ -13,7 +13,7 @@ class HardwareConfig:
     """One GPU profile (DESIGN.md's table). Facts a vendor does not publish stay None."""
 
     name: str = "cpu"
-    device: str = "cpu"  # cuda | cpu
+    device: str = choice("cpu", ("cuda", "cpu"))
     gpus_per_node: int = 1
     nodes: int = 1
     # None for `cpu`: read from the machine at run time; for `auto`: chosen by the planner.
@@ -35,7 +35,7 @@ class HardwareConfig:
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        check_choice("hardware.device", self.device, ("cuda", "cpu"))
+        check_choices(self, "hardware")
         check_positive("hardware.gpus_per_node", self.gpus_per_node)
         check_positive("hardware.nodes", self.nodes)
         check_positive("hardware.gpu_memory_gb", self.gpu_memory_gb, allow_none=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from finetune.core.config.checks import check_choice, check_positive
+from finetune.core.config.checks import check_choices, check_positive, choice
 from finetune.core.errors import ConfigError
 from finetune.core.methods import METHODS, MethodSpec
 
@@ -16,13 +16,13 @@ OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
 class MethodConfig:
     """Full fine-tuning, LoRA or QLoRA (finetune/core/methods.py says what each is), and the settings each takes."""
 
-    name: str = "lora"
+    name: str = choice("lora", METHODS)
     # None: the planner chooses (adamw, or an 8-bit optimizer when memory needs it).
-    optimizer: Optional[str] = None
+    optimizer: Optional[str] = choice(None, OPTIMIZERS)
     learning_rate: float = 2e-4
     weight_decay: float = 0.0
-    # bf16 | fp32 | auto (bf16 on GPUs, fp32 on the CPU, where bf16 matmuls are slow)
-    precision: str = "auto"
+    # auto: bf16 on GPUs, fp32 on the CPU (where bf16 matmuls are slow).
+    precision: str = choice("auto", ("auto", "bf16", "fp32"))
     # LoRA / QLoRA adapters.
     lora_rank: int = 16
     lora_alpha: int = 32
@@ -31,20 +31,15 @@ class MethodConfig:
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     # fp32 is PEFT's default (upcast adapters); bf16 saves ~30% of activation memory.
-    adapter_dtype: str = "fp32"
+    adapter_dtype: str = choice("fp32", ("bf16", "fp32"))
     # QLoRA base quantization (bitsandbytes). compute_dtype: the dtype the 4-bit weights are
     # dequantized to for each matmul; auto follows `precision` (bf16 on GPUs).
-    quant_type: str = "nf4"
+    quant_type: str = choice("nf4", ("nf4", "fp4"))
     double_quant: bool = True
-    compute_dtype: str = "auto"
+    compute_dtype: str = choice("auto", ("auto", "bf16", "fp32"))
 
     def __post_init__(self) -> None:
-        check_choice("method.name", self.name, tuple(METHODS))
-        check_choice("method.optimizer", self.optimizer, OPTIMIZERS, allow_none=True)
-        check_choice("method.precision", self.precision, ("auto", "bf16", "fp32"))
-        check_choice("method.adapter_dtype", self.adapter_dtype, ("bf16", "fp32"))
-        check_choice("method.quant_type", self.quant_type, ("nf4", "fp4"))
-        check_choice("method.compute_dtype", self.compute_dtype, ("auto", "bf16", "fp32"))
+        check_choices(self, "method")
         check_positive("method.learning_rate", self.learning_rate)
         check_positive("method.weight_decay", self.weight_decay, allow_zero=True)
         if self.spec.adapters:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from finetune.core.architectures import ARCHITECTURES
-from finetune.core.config.checks import check_choice, check_positive
+from finetune.core.config.checks import check_choices, check_positive, choice
 from finetune.core.errors import ConfigError
 
 
@@ -18,9 +18,8 @@ class ModelConfig:
     name: str = "tiny"
     hub_id: Optional[str] = None
     config_path: Optional[str] = None
-    architecture: str = (
-        "llama"  # llama | mistral | qwen2 | gemma (finetune/core/architectures.py); mixtral is refused
-    )
+    # A family of finetune/core/architectures.py; the planner refuses the mixtures of experts (mixtral).
+    architecture: str = choice("llama", ARCHITECTURES)
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
@@ -42,7 +41,7 @@ class ModelConfig:
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
-        check_choice("model.architecture", self.architecture, tuple(ARCHITECTURES))
+        check_choices(self, "model")
         for key in (
             "hidden_size",
             "num_layers",

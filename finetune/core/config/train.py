@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from finetune.core.config.checks import check_choice, check_positive
+from finetune.core.config.checks import check_choices, check_positive, choice
 from finetune.core.errors import ConfigError
 
 SHARDINGS = ("none", "ddp", "fsdp", "zero3")
@@ -26,8 +26,9 @@ class TrainConfig:
     activation_checkpointing: Optional[bool] = None
     chunked_loss: Optional[bool] = None
     loss_chunk_size: int = 1024
-    sharding: Optional[str] = None  # none | ddp | fsdp | zero3
-    engine: str = "fsdp"  # fsdp | deepspeed: which engine runs a sharded plan
+    sharding: Optional[str] = choice(None, SHARDINGS)
+    # Which engine runs a sharded plan.
+    engine: str = choice("fsdp", ("fsdp", "deepspeed"))
     offload_optimizer: Optional[bool] = None
     offload_params: Optional[bool] = None
     # Length of the run: max_steps when > 0, else epochs over the prepared data.
@@ -35,7 +36,7 @@ class TrainConfig:
     epochs: float = 1.0
     # Used by the planner's time estimate when no data stage has run yet.
     dataset_tokens: Optional[int] = None
-    lr_scheduler: str = "cosine"
+    lr_scheduler: str = choice("cosine", ("cosine", "linear", "constant", "constant_with_warmup"))
     warmup_ratio: float = 0.03
     max_grad_norm: float = 1.0
     logging_steps: int = 10
@@ -50,9 +51,9 @@ class TrainConfig:
     eval_rise_patience: int = 3
     # Throughput levers (README "Throughput"); each is exact against the default path on the CPU
     # (tests/test_throughput.py), their GPU speed-ups are measured by scripts/gpu_check.sh.
-    # Attention for packed rows: sdpa | flex (FlexAttention block mask, CUDA) | eager | flash
-    # (flash-attn's variable-length kernel, CUDA, the flash-attn package).
-    attention: str = "sdpa"
+    # Attention for packed rows: flex is FlexAttention's block mask (CUDA), flash is flash-attn's
+    # variable-length kernel (CUDA, the flash-attn package).
+    attention: str = choice("sdpa", ATTENTIONS)
     # Liger's Triton kernels (RMSNorm, SwiGLU, RoPE, and its fused linear cross-entropy inside the
     # chunked loss): CUDA and the liger-kernel package (pip install 'finetune[liger]').
     liger: bool = False
@@ -76,16 +77,11 @@ class TrainConfig:
         check_positive("train.loss_chunk_size", self.loss_chunk_size)
         check_positive("train.epochs", self.epochs)
         check_positive("train.dataset_tokens", self.dataset_tokens, allow_none=True)
-        check_choice("train.sharding", self.sharding, SHARDINGS, allow_none=True)
-        check_choice("train.engine", self.engine, ("fsdp", "deepspeed"))
-        check_choice("train.attention", self.attention, ATTENTIONS)
+        check_choices(self, "train")
         if self.compile and self.sharding in ("fsdp", "zero3"):
             raise ConfigError(
                 f"train.compile=true is proven with train.sharding=none or ddp only, not {self.sharding!r}"
             )
-        check_choice(
-            "train.lr_scheduler", self.lr_scheduler, ("cosine", "linear", "constant", "constant_with_warmup")
-        )
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"train.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         for key in ("logging_steps", "eval_steps", "save_steps", "save_total_limit"):
