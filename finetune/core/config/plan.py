@@ -1,4 +1,4 @@
-"""Schemas of the `plan` config group (the pre-flight planner) and of `smoke` (a short run on a sibling first)."""
+"""Schemas of `plan` (the pre-flight planner's settings) and `smoke` (a short run on a sibling first)."""
 
 from __future__ import annotations
 
