@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+from finetune.core.config.checks import check_positive
 from finetune.core.errors import ConfigError
 
 BUILTIN_METRICS = ("exact_match", "contains")
@@ -74,14 +75,12 @@ class EvalConfig:
         if self.num_samples is not None and self.num_samples < 0:
             raise ConfigError(f"eval.num_samples={self.num_samples} must be >= 0, or null for all")
         for key in ("max_new_tokens", "batch_size"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"eval.{key}={getattr(self, key)} must be > 0")
+            check_positive(f"eval.{key}", getattr(self, key))
         if self.temperature <= 0:
             raise ConfigError(f"eval.temperature={self.temperature} must be > 0 (greedy=true for greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"eval.top_p={self.top_p} must be in (0, 1]")
-        if self.report_examples < 0:
-            raise ConfigError(f"eval.report_examples={self.report_examples} must be >= 0")
+        check_positive("eval.report_examples", self.report_examples, allow_zero=True)
         try:
             re.compile(self.refusal_pattern)
         except re.error as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from finetune.core.config.checks import check_choices, check_positive, choice
 from finetune.core.errors import ConfigError
 
 QLORA_MERGE_BASES = ("original", "dequantized")
@@ -25,7 +26,7 @@ class ExportConfig:
     # (as the hub ships them); dequantized = the NF4 weights the adapter was trained on, dequantized
     # (the merged model then computes exactly what the trained model computed).
     allow_lossy_4bit_merge: bool = False
-    qlora_merge_base: str = "original"
+    qlora_merge_base: str = choice("original", QLORA_MERGE_BASES)
     # Refuse to merge when the plan's merge_host_memory_gb exceeds this machine's available RAM.
     check_host_memory: bool = True
     max_shard_size: str = "5GB"
@@ -43,21 +44,17 @@ class ExportConfig:
     tensor_parallel_size: Optional[int] = None
     gpu_memory_utilization: float = 0.90
     fp8: bool = True  # also write the FP8 variant (--quantization fp8: a merged 70B on one H200)
-    serve_dtype: str = "bfloat16"
+    serve_dtype: str = choice("bfloat16", ("auto", "bfloat16", "float16"))
     port: int = 8000
 
     def __post_init__(self) -> None:
-        if self.qlora_merge_base not in QLORA_MERGE_BASES:
-            raise ConfigError(
-                f"export.qlora_merge_base={self.qlora_merge_base!r} is not one of {', '.join(QLORA_MERGE_BASES)}"
-            )
+        check_choices(self, "export")
         if self.tolerance is not None and self.tolerance <= 0:
             raise ConfigError(
                 f"export.tolerance={self.tolerance} must be > 0 (or null for the dtype default)"
             )
         for key in ("check_samples", "check_max_tokens", "port"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"export.{key}={getattr(self, key)} must be > 0")
+            check_positive(f"export.{key}", getattr(self, key))
         for key in ("max_model_len", "tensor_parallel_size"):
             value = getattr(self, key)
             if value is not None and value <= 0:
@@ -65,10 +62,6 @@ class ExportConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"export.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
-            )
-        if self.serve_dtype not in ("auto", "bfloat16", "float16"):
-            raise ConfigError(
-                f"export.serve_dtype={self.serve_dtype!r} is not one of auto, bfloat16, float16"
             )
         if not self.max_shard_size.strip():
             raise ConfigError("export.max_shard_size is empty (e.g. 5GB)")

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+from finetune.core.config.checks import check_choices, check_positive, choice
 from finetune.core.errors import ConfigError
 
 LAUNCHERS = ("torchrun", "accelerate")
@@ -22,8 +23,8 @@ RDZV_BACKENDS = ("c10d", "static")
 class LaunchConfig:
     """`python -m finetune ... mode=launch launch.dry_run=true` prints the commands and writes launch.sh."""
 
-    # torchrun | accelerate (accelerate launch --config_file RUN_DIR/accelerate*.yaml)
-    launcher: str = "torchrun"
+    # accelerate: accelerate launch --config_file RUN_DIR/accelerate*.yaml.
+    launcher: str = choice("torchrun", LAUNCHERS)
     # Processes per node and nodes; None: the plan's hardware (gpus_per_node, nodes).
     nproc_per_node: Optional[int] = None
     nnodes: Optional[int] = None
@@ -31,7 +32,7 @@ class LaunchConfig:
     # Rendezvous (several nodes): node 0's address, reachable from every node.
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
-    rdzv_backend: str = "c10d"
+    rdzv_backend: str = choice("c10d", RDZV_BACKENDS)
     rdzv_id: Optional[str] = None  # default: the run's name
     # Nodes other than 0 wait this long for node 0's rendezvous port before giving up with a LaunchError.
     rdzv_wait_s: float = 120.0
@@ -46,7 +47,7 @@ class LaunchConfig:
     session: Optional[str] = None  # tmux session name; default ft-<run name>
     # The interpreter whose torchrun/accelerate run the ranks; None: this one (sys.executable).
     python: Optional[str] = None
-    scheduler: str = "none"  # none | slurm
+    scheduler: str = choice("none", SCHEDULERS)
     slurm_partition: Optional[str] = None
     slurm_account: Optional[str] = None
     slurm_time: str = "24:00:00"
@@ -59,32 +60,21 @@ class LaunchConfig:
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.launcher not in LAUNCHERS:
-            raise ConfigError(f"launch.launcher={self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
-        if self.scheduler not in SCHEDULERS:
-            raise ConfigError(f"launch.scheduler={self.scheduler!r} is not one of {', '.join(SCHEDULERS)}")
-        if self.rdzv_backend not in RDZV_BACKENDS:
-            raise ConfigError(
-                f"launch.rdzv_backend={self.rdzv_backend!r} is not one of {', '.join(RDZV_BACKENDS)}"
-            )
+        check_choices(self, "launch")
         for key in ("nproc_per_node", "nnodes"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ConfigError(f"launch.{key}={value} must be >= 1 (or null: from the plan's hardware)")
-        if self.node_rank < 0:
-            raise ConfigError(f"launch.node_rank={self.node_rank} must be >= 0")
+        check_positive("launch.node_rank", self.node_rank, allow_zero=True)
         if self.nnodes is not None and self.node_rank >= self.nnodes:
             raise ConfigError(f"launch.node_rank={self.node_rank} must be < launch.nnodes={self.nnodes}")
         if not 0 < self.master_port < 65536:
             raise ConfigError(f"launch.master_port={self.master_port} must be in 1..65535")
         if not self.master_addr:
             raise ConfigError("launch.master_addr is empty: give node 0's hostname or IP address")
-        if self.nccl_timeout_s <= 0:
-            raise ConfigError(f"launch.nccl_timeout_s={self.nccl_timeout_s} must be > 0")
-        if self.rdzv_wait_s < 0:
-            raise ConfigError(f"launch.rdzv_wait_s={self.rdzv_wait_s} must be >= 0")
-        if self.max_restarts < 0:
-            raise ConfigError(f"launch.max_restarts={self.max_restarts} must be >= 0")
+        check_positive("launch.nccl_timeout_s", self.nccl_timeout_s)
+        check_positive("launch.rdzv_wait_s", self.rdzv_wait_s, allow_zero=True)
+        check_positive("launch.max_restarts", self.max_restarts, allow_zero=True)
         if self.session is not None and not re.fullmatch(r"[\w-]+", self.session):
             raise ConfigError(
                 f"launch.session={self.session!r}: use letters, digits, '-' and '_' (tmux names)"

@@ -1,0 +1,64 @@
+"""Schema of the `model` config group: the architecture facts the planner counts with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from finetune.core.architectures import ARCHITECTURES
+from finetune.core.config.checks import check_choices, check_positive, choice
+from finetune.core.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """Architecture facts, so the planner works offline. `config_path` reads a local config.json instead
+    (through transformers' AutoConfig: the model class's own defaults fill what the file leaves out)."""
+
+    name: str = "tiny"
+    hub_id: Optional[str] = None
+    config_path: Optional[str] = None
+    # A family of finetune/core/architectures.py; the planner refuses the mixtures of experts (mixtral).
+    architecture: str = choice("llama", ARCHITECTURES)
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 172
+    vocab_size: int = 512
+    tie_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 2048
+    rope_theta: float = 500000.0
+    rms_norm_eps: float = 1e-5
+    # Mixture of experts (0: dense): experts per layer, how many run per token, each expert's MLP width.
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    # Weights: safetensors only unless this is set (pickle files can run code).
+    allow_pickle_weights: bool = False
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        check_choices(self, "model")
+        for key in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
+            check_positive(f"model.{key}", getattr(self, key))
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}"
+            )
+        if self.num_experts and not 0 < self.num_experts_per_token <= self.num_experts:
+            raise ConfigError(
+                f"model.num_experts_per_token={self.num_experts_per_token} must be in 1..{self.num_experts} "
+                "(model.num_experts)"
+            )
