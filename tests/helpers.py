@@ -207,7 +207,8 @@ def adapter_weights(run_dir: Path) -> dict:
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """This environment with this tree first on the import path and one thread (the cores are shared)."""
+    """This environment with PYTHONPATH set to this tree (a child imports it, not an installed copy) and
+    one thread per child (the cores are shared)."""
     return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
 
 
