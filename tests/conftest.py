@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import SEQ_LEN
 
 
 @pytest.fixture(scope="session")
@@ -52,11 +53,11 @@ def tiny_model_dir(tiny_cache, tiny_model_cfg) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_data(tiny_cache, tiny_tokenizer, tmp_path_factory):
-    """(train, eval) prepared by the real data stage from the bundled data at seq_len 128."""
+    """(train, eval) prepared by the real data stage from the bundled data at SEQ_LEN (128)."""
     from finetune.data import stage as data_stage
     from finetune.pipeline.cli import compose
 
     root = tmp_path_factory.mktemp("tiny-data")
-    cfg = compose(["train.seq_len=128", f"data.cache_dir={root / 'cache'}"])
+    cfg = compose([SEQ_LEN, f"data.cache_dir={root / 'cache'}"])
     data_stage.run(cfg, root / "run", tokenizer=tiny_tokenizer)
     return data_stage.load_prepared(root / "run")

@@ -10,7 +10,9 @@ Read from the source with `ast`, so nothing is imported to check it:
 - the module-level import graph has no cycle;
 - project modules are imported at module level; `EXCEPTIONS` names the few imported inside a
   function, each with its reason;
-- `python -m finetune mode=plan` (and a launch dry run) loads none of the heavy libraries.
+- `python -m finetune mode=plan` (and a launch dry run) loads none of the heavy libraries;
+- no module under tests/ imports a test module: what tests share lives in tests/helpers.py (and the
+  fixtures in tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -252,3 +254,55 @@ def test_plan_and_dry_run_load_no_heavy_library(tmp_path, args):
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "run" / "plan.json").is_file()
+
+
+# ---------------------------------------------------------------- the tests: one helpers module, no test imports another
+
+TESTS = REPO / "tests"
+
+
+def imported_test_modules(source: str) -> list[tuple[str, int]]:
+    """The test modules (tests.*, test_*, conftest, or relative) that `source` imports, anywhere in it,
+    as (module, line); an import through a sys.path trick is still an import of `test_*`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = ["." * node.level + (node.module or "")]
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            if name.startswith(".") or top in ("tests", "conftest") or top.startswith("test_"):
+                found.append((name, node.lineno))
+    return sorted(found, key=lambda item: item[1])
+
+
+def test_no_test_module_imports_another():
+    """A test module imported by another runs again under a second name and ties the two files' setups
+    together; what tests share belongs in tests/helpers.py."""
+    found = {p.name: imported_test_modules(p.read_text()) for p in sorted(TESTS.glob("*.py"))}
+    assert "helpers.py" in found and "test_architecture.py" in found
+    offenders = {name: modules for name, modules in found.items() if modules}
+    assert not offenders, f"move what these import into tests/helpers.py: {offenders}"
+
+
+def test_the_test_import_check_catches_what_it_forbids():
+    src = (
+        "import json\n"
+        "from helpers import tiny_cfg\n"
+        "from tests.test_launch import planned\n"
+        "import test_resume\n"
+        "def f():\n"
+        "    from test_eval import answer_length\n"
+        "    from tests import test_bf16\n"
+        "    from . import test_train\n"
+    )
+    assert imported_test_modules(src) == [
+        ("tests.test_launch", 3),
+        ("test_resume", 4),
+        ("test_eval", 6),
+        ("tests", 7),
+        (".", 8),
+    ]

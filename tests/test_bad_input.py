@@ -14,15 +14,10 @@ import hashlib
 import json
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from tests.test_eval_support import write_engine
-
-REPO = Path(__file__).resolve().parent.parent
+from helpers import REPO, SEQ_LEN, child_env, prepare_run, run_cli
 
 NEW = "{tmp}/new"  # a fresh run directory
 OLD = "{tmp}/existing"  # the run that must survive
@@ -182,10 +177,7 @@ def _digest(folder: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_cache):
     """A folder with an existing run (config, plan, data, a sealed checkpoint), data files, and traps."""
-    from finetune import rundir
-    from finetune.data import stage as data_stage
     from finetune.pipeline.cli import compose
-    from finetune.pipeline.stages import plan_stage, resolve
     from finetune.rundir import checkpoints
 
     tmp = tmp_path_factory.mktemp("bad-input")
@@ -195,11 +187,7 @@ def world(tmp_path_factory, tiny_cache):
     for name, blob in DATA_FILES.items():
         (tmp / name).write_bytes(blob)
     old = tmp / "existing"
-    cfg = resolve(compose([f"run_dir={old}", f"data.cache_dir={tmp / 'cache'}", "train.seq_len=128"]))
-    rundir.prepare(cfg)
-    rundir.save_config(cfg, old)
-    data_stage.run(cfg, old)
-    write_engine(cfg, plan_stage(cfg, old, quiet=True), old)  # as the launcher writes them
+    prepare_run(compose([f"run_dir={old}", f"data.cache_dir={tmp / 'cache'}", SEQ_LEN]))
     staged = old / "checkpoints" / checkpoints.STAGING_DIR / "checkpoint-2"
     staged.mkdir(parents=True)
     (staged / "adapter_model.safetensors").write_bytes(b"\0" * 64)
@@ -249,7 +237,7 @@ def test_bad_data_file(world, capsys, monkeypatch, case, name, needle):
     monkeypatch.chdir(world)
     run = world / f"run-{case}"
     args = ["mode=data", f"data.path={world / name}", f"run_dir={run}", f"data.cache_dir={world / 'cache'}"]
-    args += ["train.seq_len=128"]
+    args += [SEQ_LEN]
     before, old_before = _digest(world), _digest(world / "existing")
     code, err = _cli(args, capsys)
     _expect_clean_refusal(world, run, code, err, needle, before, old_before)
@@ -348,12 +336,11 @@ def test_worker_refuses_before_training(world, capsys, case, edit, needle):
 )
 def test_command_line_exit_2_one_line(world, args, needle):
     args = [a.replace("{tmp}", str(world)) for a in args]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     old_before = _digest(world / "existing")
     mode = [] if "mode=data" in args else ["mode=plan"]
-    r = subprocess.run(
-        [sys.executable, "-m", "finetune", *args, *mode, f"run_dir={world / 'cli'}", f"data.cache_dir={world / 'cache'}"],
-        cwd=world, env=env, capture_output=True, text=True, timeout=300,
+    r = run_cli(
+        *args, *mode, f"run_dir={world / 'cli'}", f"data.cache_dir={world / 'cache'}",
+        cwd=world, env=child_env(), timeout=300,
     )  # fmt: skip
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().count("\n") == 0 and needle.replace("{tmp}", str(world)) in r.stderr
@@ -396,7 +383,7 @@ def test_full_disk_building_the_data_cache(world, capsys, monkeypatch):
 
     monkeypatch.setattr(rows, "save", save)
     run = world / "full-data"
-    code, err = _cli(["mode=data", f"run_dir={run}", f"data.cache_dir={cache}", "train.seq_len=128"], capsys)
+    code, err = _cli(["mode=data", f"run_dir={run}", f"data.cache_dir={cache}", SEQ_LEN], capsys)
     lines = [x for x in err.splitlines() if x.strip() and not x.startswith("data:")]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith(f"finetune: error: disk full: {cache}: ") and "needs about" in lines[0]

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
 
 
-def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def _script(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python ARGS` (a script under scripts/) from the repository root; it must succeed."""
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -24,7 +25,7 @@ def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 def cpu_check(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`gpu_check.py --cpu` on one tiny case and one tiny QLoRA case, written to a folder."""
     out = tmp_path_factory.mktemp("gpu-check")
-    _run(str(SCRIPTS / "gpu_check.py"), str(out), "--cpu", "--steps", "2", "--only", "tiny-")
+    _script(str(SCRIPTS / "gpu_check.py"), str(out), "--cpu", "--steps", "2", "--only", "tiny-")
     return out
 
 
@@ -69,7 +70,7 @@ def test_calibrate_updates_a_copy_and_shows_before_after(cpu_check: Path, tmp_pa
     before_text = original.read_text()
     copy = tmp_path / "calibration.json"
     copy.write_text(before_text)
-    proc = _run(str(SCRIPTS / "calibrate.py"), str(cpu_check / "results.json"), "--calibration", str(copy))
+    proc = _script(str(SCRIPTS / "calibrate.py"), str(cpu_check / "results.json"), "--calibration", str(copy))
     assert (
         "| case | measured peak GB | plan before GB | error before | plan after GB | error after |"
         in proc.stdout
@@ -97,7 +98,7 @@ def test_calibrate_updates_a_copy_and_shows_before_after(cpu_check: Path, tmp_pa
         assert plan_terms(row["case"], cal)["total"] >= row["result"]["rss_peak_gb"] - 1e-3
     assert original.read_text() == before_text  # the shipped file is untouched
 
-    dry = _run(
+    dry = _script(
         str(SCRIPTS / "calibrate.py"),
         str(cpu_check / "results.json"),
         "--calibration",
@@ -113,7 +114,7 @@ def test_calibrate_reproduces_the_shipped_cuda_fit(tmp_path: Path):
     original = ROOT / "finetune" / "planner" / "calibration.json"
     copy = tmp_path / "calibration.json"
     copy.write_text(original.read_text())
-    proc = _run(
+    proc = _script(
         str(SCRIPTS / "calibrate.py"),
         str(SCRIPTS / "gpu_results" / "h200-issue13.json"),
         "--calibration",
@@ -129,7 +130,7 @@ def test_calibrate_reproduces_the_shipped_cuda_fit(tmp_path: Path):
 
 def test_bench_planner_quick_prints_measured_vs_planned(tmp_path: Path):
     out = tmp_path / "bench.json"
-    proc = _run(str(SCRIPTS / "bench_planner.py"), "--quick", "--only", "tiny lora", "--json", str(out))
+    proc = _script(str(SCRIPTS / "bench_planner.py"), "--quick", "--only", "tiny lora", "--json", str(out))
     assert (
         "| shape | case | tokens | weights | trainable_state | activations | logits | total |" in proc.stdout
     )

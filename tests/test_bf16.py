@@ -9,33 +9,28 @@ fix these cases failed at the first step (chunked loss) or after training (the w
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-
-from tests.test_eval_support import compose_tiny, train_in_process
+from helpers import last_losses, tiny_cfg, train_run
 
 STEPS = 3
 
 
-def _run(tmp_path: Path, tiny_data, method: str, chunked: bool, checkpointing: bool) -> dict:
-    cfg = compose_tiny(
-        f"run_dir={tmp_path / 'run'}",
+def _train_bf16(run_dir: Path, tiny_data, method: str, chunked: bool, checkpointing: bool) -> dict:
+    """A few bf16 steps of `method` on 8 rows (micro-batch 2), through either loss path, checkpointing or not."""
+    cfg = tiny_cfg(
         f"method={method}",
         "method.precision=bf16",
         "method.learning_rate=3e-3",
-        "train.seq_len=128",
         f"train.max_steps={STEPS}",
-        "train.logging_steps=1",
-        "train.eval_steps=1000",
         "train.save_steps=1000",
-        "train.report_to=[]",
         "train.warmup_ratio=0.0",
+        run_dir=run_dir / "run",
     )
-    return train_in_process(
+    return train_run(
         cfg,
         tiny_data,
         n_train=8,
@@ -48,21 +43,13 @@ def _run(tmp_path: Path, tiny_data, method: str, chunked: bool, checkpointing: b
     )
 
 
-def _losses(run_dir: Path) -> list[float]:
-    from transformers.trainer_utils import get_last_checkpoint
-
-    last = get_last_checkpoint(str(run_dir / "checkpoints"))
-    history = json.loads((Path(last) / "trainer_state.json").read_text())["log_history"]
-    return [e["loss"] for e in history if "loss" in e]
-
-
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["no-ckpt", "ckpt"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["trl-loss", "chunked-loss"])
 @pytest.mark.parametrize("method", ["full", "lora", "qlora"])
 def test_bf16_trains_and_the_worker_evaluates(
     tmp_path, tiny_cache, tiny_data, method, chunked, checkpointing
 ):
-    m = _run(tmp_path, tiny_data, method, chunked, checkpointing)
+    m = _train_bf16(tmp_path, tiny_data, method, chunked, checkpointing)
     t, engine = m["train"], m["train"]["engine"]
     assert t["precision"] == "bf16" and t["steps"] == STEPS
     assert engine["mixed_precision"] == "bf16" and engine["loss"] == ("chunked" if chunked else "trl")
@@ -78,7 +65,7 @@ def test_bf16_trains_and_the_worker_evaluates(
         and t["strategy"]["activation_checkpointing"] is checkpointing
     )
     assert engine["activation_checkpointing"] is checkpointing
-    losses = _losses(Path(m["train"]["output_dir"]).parent)
+    losses = last_losses(Path(m["train"]["output_dir"]).parent)
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
     # The worker's evaluation ran after training, on the accelerate-wrapped model, in bf16.
     base, trained = m["eval"]["base"], m["eval"]["trained"]
@@ -89,10 +76,10 @@ def test_bf16_trains_and_the_worker_evaluates(
 
 def test_chunked_and_trl_loss_agree_in_bf16(tmp_path, tiny_cache, tiny_data):
     """Same data, same seed: the first step's loss (before any update) is the same through either path."""
-    ours = _run(tmp_path / "ours", tiny_data, "lora", chunked=True, checkpointing=False)
-    trl = _run(tmp_path / "trl", tiny_data, "lora", chunked=False, checkpointing=False)
-    first_ours = _losses(Path(ours["train"]["output_dir"]).parent)[0]
-    first_trl = _losses(Path(trl["train"]["output_dir"]).parent)[0]
+    ours = _train_bf16(tmp_path / "ours", tiny_data, "lora", chunked=True, checkpointing=False)
+    trl = _train_bf16(tmp_path / "trl", tiny_data, "lora", chunked=False, checkpointing=False)
+    first_ours = last_losses(Path(ours["train"]["output_dir"]).parent)[0]
+    first_trl = last_losses(Path(trl["train"]["output_dir"]).parent)[0]
     assert first_ours == pytest.approx(first_trl, rel=2e-3)
     assert ours["eval"]["base"]["loss"] == pytest.approx(trl["eval"]["base"]["loss"], rel=1e-6)
 

@@ -7,10 +7,10 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers import adapter_weights, losses, tiny_cfg, train_run
 
 from finetune.core.errors import ConfigError
 from finetune.rundir import checkpoints
-from tests.test_eval_support import train_in_process
 
 
 def _fake(folder: Path, step: int, seal: bool = True) -> Path:
@@ -136,39 +136,19 @@ def test_resume_setting_picks_the_checkpoint(tmp_path):
 # ---------------------------------------------------------------- through the real trainer
 
 
-def _cfg(run: Path, *overrides: str):
-    from finetune.pipeline.cli import compose
-
-    return compose(
-        [
-            f"run_dir={run}",
-            "train.seq_len=128",
-            "train.logging_steps=1",
-            "train.eval_steps=1000",
-            "train.report_to=[]",
-            "train.warmup_ratio=0.0",
-            "method.lora_dropout=0.1",  # the RNG state must round-trip too
-            "train.max_steps=12",
-            "train.save_steps=4",
-            "train.save_total_limit=3",
-            *overrides,
-        ]
-    )
+# 12 steps of 2 x 2 rows, a checkpoint every 4 (the last 3 kept), dropout on: the RNG state must round-trip too.
+TWELVE_STEPS = (
+    "train.warmup_ratio=0.0",
+    "method.lora_dropout=0.1",
+    "train.max_steps=12",
+    "train.save_steps=4",
+    "train.save_total_limit=3",
+)
 
 
-def _train(cfg, tiny_data):
-    return train_in_process(cfg, tiny_data, n_eval=8, max_generate=2, micro_batch_size=2, grad_accum_steps=2)
-
-
-def _history(ckpt: Path) -> list[float]:
-    state = json.loads((ckpt / "trainer_state.json").read_text())
-    return [e["loss"] for e in state["log_history"] if "loss" in e]
-
-
-def _adapter(path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(path / "adapter_model.safetensors"))
+def _train(run: Path, tiny_data) -> dict:
+    cfg = tiny_cfg(*TWELVE_STEPS, run_dir=run)
+    return train_run(cfg, tiny_data, n_eval=8, max_generate=2, micro_batch_size=2, grad_accum_steps=2)
 
 
 def test_truncated_newest_checkpoint_resumes_from_previous_exactly(tmp_path, tiny_cache, tiny_data):
@@ -176,22 +156,22 @@ def test_truncated_newest_checkpoint_resumes_from_previous_exactly(tmp_path, tin
     import torch
 
     run = tmp_path / "run"
-    first = _train(_cfg(run), tiny_data)
+    first = _train(run, tiny_data)
     folder = run / "checkpoints"
     assert [p.name for p in checkpoints.listing(folder)] == ["checkpoint-4", "checkpoint-8", "checkpoint-12"]
     assert all(checkpoints.verify(p) is None for p in checkpoints.listing(folder))
     assert not (folder / checkpoints.STAGING_DIR).exists()
-    reference_losses = _history(folder / "checkpoint-12")
-    reference_adapter = _adapter(run / "adapter")
+    reference_losses = losses(folder / "checkpoint-12")
+    reference_adapter = adapter_weights(run)
     assert first["train"]["resumed_from"] is None
 
     optimizer = folder / "checkpoint-12" / "optimizer.pt"
     optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])
-    again = _train(_cfg(run), tiny_data)
+    again = _train(run, tiny_data)
     assert again["train"]["resumed_from"] == str((folder / "checkpoint-8").resolve())
     assert checkpoints.verify(folder / "checkpoint-12") is None  # rewritten whole
-    assert _history(folder / "checkpoint-12") == reference_losses
-    resumed = _adapter(run / "adapter")
+    assert losses(folder / "checkpoint-12") == reference_losses
+    resumed = adapter_weights(run)
     assert all(torch.equal(resumed[k], reference_adapter[k]) for k in reference_adapter)
 
 
@@ -209,12 +189,12 @@ def test_crash_during_save_leaves_the_previous_checkpoint(tmp_path, tiny_cache, 
 
     monkeypatch.setattr(checkpoints, "write_manifest", dies_on_second_save)
     with pytest.raises(OSError, match="No space left"):
-        _train(_cfg(run), tiny_data)
+        _train(run, tiny_data)
     folder = run / "checkpoints"
     assert [p.name for p in checkpoints.listing(folder)] == ["checkpoint-4"]
     assert (folder / checkpoints.STAGING_DIR / "checkpoint-8").is_dir()  # the half-written one, unnamed
     monkeypatch.setattr(checkpoints, "write_manifest", real)
-    m = _train(_cfg(run), tiny_data)
+    m = _train(run, tiny_data)
     assert (
         m["train"]["resumed_from"] == str((folder / "checkpoint-4").resolve()) and m["train"]["steps"] == 12
     )

@@ -5,32 +5,25 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO, child_env, run_cli
 
 from finetune.planner.contract import CONTRACT_HARDWARE
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
-    return subprocess.run(
-        [sys.executable, "-m", "finetune", *args],
-        cwd=cwd or ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def _wide_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """`python -m finetune ARGS` with COLUMNS=120: the width the plan table is printed at."""
+    return run_cli(*args, env=child_env(COLUMNS="120"), cwd=cwd, timeout=120)
 
 
 def test_plan_70b_qlora_fits_one_h100(tmp_path: Path):
     out = tmp_path / "plan.json"
     run_dir = tmp_path / "run"
-    r = run_cli("+recipe=llama70b_qlora", "mode=plan", f"plan.out={out}", f"run_dir={run_dir}", cwd=tmp_path)
+    r = _wide_cli(
+        "+recipe=llama70b_qlora", "mode=plan", f"plan.out={out}", f"run_dir={run_dir}", cwd=tmp_path
+    )
     assert r.returncode == 0, r.stderr
     plan = json.loads(out.read_text())
     assert plan["fits"] is True
@@ -45,7 +38,7 @@ def test_plan_70b_qlora_fits_one_h100(tmp_path: Path):
 
 def test_plan_contract_command_with_groups(tmp_path: Path):
     out = tmp_path / "p.json"
-    r = run_cli(
+    r = _wide_cli(
         "mode=plan", "model=llama3_1_70b", "method=lora", "hardware=h100", "train.seq_len=8192",
         f"plan.out={out}", f"run_dir={tmp_path / 'run'}",
     )  # fmt: skip
@@ -59,7 +52,7 @@ def test_plan_contract_command_with_groups(tmp_path: Path):
 
 def test_hardware_auto_picks_cheapest_that_fits(tmp_path: Path):
     out = tmp_path / "p.json"
-    r = run_cli(
+    r = _wide_cli(
         "+recipe=llama70b_lora", "hardware=auto", "mode=plan", f"plan.out={out}", f"run_dir={tmp_path / 'r'}"
     )
     assert r.returncode == 0, r.stderr
@@ -78,7 +71,9 @@ def test_hardware_local_on_this_machine_plans_for_what_it_finds(tmp_path: Path):
     import torch
 
     out = tmp_path / "p.json"
-    r = run_cli("+recipe=tiny", "hardware=local", "mode=plan", f"plan.out={out}", f"run_dir={tmp_path / 'r'}")
+    r = _wide_cli(
+        "+recipe=tiny", "hardware=local", "mode=plan", f"plan.out={out}", f"run_dir={tmp_path / 'r'}"
+    )
     assert r.returncode == 0, r.stderr
     plan = json.loads(out.read_text())
     ram = round(psutil.virtual_memory().total / 1e9, 2)
@@ -110,7 +105,7 @@ def test_local_config_json(tmp_path: Path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     out = tmp_path / "p.json"
-    r = run_cli(
+    r = _wide_cli(
         "mode=plan",
         f"model.config_path={path}",
         "hardware=h100",
@@ -143,7 +138,7 @@ def test_local_config_json(tmp_path: Path):
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, needle):
-    r = run_cli(*args)
+    r = _wide_cli(*args)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
@@ -152,6 +147,6 @@ def test_bad_input_exits_2_with_one_line(args, needle):
 
 
 def test_help_lists_choices():
-    r = run_cli("--help")
+    r = _wide_cli("--help")
     assert r.returncode == 0
     assert "llama70b_qlora" in r.stdout and "h200x8" in r.stdout

@@ -10,12 +10,13 @@ import pytest
 from finetune import rundir
 from finetune.core.errors import ConfigError
 from finetune.pipeline import compare
-from tests.test_eval_support import compose_tiny
+from finetune.pipeline.cli import compose
 
 
-def _run(root: Path, name: str, lr: str, trained_loss: float, em: float, eval_file: bool = True) -> Path:
+def _fake_run(root: Path, name: str, lr: str, trained_loss: float, em: float, eval_file: bool = True) -> Path:
+    """A finished run's folder as compare reads it (config.yaml, metrics.json, eval/metrics.json), not trained."""
     run = root / name
-    cfg = compose_tiny(f"run_dir={run}", f"method.learning_rate={lr}")
+    cfg = compose([f"run_dir={run}", f"method.learning_rate={lr}"])
     run.mkdir(parents=True)
     rundir.save_config(cfg, run)
     variants = {
@@ -33,9 +34,9 @@ def _run(root: Path, name: str, lr: str, trained_loss: float, em: float, eval_fi
 def test_compare_table_printed_and_written(tmp_path):
     from rich.console import Console
 
-    a = _run(tmp_path, "lr1e-3", "1e-3", 1.2, 0.5)
-    b = _run(tmp_path, "lr5e-3", "5e-3", 0.9, 0.8)
-    c = _run(tmp_path, "lr1e-2", "1e-2", 2.5, 0.1, eval_file=False)  # only training's metrics.json
+    a = _fake_run(tmp_path, "lr1e-3", "1e-3", 1.2, 0.5)
+    b = _fake_run(tmp_path, "lr5e-3", "5e-3", 0.9, 0.8)
+    c = _fake_run(tmp_path, "lr1e-2", "1e-2", 2.5, 0.1, eval_file=False)  # only training's metrics.json
     console = Console(record=True, width=200)
     table = compare.run([str(a), str(b), str(c)], tmp_path / "out", console=console)
 
@@ -62,7 +63,7 @@ def test_compare_table_printed_and_written(tmp_path):
 
 
 def test_runs_resolve_by_name_under_runs(tmp_path, monkeypatch):
-    _run(tmp_path / "runs", "a", "1e-3", 1.0, 0.5)
+    _fake_run(tmp_path / "runs", "a", "1e-3", 1.0, 0.5)
     monkeypatch.chdir(tmp_path)
     assert compare.resolve_run("a") == Path("runs") / "a"
     with pytest.raises(ConfigError, match="runs: 'nope' is not a run directory"):

@@ -34,12 +34,14 @@ def _write(path: Path, rows: list) -> Path:
     return path
 
 
-def _cfg(tmp_path: Path, path: Path, seq_len="auto", **data) -> Config:
+def _data_cfg(tmp_path: Path, path: Path, seq_len="auto", **data) -> Config:
+    """A config (the typed defaults, not composed) reading the chats at `path`, cached under tmp_path."""
     data.setdefault("cache_dir", str(tmp_path / "cache"))
     return Config(data=DataConfig(path=str(path), **data), train=TrainConfig(seq_len=seq_len))
 
 
-def _run(cfg, tmp_path, tokenizer, name="run"):
+def _prepare(cfg, tmp_path, tokenizer, name="run"):
+    """The data stage for `cfg` into tmp_path/NAME; its stats."""
     return stage.run(cfg, tmp_path / name, tokenizer=tokenizer)
 
 
@@ -68,7 +70,7 @@ def dirty(tmp_path):
 
 
 def test_contract_and_prepared_rows(tmp_path, tokenizer, dirty):
-    s = _run(_cfg(tmp_path, dirty, seq_len=512), tmp_path, tokenizer)
+    s = _prepare(_data_cfg(tmp_path, dirty, seq_len=512), tmp_path, tokenizer)
     on_disk = json.loads((tmp_path / "run" / "data_stats.json").read_text())
     assert on_disk == s
     for key in ("num_input", "num_train", "num_eval", "dropped", "tokens", "packing", "cache", "seq_len"):
@@ -112,8 +114,8 @@ def test_contract_and_prepared_rows(tmp_path, tokenizer, dirty):
 
 def test_second_run_is_a_cache_hit_and_config_changes_miss(tmp_path, tokenizer):
     path = _write(tmp_path / "d.jsonl", _rows(60))
-    first = _run(_cfg(tmp_path, path), tmp_path, tokenizer, "a")
-    second = _run(_cfg(tmp_path, path), tmp_path, tokenizer, "b")
+    first = _prepare(_data_cfg(tmp_path, path), tmp_path, tokenizer, "a")
+    second = _prepare(_data_cfg(tmp_path, path), tmp_path, tokenizer, "b")
     assert second["cache"] == {**first["cache"], "hit": True}
     assert {k: v for k, v in first.items() if k != "cache"} == {
         k: v for k, v in second.items() if k != "cache"
@@ -121,10 +123,10 @@ def test_second_run_is_a_cache_hit_and_config_changes_miss(tmp_path, tokenizer):
     ta, _ = stage.load_prepared(tmp_path / "a")
     tb, _ = stage.load_prepared(tmp_path / "b")
     assert ta["input_ids"] == tb["input_ids"]
-    other = _run(_cfg(tmp_path, path, train_on="last"), tmp_path, tokenizer, "c")
+    other = _prepare(_data_cfg(tmp_path, path, train_on="last"), tmp_path, tokenizer, "c")
     assert other["cache"]["hit"] is False and other["cache"]["fingerprint"] != first["cache"]["fingerprint"]
     _write(path, _rows(61))
-    changed = _run(_cfg(tmp_path, path), tmp_path, tokenizer, "d")
+    changed = _prepare(_data_cfg(tmp_path, path), tmp_path, tokenizer, "d")
     assert changed["cache"]["hit"] is False and changed["num_input"] == 61
 
 
@@ -138,10 +140,10 @@ def test_failure_leaves_no_cache_entry(tmp_path, tokenizer, monkeypatch):
 
     monkeypatch.setattr(rows, "save", boom)
     with pytest.raises(RuntimeError):
-        _run(_cfg(tmp_path, path), tmp_path, tokenizer)
+        _prepare(_data_cfg(tmp_path, path), tmp_path, tokenizer)
     assert list((tmp_path / "cache").iterdir()) == []
     monkeypatch.undo()
-    assert _run(_cfg(tmp_path, path), tmp_path, tokenizer)["cache"]["hit"] is False
+    assert _prepare(_data_cfg(tmp_path, path), tmp_path, tokenizer)["cache"]["hit"] is False
 
 
 def test_split_is_deterministic_and_leak_free(tmp_path, tokenizer):
@@ -154,8 +156,8 @@ def test_split_is_deterministic_and_leak_free(tmp_path, tokenizer):
             twin["messages"][-1]["content"] += " indeed"
         rows.append(twin)
     path = _write(tmp_path / "d.jsonl", rows)
-    cfg = _cfg(tmp_path, path, dedup=False, near_dedup=False, eval_fraction=0.2, seed=7)
-    s = _run(cfg, tmp_path, tokenizer, "a")
+    cfg = _data_cfg(tmp_path, path, dedup=False, near_dedup=False, eval_fraction=0.2, seed=7)
+    s = _prepare(cfg, tmp_path, tokenizer, "a")
     assert s["dropped"].get("eval_leak", 0) > 0
     train, evals = stage.load_prepared(tmp_path / "a")
     eval_msgs = [json.loads(m) for m in evals["messages"]]
@@ -167,10 +169,10 @@ def test_split_is_deterministic_and_leak_free(tmp_path, tokenizer):
     surviving = [k for k, h in zip(train_keys, th) if not any(e.jaccard(h) >= 0.85 for e in eh)]
     assert s["num_train"] == len(surviving)  # every train-side twin of an eval sample was removed
 
-    again = _run(cfg, tmp_path, tokenizer, "b")
+    again = _prepare(cfg, tmp_path, tokenizer, "b")
     assert again["cache"]["hit"]
-    fresh = _run(
-        _cfg(
+    fresh = _prepare(
+        _data_cfg(
             tmp_path,
             path,
             dedup=False,
@@ -185,8 +187,8 @@ def test_split_is_deterministic_and_leak_free(tmp_path, tokenizer):
     )
     assert list(stage.load_prepared(tmp_path / "c")[1]["messages"]) == list(evals["messages"])
     assert fresh["num_eval"] == s["num_eval"]
-    other = _run(
-        _cfg(tmp_path, path, dedup=False, near_dedup=False, eval_fraction=0.2, seed=8),
+    other = _prepare(
+        _data_cfg(tmp_path, path, dedup=False, near_dedup=False, eval_fraction=0.2, seed=8),
         tmp_path,
         tokenizer,
         "d",
@@ -197,25 +199,25 @@ def test_split_is_deterministic_and_leak_free(tmp_path, tokenizer):
 
 def test_seq_len_auto_longest_or_percentile_with_truncation(tmp_path, tokenizer):
     path = _write(tmp_path / "d.jsonl", _rows(80))
-    s = _run(_cfg(tmp_path, path), tmp_path, tokenizer, "a")
+    s = _prepare(_data_cfg(tmp_path, path), tmp_path, tokenizer, "a")
     assert s["seq_len"] == s["tokens"]["max"] and s["truncated"] == 0
     from finetune.pipeline.stages import data_seq_len
 
     assert data_seq_len(tmp_path / "a") == s["seq_len"]
-    p = _run(_cfg(tmp_path, path, seq_len_percentile=50.0), tmp_path, tokenizer, "b")
+    p = _prepare(_data_cfg(tmp_path, path, seq_len_percentile=50.0), tmp_path, tokenizer, "b")
     assert p["seq_len"] == s["tokens"]["p50"]
     assert p["truncated"] > 0 and p["tokens"]["max"] == p["seq_len"]
 
 
 def test_too_long_drop_or_truncate(tmp_path, tokenizer):
     path = _write(tmp_path / "d.jsonl", _rows(80))
-    full = _run(_cfg(tmp_path, path), tmp_path, tokenizer, "a")
+    full = _prepare(_data_cfg(tmp_path, path), tmp_path, tokenizer, "a")
     limit = full["tokens"]["p50"]
-    d = _run(_cfg(tmp_path, path, seq_len=limit), tmp_path, tokenizer, "b")
+    d = _prepare(_data_cfg(tmp_path, path, seq_len=limit), tmp_path, tokenizer, "b")
     assert d["dropped"]["too_long"] > 0 and d["tokens"]["max"] <= limit
-    t = _run(_cfg(tmp_path, path, seq_len=limit, too_long="truncate"), tmp_path, tokenizer, "c")
+    t = _prepare(_data_cfg(tmp_path, path, seq_len=limit, too_long="truncate"), tmp_path, tokenizer, "c")
     assert "too_long" not in t["dropped"] and t["truncated"] == d["dropped"]["too_long"]
-    short = _run(_cfg(tmp_path, path, min_tokens=full["tokens"]["p50"]), tmp_path, tokenizer, "e")
+    short = _prepare(_data_cfg(tmp_path, path, min_tokens=full["tokens"]["p50"]), tmp_path, tokenizer, "e")
     assert short["dropped"]["too_short"] > 0
 
 
@@ -223,7 +225,9 @@ def test_every_mask_empty_is_an_error(tmp_path, tokenizer):
     rows = [{"prompt": "ka lo mi ne ru sa to vi " * 4, "completion": f"an el {i}"} for i in range(30)]
     path = _write(tmp_path / "d.jsonl", rows)
     with pytest.raises(DataError, match="empty label mask"):
-        _run(_cfg(tmp_path, path, seq_len=12, too_long="truncate", near_dedup=False), tmp_path, tokenizer)
+        _prepare(
+            _data_cfg(tmp_path, path, seq_len=12, too_long="truncate", near_dedup=False), tmp_path, tokenizer
+        )
 
 
 def test_bad_input_raises_with_file_line_and_counts(tmp_path, tokenizer):
@@ -237,12 +241,12 @@ def test_bad_input_raises_with_file_line_and_counts(tmp_path, tokenizer):
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(DataError) as exc:
-        _run(_cfg(tmp_path, path), tmp_path, tokenizer)
+        _prepare(_data_cfg(tmp_path, path), tmp_path, tokenizer)
     msg = str(exc.value)
     assert f"{path} line 6: malformed JSON" in msg
     assert "3 problems in 33 records" in msg and "data.on_error=skip" in msg
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
-    s = _run(_cfg(tmp_path, path, on_error="skip"), tmp_path, tokenizer)
+    s = _prepare(_data_cfg(tmp_path, path, on_error="skip"), tmp_path, tokenizer)
     assert s["dropped"]["malformed_json"] == 1 and s["dropped"]["unknown_role"] == 1
     assert s["dropped"]["missing_field"] == 1
     assert s["num_input"] == 33 == s["num_train"] + s["num_eval"] + sum(s["dropped"].values())
@@ -258,11 +262,11 @@ def test_invalid_utf8_and_empty_files(tmp_path, tokenizer):
     )
     (folder / "c.jsonl").write_text("")
     with pytest.raises(DataError, match=r"b\.jsonl line 2: invalid UTF-8"):
-        _run(_cfg(tmp_path, folder), tmp_path, tokenizer)
+        _prepare(_data_cfg(tmp_path, folder), tmp_path, tokenizer)
     (folder / "b.jsonl").write_text('{"prompt": "ok", "completion": "fine"}\n')
     with pytest.raises(DataError, match=r"c\.jsonl: empty file"):
-        _run(_cfg(tmp_path, folder), tmp_path, tokenizer)
-    s = _run(_cfg(tmp_path, folder, on_error="skip"), tmp_path, tokenizer)
+        _prepare(_data_cfg(tmp_path, folder), tmp_path, tokenizer)
+    s = _prepare(_data_cfg(tmp_path, folder, on_error="skip"), tmp_path, tokenizer)
     assert s["skipped_files"] == [str(folder / "c.jsonl")] and s["num_input"] == 21
 
 
@@ -287,17 +291,17 @@ def test_formats_folder_and_save_to_disk(tmp_path, tokenizer):
         w = csv.writer(f)
         w.writerow(["prompt", "completion"])
         w.writerows(pairs[30:40])
-    s = _run(_cfg(tmp_path, folder, near_dedup=False), tmp_path, tokenizer, "a")
+    s = _prepare(_data_cfg(tmp_path, folder, near_dedup=False), tmp_path, tokenizer, "a")
     assert s["num_input"] == 40 and s["num_train"] + s["num_eval"] == 40
 
     Dataset.from_list([{"messages": c} for c in convs]).save_to_disk(str(tmp_path / "saved"))
-    s2 = _run(_cfg(tmp_path, tmp_path / "saved", near_dedup=False), tmp_path, tokenizer, "b")
+    s2 = _prepare(_data_cfg(tmp_path, tmp_path / "saved", near_dedup=False), tmp_path, tokenizer, "b")
     assert s2["num_input"] == 40 and s2["num_train"] + s2["num_eval"] == 40
 
 
 def test_missing_path_is_a_data_error(tmp_path, tokenizer):
     with pytest.raises(DataError, match="no such file"):
-        _run(_cfg(tmp_path, tmp_path / "nope.jsonl"), tmp_path, tokenizer)
+        _prepare(_data_cfg(tmp_path, tmp_path / "nope.jsonl"), tmp_path, tokenizer)
 
 
 def test_bundled_data_through_the_command_line(tmp_path, monkeypatch):
@@ -332,7 +336,9 @@ def test_tokenize_with_worker_processes_matches_one_process(tokenizer):
 
 def test_no_eval_split_and_no_packing(tmp_path, tokenizer):
     path = _write(tmp_path / "d.jsonl", _rows(30))
-    s = _run(_cfg(tmp_path, path, seq_len=512, eval_fraction=0.0, packing=False), tmp_path, tokenizer)
+    s = _prepare(
+        _data_cfg(tmp_path, path, seq_len=512, eval_fraction=0.0, packing=False), tmp_path, tokenizer
+    )
     train, evals = stage.load_prepared(tmp_path / "run")
     assert s["num_eval"] == 0 == len(evals) and len(train) == s["num_train"] == s["packing"]["bins"]
     assert all(len(r) == 1 for r in train["seq_lengths"])
@@ -369,7 +375,7 @@ def test_control_tokens_in_content(tmp_path, tiny_tokenizer, mode):
 
     ids = {t: tiny_tokenizer.convert_tokens_to_ids(t) for t in tiny.SPECIAL_TOKENS}
     path = _write(tmp_path / "d.jsonl", _forged_rows())
-    cfg = _cfg(tmp_path, path, seq_len=512, control_tokens=mode, eval_fraction=0.0, near_dedup=False)
+    cfg = _data_cfg(tmp_path, path, seq_len=512, control_tokens=mode, eval_fraction=0.0, near_dedup=False)
     s = stage.run(cfg, tmp_path / "run", tokenizer=tiny_tokenizer)
     assert s["control_tokens"] == {"mode": mode, "samples": 2}
     labelled = _labelled(tmp_path / "run")
@@ -431,12 +437,12 @@ def test_over_long_records_are_dropped_by_characters_before_tokenizing(tmp_path,
     import time
 
     t0 = time.perf_counter()
-    s = _run(_cfg(tmp_path, path, seq_len=256), tmp_path, tokenizer)
+    s = _prepare(_data_cfg(tmp_path, path, seq_len=256), tmp_path, tokenizer)
     assert time.perf_counter() - t0 < 30  # it took minutes when the 5 MB record was tokenized
     assert s["dropped"]["too_long_chars"] == 1 and s["max_chars"] == bound
     assert s["dropped"]["too_long"] >= 1  # the edge record: dropped by tokens, as before
     assert max(seen) < bound  # nothing over the bound was rendered or tokenized
-    t = _run(_cfg(tmp_path, path, seq_len=256, too_long="truncate"), tmp_path, tokenizer, "t")
+    t = _prepare(_data_cfg(tmp_path, path, seq_len=256, too_long="truncate"), tmp_path, tokenizer, "t")
     assert "too_long_chars" not in t["dropped"] and t["truncated"] >= 2 and t["tokens"]["max"] == 256
     assert max(seen) <= 2 * bound + 64
 
@@ -465,11 +471,11 @@ def test_unencodable_text_is_skipped_and_counted_or_one_line(tmp_path, tokenizer
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(DataError) as exc:
-        _run(_cfg(tmp_path, path), tmp_path, tokenizer)
+        _prepare(_data_cfg(tmp_path, path), tmp_path, tokenizer)
     msg = str(exc.value)
     assert f"{path} line 4: message 0 content holds a lone surrogate '\\ud800' at character 4" in msg
     assert "\n" not in msg and "2 problems in 32 records" in msg
-    s = _run(_cfg(tmp_path, path, on_error="skip"), tmp_path, tokenizer)
+    s = _prepare(_data_cfg(tmp_path, path, on_error="skip"), tmp_path, tokenizer)
     assert s["dropped"]["unencodable_text"] == 2
     assert s["num_input"] == 32 == s["num_train"] + s["num_eval"] + sum(s["dropped"].values())
 

@@ -24,15 +24,13 @@ shape (0,)).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import SEQ_LEN, adapter_weights, losses, run_modes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parent.parent
 STEPS = 6
 # Measured on 2 CPU cores, fp32, against one process with the same global batch (all with the chunked
 # loss), largest relative loss difference / largest weight difference: DDP 0 / 0; ZeRO-3 1.1e-7 /
@@ -50,7 +48,7 @@ def overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
         f"run_dir={run_dir}",
         "hardware=cpu",
         f"train.max_steps={STEPS}",
-        "train.seq_len=128",
+        SEQ_LEN,
         "train.batch_size=16",
         "train.logging_steps=1",
         "train.warmup_ratio=0.0",  # every step updates the weights
@@ -67,32 +65,13 @@ def overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
     ]
 
 
-def train_run(root: Path, name: str, *extra: str) -> dict:
+def pipeline_run(root: Path, name: str, *extra: str) -> dict:
     """mode=data then mode=train (the launcher spawns the ranks); returns metrics.json, losses and the log."""
     run_dir = root / name
-    args = overrides(run_dir, root / "data-cache", *extra)
-    for mode in ("data", "train"):
-        proc = subprocess.run(
-            [sys.executable, "-m", "finetune", f"mode={mode}", *args],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=RUN_TIMEOUT_S,
-        )
-        log = proc.stdout + proc.stderr
-        (root / f"{name}-{mode}.log").write_text(log)
-        ranks = "\n".join(line for line in log.splitlines() if line.startswith("[rank"))  # tracebacks
-        assert proc.returncode == 0, f"mode={mode} {name} failed:\n{ranks[-6000:]}\n{log[-3000:]}"
+    log = run_modes(overrides(run_dir, root / "data-cache", *extra), root / name, timeout=RUN_TIMEOUT_S)
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    state = json.loads((run_dir / "checkpoints" / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
-    losses = [e["loss"] for e in state["log_history"] if "loss" in e]
-    return {"dir": run_dir, "metrics": metrics, "losses": losses, "log": log}
-
-
-def adapter_weights(run_dir: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    trained = losses(run_dir / "checkpoints" / f"checkpoint-{STEPS}")
+    return {"dir": run_dir, "metrics": metrics, "losses": trained, "log": log}
 
 
 def assert_same_trajectory(run: dict, reference: dict) -> None:
@@ -128,7 +107,7 @@ def root(tmp_path_factory, tiny_cache) -> Path:
 @pytest.fixture(scope="module")
 def reference(root) -> dict:
     """One process, micro-batch 8 x accumulation 2: the same 16 sequences a step as 2 ranks x 8 x 1."""
-    run = train_run(
+    run = pipeline_run(
         root,
         "one-process",
         "hardware.gpus_per_node=1",
@@ -141,7 +120,7 @@ def reference(root) -> dict:
 
 
 def test_ddp_two_processes_train_like_one(root, reference):
-    run = train_run(root, "ddp", "hardware.gpus_per_node=2")
+    run = pipeline_run(root, "ddp", "hardware.gpus_per_node=2")
     plan = json.loads((run["dir"] / "plan.json").read_text())
     assert plan["strategy"]["sharding"] == "ddp"  # the planner's choice for 2 "GPUs" that each hold the job
     assert plan["strategy"]["micro_batch_size"] * plan["strategy"]["grad_accum_steps"] * 2 == 16
@@ -164,7 +143,7 @@ def test_deepspeed_zero3_two_processes_train_like_one(root, reference, offload):
         "train.engine=zero3",
         f"train.offload_optimizer={str(offload).lower()}",
     ]
-    run = train_run(root, "zero3-offload" if offload else "zero3", "hardware.gpus_per_node=2", *extra)
+    run = pipeline_run(root, "zero3-offload" if offload else "zero3", "hardware.gpus_per_node=2", *extra)
     assert (run["dir"] / "deepspeed.json").is_file()
     engine = run["metrics"]["train"]["engine"]
     assert_two_ranks(engine)
@@ -188,7 +167,7 @@ def test_deepspeed_zero3_two_processes_train_like_one(root, reference, offload):
 def test_fsdp2_trainer_two_processes_train_like_one(root, reference):
     """The Trainer's FSDP2 path (accelerate's plugin, fully_shard per decoder layer), chunked loss."""
     extra = ["train.sharding=fsdp", "train.engine=fsdp"]
-    run = train_run(root, "fsdp2", "hardware.gpus_per_node=2", *extra)
+    run = pipeline_run(root, "fsdp2", "hardware.gpus_per_node=2", *extra)
     assert (run["dir"] / "accelerate_fsdp.yaml").is_file()
     engine = run["metrics"]["train"]["engine"]
     assert_two_ranks(engine)

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from helpers import fast_eval, make_adapter_run, plan_for, tiny_cfg, write_log_history
 
 from finetune.core import tasks
 from finetune.core.config.evaluation import EvalConfig
 from finetune.core.errors import ConfigError, DataError
 from finetune.evaluation import curves, metrics, regression
-from tests.test_eval_support import (
-    compose_tiny,
-    fast_eval,
-    make_adapter_run,
-    plan_for,
-    with_stages,
-    write_log_history,
-)
 
 
 def answer_length(prompts, predictions, references):
@@ -165,9 +159,8 @@ def evaluated(tmp_path_factory, tiny_cache, tiny_data):
     from finetune.export import stage as export_stage
 
     run = tmp_path_factory.mktemp("eval") / "run"
-    cfg = with_stages(
-        compose_tiny(f"run_dir={run}", "train.seq_len=128"),
-        eval=fast_eval(metrics=["exact_match", "contains"], report_examples=3),
+    cfg = replace(
+        tiny_cfg(run_dir=run), eval=fast_eval(metrics=["exact_match", "contains"], report_examples=3)
     )
     make_adapter_run(run, cfg.model, cfg.method)
     held_out = tiny_data[1].select(range(24))
@@ -219,7 +212,7 @@ def test_mode_eval_again_reevaluates_everything_present(evaluated, tiny_data):
     from finetune.evaluation import stage as eval_stage
 
     run, _, after = evaluated
-    cfg = with_stages(compose_tiny(f"run_dir={run}", "train.seq_len=128"), eval=fast_eval(regression=False))
+    cfg = replace(tiny_cfg(run_dir=run), eval=fast_eval(regression=False))
     again = eval_stage.run(cfg, run, eval_dataset=tiny_data[1].select(range(24)))
     assert set(again) == {"base", "trained", "merged", "regression", "settings"} and again["regression"] == {}
     assert again["merged"]["loss"] == pytest.approx(after["merged"]["loss"], abs=1e-6)
@@ -232,10 +225,7 @@ def test_qlora_run_is_evaluated_on_its_4bit_base(tmp_path, tiny_cache, tiny_data
     from finetune.evaluation import stage as eval_stage
 
     run = tmp_path / "run"
-    cfg = with_stages(
-        compose_tiny(f"run_dir={run}", "train.seq_len=128", "method=qlora"),
-        eval=fast_eval(num_samples=2, regression=False),
-    )
+    cfg = replace(tiny_cfg("method=qlora", run_dir=run), eval=fast_eval(num_samples=2, regression=False))
     make_adapter_run(run, cfg.model, cfg.method)
     result = eval_stage.run(cfg, run, eval_dataset=tiny_data[1].select(range(8)))
     assert set(result) == {"base", "trained", "regression", "settings"}

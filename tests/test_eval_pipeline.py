@@ -4,10 +4,10 @@ with the fine-tuned and merged models beating the base on the bundled task."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
-
-from tests.test_eval_support import compose_tiny, with_stages, write_engine
+from helpers import write_engine
 
 
 @pytest.mark.slow
@@ -17,11 +17,12 @@ def test_tiny_pipeline_trained_and_merged_beat_the_base(tmp_path, tiny_cache):
     from finetune.evaluation import stage as eval_stage
     from finetune.export import stage as export_stage
     from finetune.pipeline import stages
+    from finetune.pipeline.cli import compose
     from finetune.train import stage as train_stage
 
     run = tmp_path / "run"
-    cfg = with_stages(
-        compose_tiny(f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}", "train.report_to=[]"),
+    cfg = replace(
+        compose([f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}", "train.report_to=[]"]),
         eval=EvalConfig(num_samples=64, max_new_tokens=8, progress=False),
     )
     cfg = stages.resolve(cfg)

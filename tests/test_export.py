@@ -8,19 +8,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_adapter_run, plan_for, tiny_cfg
 
 from finetune.core.config.export import ExportConfig
 from finetune.export import merge
 from finetune.export import stage as export_stage
-from tests.test_eval_support import compose_tiny, make_adapter_run, plan_for, with_stages
 
 # Export alone (no evaluation of the merged model: tests/test_eval.py covers that).
 NO_EVAL = dict(evaluate_merged=False)
 
 
-def _cfg(run_dir: Path, method: str = "lora", **export):
-    cfg = compose_tiny(f"run_dir={run_dir}", "train.seq_len=128", f"method={method}")
-    return with_stages(cfg, export=ExportConfig(**{**NO_EVAL, **export}))
+def _export_cfg(run_dir: Path, method: str = "lora", **export):
+    """The tiny `method` run in `run_dir`, exported with these export settings (and NO_EVAL)."""
+    return replace(
+        tiny_cfg(f"method={method}", run_dir=run_dir), export=ExportConfig(**{**NO_EVAL, **export})
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def test_lora_merge_matches_the_adapter_model_and_ships_everything(tmp_path, tin
     from finetune.modeling.models import attach_adapter
 
     run = tmp_path / "run"
-    cfg = _cfg(run)
+    cfg = _export_cfg(run)
     make_adapter_run(run, cfg.model, cfg.method)
     summary = export_stage.run(cfg, run, plan_for(cfg), eval_dataset=held_out)
 
@@ -92,7 +94,7 @@ def test_qlora_merges_into_a_16_bit_base_exactly(tmp_path, tiny_cache, held_out,
     from finetune.modeling.models import attach_adapter, load_base
 
     run = tmp_path / "run"
-    cfg = _cfg(run, "qlora", qlora_merge_base=merge_base)
+    cfg = _export_cfg(run, "qlora", qlora_merge_base=merge_base)
     make_adapter_run(run, cfg.model, cfg.method)
     export_stage.run(cfg, run, plan_for(cfg), eval_dataset=held_out)
 
@@ -120,7 +122,7 @@ def test_qlora_merges_into_a_16_bit_base_exactly(tmp_path, tiny_cache, held_out,
 
 def test_lossy_4bit_merge_only_when_asked(tmp_path, tiny_cache, held_out, caplog):
     run = tmp_path / "run"
-    cfg = _cfg(run, "qlora", allow_lossy_4bit_merge=True, tolerance=10.0)
+    cfg = _export_cfg(run, "qlora", allow_lossy_4bit_merge=True, tolerance=10.0)
     make_adapter_run(run, cfg.model, cfg.method)
     with caplog.at_level("WARNING"):
         summary = export_stage.run(cfg, run, plan_for(cfg), eval_dataset=held_out)
@@ -134,7 +136,7 @@ def test_lossy_4bit_merge_only_when_asked(tmp_path, tiny_cache, held_out, caplog
 
 def test_merge_refused_without_host_ram_for_the_base(tmp_path, tiny_cache, held_out):
     run = tmp_path / "run"
-    cfg = _cfg(run)
+    cfg = _export_cfg(run)
     make_adapter_run(run, cfg.model, cfg.method)
     plan = replace(plan_for(cfg), merge_host_memory_gb=1e6)
     with pytest.raises(
@@ -144,7 +146,7 @@ def test_merge_refused_without_host_ram_for_the_base(tmp_path, tiny_cache, held_
     assert not (run / "export" / "merged").exists()
 
     # export.merge=false ships the adapter alone; serve.sh has only the base + adapter variant.
-    cfg = _cfg(run, merge=False)
+    cfg = _export_cfg(run, merge=False)
     summary = export_stage.run(cfg, run, plan, eval_dataset=held_out)
     assert list(summary["serve"]) == ["lora"] and not (run / "export" / "merged").exists()
     assert "merge_check" not in summary
@@ -152,7 +154,7 @@ def test_merge_refused_without_host_ram_for_the_base(tmp_path, tiny_cache, held_
 
 def test_failed_merge_check_ships_nothing(tmp_path, tiny_cache, held_out):
     run = tmp_path / "run"
-    cfg = _cfg(run, tolerance=1e-12)
+    cfg = _export_cfg(run, tolerance=1e-12)
     make_adapter_run(run, cfg.model, cfg.method)
     with pytest.raises(merge.ExportError, match="merge check failed"):
         export_stage.run(cfg, run, plan_for(cfg), eval_dataset=held_out)
@@ -165,7 +167,7 @@ def test_full_finetune_exports_the_model(tmp_path, tiny_cache, held_out):
     from finetune.modeling import tiny
 
     run = tmp_path / "run"
-    cfg = _cfg(run, "full")
+    cfg = _export_cfg(run, "full")
     model = tiny.load_model(cfg.model)
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.add_(0.01)

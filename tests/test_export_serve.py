@@ -10,14 +10,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from helpers import plan_for
 
 from finetune.core.config.export import ExportConfig
 from finetune.export import serve
-from tests.test_eval_support import compose_tiny, plan_for, with_stages
+from finetune.pipeline.cli import compose
 
 
 def _job(*overrides: str, **export):
-    cfg = with_stages(compose_tiny(*overrides), export=ExportConfig(**export))
+    cfg = replace(compose(list(overrides)), export=ExportConfig(**export))
     return cfg, plan_for(cfg)
 
 

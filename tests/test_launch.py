@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from helpers import Capture, child_env, planned, planned_run_dir, run_cli
 from omegaconf import OmegaConf
 
 from finetune import rundir
@@ -24,10 +25,9 @@ from finetune.core.errors import ConfigError, LaunchError
 from finetune.launch import stage
 from finetune.launch.runner import subprocess_runner, wait_for_rendezvous
 from finetune.pipeline.stages import resolve
-from finetune.planner import Plan, make_plan
+from finetune.planner import Plan
 from finetune.rundir.machine import GPU, Machine
 
-ROOT = Path(__file__).resolve().parents[1]
 H200 = GPU("NVIDIA H200", 150_011_707_392, (9, 0))  # what torch.cuda reports for one H200
 A100_40 = GPU("NVIDIA A100-SXM4-40GB", 42_405_855_232, (8, 0))
 
@@ -40,32 +40,6 @@ def node(*gpus: GPU) -> Machine:
 def eight_h200(monkeypatch):
     """The llama70b_full plans are for h200x8: these launches start on a stand-in 8 x H200 node."""
     monkeypatch.setattr("finetune.rundir.machine.read_machine", lambda run_dir=None: node(*[H200] * 8))
-
-
-class Capture:
-    """A process runner that records what would run."""
-
-    def __init__(self, code: int = 0) -> None:
-        self.calls: list[tuple[list[str], dict[str, str], str]] = []
-        self.code = code
-
-    def __call__(self, argv, env, cwd) -> int:
-        self.calls.append((list(argv), dict(env), cwd))
-        return self.code
-
-
-def planned(*overrides: str) -> tuple[Config, Plan]:
-    cfg = resolve(compose(list(overrides)))
-    return cfg, make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
-
-
-def prepared(tmp_path: Path, *overrides: str) -> tuple[Config, Plan, Path]:
-    cfg, plan = planned(*overrides)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    rundir.save_config(cfg, run_dir)
-    rundir.write_json(run_dir / rundir.PLAN_FILE, plan.to_dict())
-    return cfg, plan, run_dir.resolve()
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +127,7 @@ def test_run_passes_argv_env_and_exit_code_through_the_runner(run70):
 
 
 def test_one_device_is_one_plain_process(tmp_path):
-    cfg, plan, run_dir = prepared(tmp_path, "+recipe=tiny")
+    cfg, plan, run_dir = planned_run_dir(tmp_path, "+recipe=tiny")
     runner = Capture()
     assert stage.run(cfg, run_dir, plan, launch=LaunchConfig(), runner=runner) == 0
     [(argv, env, _)] = runner.calls
@@ -162,7 +136,7 @@ def test_one_device_is_one_plain_process(tmp_path):
 
 
 def test_two_cpu_processes_get_torchrun_and_accelerate_use_cpu(tmp_path):
-    cfg, plan, run_dir = prepared(tmp_path, "+recipe=tiny", "hardware.gpus_per_node=2")
+    cfg, plan, run_dir = planned_run_dir(tmp_path, "+recipe=tiny", "hardware.gpus_per_node=2")
     runner = Capture()
     stage.run(cfg, run_dir, plan, launch=LaunchConfig(), runner=runner)
     [(argv, env, _)] = runner.calls
@@ -462,12 +436,14 @@ def test_slurm_without_sbatch_prints_how_and_dry_run_never_submits(run70, capsys
     reason="Config.launch not wired into stages.py yet",
 )
 def test_cli_dry_run_llama70b_full(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run(
-        [sys.executable, "-m", "finetune", "+recipe=llama70b_full", "mode=launch", "launch.dry_run=true",
-         f"run_dir={tmp_path / 'run'}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    r = run_cli(
+        "+recipe=llama70b_full",
+        "mode=launch",
+        "launch.dry_run=true",
+        f"run_dir={tmp_path / 'run'}",
+        env=child_env(),
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "--nproc_per_node=8" in r.stdout and "DeepSpeed ZeRO-3" in r.stdout and "optimizer" in r.stdout
     assert (tmp_path / "run" / "launch.sh").is_file() and (tmp_path / "run" / "deepspeed.json").is_file()

@@ -9,18 +9,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import planned
 
 from finetune import rundir
 from finetune.core.composition import compose, load_profiles
 from finetune.core.config import Config, LaunchConfig
 from finetune.launch.engines import layout, nccl_env, write_engine_files
-from finetune.pipeline.stages import resolve
 from finetune.planner import Plan, make_plan
-
-
-def planned(*overrides: str) -> tuple[Config, Plan]:
-    cfg = resolve(compose(list(overrides)))
-    return cfg, make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
 
 
 @pytest.fixture(scope="module")

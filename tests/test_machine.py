@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
+from helpers import SHORT_RUN, child_env, run_cli, train_run
 
 from finetune import rundir
 from finetune.core.composition import compose, load_profiles
@@ -18,10 +17,8 @@ from finetune.planner import Plan, make_plan
 from finetune.planner.contract import CONTRACT_HARDWARE
 from finetune.rundir import machine, preflight
 from finetune.rundir.machine import GPU, Machine, Requirement, local_profile, mismatch
-from tests.test_eval_support import train_in_process
 
 PROFILES = load_profiles()
-REPO = Path(__file__).resolve().parents[1]
 # Device names and total_memory bytes as torch.cuda.get_device_properties reports them.
 H100 = GPU("NVIDIA H100 80GB HBM3", 85_029_158_912, (9, 0))
 H100_PCIE = GPU("NVIDIA H100 PCIe", 85_029_158_912, (9, 0))
@@ -232,20 +229,20 @@ def test_this_cpu_machine_refuses_a_gpu_plan_and_allow_mismatch_is_logged(tmp_pa
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    args = ["+recipe=tiny", "hardware=h100", f"run_dir={tmp_path / 'run'}", "train.seq_len=128"]
-    args += ["train.max_steps=2", "train.report_to=[]", "train.save_steps=1000", "train.eval_steps=1000"]
+    args = ["+recipe=tiny", "hardware=h100", f"run_dir={tmp_path / 'run'}", *SHORT_RUN]
+    args += ["train.max_steps=2", "train.save_steps=1000"]
     # fp32: a bf16 CUDA plan forced onto a CPU is refused by transformers itself (no bf16 "GPU" here)
     args += ["method.precision=fp32"]
     with pytest.raises(
         LaunchError,
         match=r"hardware=h100 plans for 1 CUDA GPU\(s\) with 80 GB each; this machine has no CUDA GPU",
     ):
-        train_in_process(compose(args), tiny_data, n_train=8, n_eval=4, max_generate=2)
+        train_run(compose(args), tiny_data, n_train=8, n_eval=4, max_generate=2)
     assert (
         not (tmp_path / "run" / "metrics.json").exists() and not (tmp_path / "run" / "checkpoints").exists()
     )
 
-    metrics = train_in_process(
+    metrics = train_run(
         compose([*args, "launch.allow_mismatch=true"]), tiny_data, n_train=8, n_eval=4, max_generate=2
     )
     written = json.loads((tmp_path / "run" / "metrics.json").read_text())["train"]
@@ -255,7 +252,6 @@ def test_this_cpu_machine_refuses_a_gpu_plan_and_allow_mismatch_is_logged(tmp_pa
 
 
 def test_read_machine_here(tmp_path):
-    import os
 
     import psutil
     import torch
@@ -274,21 +270,16 @@ def test_visible_devices():
     assert machine.visible_devices(1, {"CUDA_VISIBLE_DEVICES": "GPU-a1b2,GPU-c3d4"}) == "GPU-a1b2"
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "finetune", *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-
-
 def test_the_command_line_refuses_gpu_plans_on_this_cpu_machine(tmp_path):
     """The issue's two commands: exit 2, one line on stderr, nothing trained or started; a dry run still works."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    one = _cli("+recipe=tiny", "hardware=h100", "mode=train", f"run_dir={tmp_path / 'one'}", cwd=tmp_path)
-    eight = _cli(
-        "+recipe=tiny", "hardware=h100x8", "mode=launch", f"run_dir={tmp_path / 'eight'}", cwd=tmp_path
+    where = dict(cwd=tmp_path, env=child_env(), timeout=300)
+    one = run_cli("+recipe=tiny", "hardware=h100", "mode=train", f"run_dir={tmp_path / 'one'}", **where)
+    eight = run_cli(
+        "+recipe=tiny", "hardware=h100x8", "mode=launch", f"run_dir={tmp_path / 'eight'}", **where
     )
     for r, gpus in ((one, 1), (eight, 8)):
         assert r.returncode == 2, r.stderr
@@ -303,9 +294,9 @@ def test_the_command_line_refuses_gpu_plans_on_this_cpu_machine(tmp_path):
         assert left <= {"config.yaml", "plan.json", ".lock", rundir.OWNER_FILE}, (
             left
         )  # no launch.sh, checkpoints, metrics
-    dry = _cli(
+    dry = run_cli(
         "+recipe=tiny", "hardware=h100x8", "mode=launch", "launch.dry_run=true", f"run_dir={tmp_path / 'dry'}",
-        cwd=tmp_path,
+        **where,
     )  # fmt: skip
     assert dry.returncode == 0, dry.stderr
     assert "--nproc_per_node=8" in dry.stdout and (tmp_path / "dry" / "launch.sh").is_file()

@@ -5,13 +5,12 @@ python -m pytest tests/test_methods.py -q
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
 import yaml
+from helpers import run_cli
 
 from finetune.core.composition import compose, group_choices, load_profiles, package_dir
 from finetune.core.config import Config, MethodConfig
@@ -107,11 +106,7 @@ def test_unknown_method_is_refused_naming_the_key():
 
 
 def test_unknown_method_exits_2_with_one_line(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "finetune", "mode=plan", "method.name=dora", f"run_dir={tmp_path / 'run'}"],
-        capture_output=True,
-        text=True,
-    )
+    proc = run_cli("mode=plan", "method.name=dora", f"run_dir={tmp_path / 'run'}")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "finetune: error: method.name='dora' is not one of full, lora, qlora"

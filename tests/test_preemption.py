@@ -12,42 +12,36 @@ import time
 from pathlib import Path
 
 import pytest
-
-from finetune.rundir import checkpoints
-from finetune.train import callbacks as cb
-from finetune.train import stage
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_resume import (  # noqa: E402
-    RUN as RUN_DIR_ARGS,
-)
-from test_resume import (
+from helpers import (
+    WORKER_RUN,
+    adapter_weights,
+    child_env,
     finish,
     losses,
-    prepare_run_dir,
+    prepare_worker_run,
+    tiny_cfg,
     train_run,
     wait_for_checkpoint,
     worker,
 )
 
-RUN = (
-    "train.max_steps=8",
-    "train.save_steps=4",
-    "train.logging_steps=1",
-    "train.eval_steps=1000",
-    "method.lora_dropout=0.1",
-)
+from finetune.rundir import checkpoints
+from finetune.train import callbacks as cb
+from finetune.train import stage
+
+# 8 steps of 2 x 2 rows, a checkpoint every 4, dropout on so the RNG state matters.
+EIGHT_STEPS = ("train.max_steps=8", "train.save_steps=4", "method.lora_dropout=0.1")
 
 
-def _run(run: Path, tiny_data, *overrides: str) -> dict:
-    return train_run(run, tiny_data, (*RUN, *overrides), micro_batch_size=2, grad_accum_steps=2)
+def _train(run: Path, tiny_data, *overrides: str) -> dict:
+    cfg = tiny_cfg(*EIGHT_STEPS, *overrides, run_dir=run)
+    return train_run(cfg, tiny_data, n_eval=4, max_generate=1, micro_batch_size=2, grad_accum_steps=2)
 
 
 def test_sigint_saves_at_the_step_boundary_and_resumes_exactly(tmp_path, tiny_cache, tiny_data, monkeypatch):
     import torch
-    from safetensors.torch import load_file
 
-    _run(tmp_path / "reference", tiny_data)
+    _train(tmp_path / "reference", tiny_data)
     reference = losses(tmp_path / "reference" / "checkpoints" / "checkpoint-8")
 
     real = cb.RunMonitor.on_step_end
@@ -60,7 +54,7 @@ def test_sigint_saves_at_the_step_boundary_and_resumes_exactly(tmp_path, tiny_ca
     monkeypatch.setattr(cb.RunMonitor, "on_step_end", signal_at_step_3)
     run = tmp_path / "run"
     with pytest.raises(stage.Preempted) as stopped:
-        _run(run, tiny_data)
+        _train(run, tiny_data)
     assert stopped.value.exit_code == 75 == stage.PREEMPTED_EXIT_CODE
     message = str(stopped.value)
     assert "stopped by SIGINT at step 3" in message and f"python -m finetune.train {run}" in message
@@ -74,11 +68,10 @@ def test_sigint_saves_at_the_step_boundary_and_resumes_exactly(tmp_path, tiny_ca
     )  # handlers restored
 
     monkeypatch.setattr(cb.RunMonitor, "on_step_end", real)
-    m = _run(run, tiny_data)
+    m = _train(run, tiny_data)
     assert m["train"]["resumed_from"] == str((folder / "checkpoint-3").resolve()) and m["train"]["steps"] == 8
     assert losses(folder / "checkpoint-8") == reference
-    a = load_file(str(run / "adapter" / "adapter_model.safetensors"))
-    b = load_file(str(tmp_path / "reference" / "adapter" / "adapter_model.safetensors"))
+    a, b = adapter_weights(run), adapter_weights(tmp_path / "reference")
     assert all(torch.equal(a[k], b[k]) for k in b)
 
 
@@ -108,7 +101,7 @@ def test_early_stop_window_survives_a_resume(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_to_the_worker_saves_exits_75_and_the_same_command_resumes(tmp_path, tiny_cache):
-    run = prepare_run_dir(
+    run = prepare_worker_run(
         tmp_path / "run", tmp_path / "cache", "train.max_steps=60", "train.loss_spike_factor=0"
     )
     proc = worker(run)
@@ -132,8 +125,6 @@ def test_sigterm_to_the_worker_saves_exits_75_and_the_same_command_resumes(tmp_p
 
 # ---------------------------------------------------------------- exit 75 for every interruption, a true message
 
-REPO = Path(__file__).resolve().parent.parent
-
 # Runs the worker's entry point with one step made slow (it touches FLAG, then waits): a signal sent
 # then lands in that step. argv: FLAG MODULE FUNCTION [python -m finetune.train] RUN_DIR.
 SLOW_STEP = """
@@ -150,10 +141,6 @@ sys.exit(main([sys.argv[-1]]))
 """
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-
-
 def _wait(flag: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not flag.exists():
@@ -165,7 +152,7 @@ def _wait(flag: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
 def _slow_worker(run: Path, flag: Path, module: str, name: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", SLOW_STEP, str(flag), module, name, str(run)],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
 
@@ -180,7 +167,7 @@ def _slow_worker(run: Path, flag: Path, module: str, name: str) -> subprocess.Po
 def test_sigterm_outside_the_training_loop_stops_at_once_with_75(tmp_path, tiny_cache, module, name, during):
     """The reported cases: SIGTERM during model load exited 2; during the base evaluation it waited for all
     of it, then claimed a checkpoint that this attempt had not saved."""
-    run = prepare_run_dir(tmp_path / "run", tmp_path / "cache", "train.max_steps=4")
+    run = prepare_worker_run(tmp_path / "run", tmp_path / "cache", "train.max_steps=4")
     flag = tmp_path / "flag"
     proc = _slow_worker(run, flag, module, name)
     _wait(flag, proc)
@@ -198,7 +185,7 @@ def test_sigterm_outside_the_training_loop_stops_at_once_with_75(tmp_path, tiny_
 
 
 def test_sigterm_before_training_names_the_existing_resume_point_not_a_new_save(tmp_path, tiny_cache):
-    run = prepare_run_dir(tmp_path / "run", tmp_path / "cache", "train.max_steps=4", "train.save_steps=2")
+    run = prepare_worker_run(tmp_path / "run", tmp_path / "cache", "train.max_steps=4", "train.save_steps=2")
     code, err = finish(worker(run))
     assert code == 0, err[-3000:]
     (run / "metrics.json").unlink()  # as if the run had died after its last checkpoint
@@ -230,13 +217,13 @@ def _fake_python(tmp_path: Path, module: str, name: str, flag: Path) -> Path:
 def test_two_sigterms_to_the_pipeline_half_a_second_apart_exit_75(tmp_path, tiny_cache):
     """The reported case: SIGTERM twice (0.5 s apart) to `python -m finetune mode=train` during model load
     exited 2 (reserved for bad input)."""
-    run = prepare_run_dir(tmp_path / "run", tmp_path / "cache", "train.max_steps=4")
+    run = prepare_worker_run(tmp_path / "run", tmp_path / "cache", "train.max_steps=4")
     flag = tmp_path / "flag"
     fake = _fake_python(tmp_path, "finetune.modeling.models", "load_for_training", flag)
     proc = subprocess.Popen(
         [sys.executable, "-m", "finetune", "mode=train", f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}",
-         *RUN_DIR_ARGS, f"launch.python={fake}"],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+         *WORKER_RUN, f"launch.python={fake}"],
+        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     _wait(flag, proc)
     proc.send_signal(signal.SIGTERM)
@@ -258,7 +245,7 @@ def test_sigterm_to_the_pipeline_during_the_data_stage_exits_75(tmp_path, tiny_c
     flag, run = tmp_path / "flag", tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, str(flag), "mode=data", f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}"],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     _wait(flag, proc)
     proc.send_signal(signal.SIGTERM)

@@ -12,48 +12,24 @@ show that very strategy ran; the output must be saved and score better than the 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import SEQ_LEN, planned, run_modes
 
 from finetune.core.composition import recipe_names
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-REPO = Path(__file__).resolve().parent.parent
 GPU_RECIPES = [name for name in recipe_names() if name != "tiny"]
 STEPS = 2
 TIMEOUT_S = 900
 WRAPPERS = {"none": None, "ddp": "DistributedDataParallel", "zero3": "DeepSpeedEngine", "fsdp": "FSDP"}
 
 
-def recipe_plan(recipe: str):
-    from finetune.core.composition import compose, load_profiles
-    from finetune.pipeline.stages import resolve
-    from finetune.planner import make_plan
-
-    cfg = resolve(compose([f"+recipe={recipe}"]))
-    return cfg, make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
-
-
-def finetune(mode: str, args: list[str], log: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "finetune", f"mode={mode}", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    log.write_text(proc.stdout + proc.stderr)
-    ranks = "\n".join(line for line in log.read_text().splitlines() if line.startswith("[rank"))
-    assert proc.returncode == 0, f"mode={mode} failed:\n{ranks[-5000:]}\n{log.read_text()[-3000:]}"
-
-
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_recipe_strategy_runs_as_planned_on_the_tiny_model(recipe, tmp_path, tiny_cache):
-    cfg, plan = recipe_plan(recipe)
+    cfg, plan = planned(f"+recipe={recipe}")
     assert plan.fits, plan.reasons
     s = plan.strategy
     if s.optimizer == "paged_adamw_8bit":
@@ -78,7 +54,7 @@ def test_recipe_strategy_runs_as_planned_on_the_tiny_model(recipe, tmp_path, tin
         f"train.micro_batch_size={s.micro_batch_size}",
         f"train.grad_accum_steps={accum}",
         f"train.batch_size={s.micro_batch_size * accum * ranks}",
-        "train.seq_len=128",
+        SEQ_LEN,
         f"train.max_steps={STEPS}",
         f"train.save_steps={STEPS}",
         "train.eval_steps=1000",
@@ -87,8 +63,7 @@ def test_recipe_strategy_runs_as_planned_on_the_tiny_model(recipe, tmp_path, tin
         "eval.num_samples=16",
         "eval.max_new_tokens=8",
     ]
-    for mode in ("data", "train"):
-        finetune(mode, args, tmp_path / f"{mode}.log")
+    run_modes(args, tmp_path / "run", timeout=TIMEOUT_S)  # logs: run-data.log, run-train.log
 
     ran = json.loads((run_dir / "plan.json").read_text())["strategy"]
     assert ran == {**vars(s), "grad_accum_steps": accum}  # the user-fixed settings planned as given
@@ -121,7 +96,7 @@ def test_recipe_strategy_runs_as_planned_on_the_tiny_model(recipe, tmp_path, tin
         output / ("adapter_model.safetensors" if cfg.method.uses_adapters else "model.safetensors")
     ).is_file()
     if s.sharding in ("zero3", "fsdp"):
-        finetune("eval", args, tmp_path / "eval.log")
+        run_modes(args, tmp_path / "run", timeout=TIMEOUT_S, modes=("eval",))
         scores = json.loads((run_dir / "eval" / "metrics.json").read_text())
     else:
         scores = json.loads((run_dir / "metrics.json").read_text())["eval"]

@@ -4,93 +4,26 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import (
+    adapter_weights,
+    finish,
+    losses,
+    prepare_worker_run,
+    tiny_cfg,
+    train_run,
+    wait_for_checkpoint,
+    worker,
+)
 
 from finetune import rundir
 from finetune.core.errors import ConfigError
 from finetune.rundir import checkpoints
-from tests.test_eval_support import train_in_process, write_engine
-
-REPO = Path(__file__).resolve().parent.parent
-
-# Mid-epoch (about 290 packed rows of 2 per step in an epoch), dropout on so the RNG state matters.
-RUN = (
-    "train.seq_len=128",
-    "train.batch_size=2",
-    "train.max_steps=40",
-    "train.save_steps=5",
-    "train.logging_steps=1",
-    "train.eval_steps=1000",
-    "train.report_to=[]",
-    "method.lora_dropout=0.1",
-    "data.eval_fraction=0.01",
-)
-
-
-def prepare_run_dir(run: Path, cache: Path, *overrides: str) -> Path:
-    """config.yaml, data, plan.json and the engine files as the pipeline writes them before the ranks start
-    (compose, data stage, plan stage, the launcher's engine files)."""
-    from finetune.data import stage as data_stage
-    from finetune.pipeline.cli import compose
-    from finetune.pipeline.stages import plan_stage, resolve
-
-    cfg = resolve(compose([f"run_dir={run}", f"data.cache_dir={cache}", *RUN, *overrides]))
-    rundir.prepare(cfg)
-    rundir.save_config(cfg, run)
-    data_stage.run(cfg, run)
-    write_engine(cfg, plan_stage(cfg, run, quiet=True), run)  # as the launcher writes them
-    return run
-
-
-def worker(run: Path, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "finetune.train", str(run)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kwargs,
-    )
-
-
-def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
-    _, err = proc.communicate(timeout=timeout)
-    return proc.returncode, err
-
-
-def wait_for_checkpoint(run: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
-    path = run / "checkpoints" / f"checkpoint-{step}"
-    deadline = time.monotonic() + timeout
-    while not path.is_dir():
-        if proc.poll() is not None:
-            raise AssertionError(
-                f"worker ended ({proc.returncode}) before {path.name}: {proc.stderr.read()[-2000:]}"
-            )
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"no {path.name} after {timeout} s")
-        time.sleep(0.01)
-
-
-def losses(ckpt: Path) -> list[float]:
-    history = json.loads((ckpt / "trainer_state.json").read_text())["log_history"]
-    return [e["loss"] for e in history if "loss" in e]
-
-
-def adapter(run: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(run / "adapter" / "adapter_model.safetensors"))
 
 
 @pytest.mark.slow
@@ -98,11 +31,11 @@ def test_sigkill_at_a_random_step_then_resume_matches_uninterrupted(tmp_path, ti
     import torch
 
     cache = tmp_path / "cache"
-    reference = prepare_run_dir(tmp_path / "reference", cache)
+    reference = prepare_worker_run(tmp_path / "reference", cache)
     code, err = finish(worker(reference))
     assert code == 0, err[-3000:]
 
-    run = prepare_run_dir(tmp_path / "killed", cache)
+    run = prepare_worker_run(tmp_path / "killed", cache)
     proc = worker(run)
     wait_for_checkpoint(run, 5, proc)
     time.sleep(random.uniform(0.0, 0.8))  # a random step after the first checkpoint
@@ -121,7 +54,7 @@ def test_sigkill_at_a_random_step_then_resume_matches_uninterrupted(tmp_path, ti
     expected = losses(reference / "checkpoints" / "checkpoint-40")
     assert len(expected) == 40
     assert losses(run / "checkpoints" / "checkpoint-40") == expected  # exact, every step
-    ref, got = adapter(reference), adapter(run)
+    ref, got = adapter_weights(reference), adapter_weights(run)
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
     assert (
         metrics["eval"]["trained"]["loss"]
@@ -132,25 +65,18 @@ def test_sigkill_at_a_random_step_then_resume_matches_uninterrupted(tmp_path, ti
 # ---------------------------------------------------------------- resume=false, resume=PATH, a changed config
 
 
-IN_PROCESS = (
-    "train.max_steps=8",
-    "train.save_steps=2",
-    "train.save_total_limit=4",
-    "train.logging_steps=1",
-    "train.eval_steps=1000",
-)
+# 8 steps, a checkpoint every 2, all 4 kept.
+IN_PROCESS = ("train.max_steps=8", "train.save_steps=2", "train.save_total_limit=4")
 
 
-def train_run(run: Path, tiny_data, overrides: tuple[str, ...], **strategy) -> dict:
-    """The tiny LoRA in this process with the resume tests' settings (4 eval rows, one generation)."""
-    from finetune.pipeline.cli import compose
-
-    cfg = compose([f"run_dir={run}", "train.seq_len=128", "train.report_to=[]", *overrides])
-    return train_in_process(cfg, tiny_data, n_eval=4, max_generate=1, **strategy)
+def _train(run: Path, tiny_data, *overrides: str) -> dict:
+    """The tiny LoRA in this process with the resume tests' settings (2 x 1 rows, 4 eval rows, one generation)."""
+    cfg = tiny_cfg(*overrides, run_dir=run)
+    return train_run(cfg, tiny_data, n_eval=4, max_generate=1, micro_batch_size=2, grad_accum_steps=1)
 
 
 def _in_process(run: Path, tiny_data, *overrides: str) -> dict:
-    return train_run(run, tiny_data, (*IN_PROCESS, *overrides), micro_batch_size=2, grad_accum_steps=1)
+    return _train(run, tiny_data, *IN_PROCESS, *overrides)
 
 
 def test_resume_false_starts_fresh_and_resume_path_picks_one(tmp_path, tiny_cache, tiny_data):
@@ -162,15 +88,15 @@ def test_resume_false_starts_fresh_and_resume_path_picks_one(tmp_path, tiny_cach
 
     # resume=true with everything done: resumes at step 8, trains nothing more (transformers alone would
     # train a ninth step and rewrite the adapter), keeps the finished run's metrics.
-    adapter_before = adapter(run)
+    adapter_before = adapter_weights(run)
     again = _in_process(run, tiny_data)
     assert again["train"]["resumed_from"] == str((folder / "checkpoint-8").resolve())
     assert again["train"]["already_complete"] is True and first["train"]["already_complete"] is False
     assert again["train"]["steps"] == 8 and again["eval"] == first["eval"]
     assert [p.name for p in checkpoints.listing(folder)] == [f"checkpoint-{s}" for s in (2, 4, 6, 8)]
     assert json.loads((run / "metrics.json").read_text())["train"]["already_complete"] is True
-    assert adapter(run).keys() == adapter_before.keys()
-    assert all(adapter(run)[k].equal(adapter_before[k]) for k in adapter_before)
+    assert adapter_weights(run).keys() == adapter_before.keys()
+    assert all(adapter_weights(run)[k].equal(adapter_before[k]) for k in adapter_before)
 
     # resume=PATH: that checkpoint; the later ones are set aside (never resumed by mistake), then rewritten.
     picked = _in_process(run, tiny_data, "resume=checkpoint-4")
@@ -209,12 +135,12 @@ def test_an_epoch_based_run_run_again_trains_nothing(tmp_path, tiny_cache, tiny_
     """By epochs, the schedule's length is the trainer's own count of optimizer steps."""
     run = tmp_path / "run"
     overrides = ("train.max_steps=-1", "train.epochs=0.02", "train.save_steps=1000", "train.eval_steps=1000")
-    first = train_run(run, tiny_data, overrides, micro_batch_size=2, grad_accum_steps=1)
+    first = _train(run, tiny_data, *overrides)
     steps = first["train"]["steps"]
     assert steps == math.ceil(0.02 * math.ceil(len(tiny_data[0]) / 2)) > 1  # 2% of an epoch of 2-row batches
     last = run / "checkpoints" / f"checkpoint-{steps}"  # transformers saves at the end of the schedule
     assert last.is_dir()
-    again = train_run(run, tiny_data, overrides, micro_batch_size=2, grad_accum_steps=1)
+    again = _train(run, tiny_data, *overrides)
     assert again["train"]["already_complete"] is True and again["train"]["steps"] == steps
     assert again["train"]["resumed_from"] == str(last.resolve())
     assert [p.name for p in checkpoints.listing(run / "checkpoints")] == [last.name]

@@ -19,14 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import WORKER_RUN, child_env
 
 from finetune import rundir
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
 
 
 def _cli(args: list[str], capsys) -> tuple[int, str]:
@@ -207,7 +202,7 @@ while True:
 
 def _start_parent(run: Path, on_term: str) -> subprocess.Popen:
     child = CHILD.format(on_term=on_term)
-    return subprocess.Popen([sys.executable, "-c", PARENT, str(run), child], env=_env(), cwd=run)
+    return subprocess.Popen([sys.executable, "-c", PARENT, str(run), child], env=child_env(), cwd=run)
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60) -> int:
@@ -236,7 +231,7 @@ def _gone(pid: int, timeout: float) -> bool:
 def _try_lock(run: Path) -> subprocess.CompletedProcess:
     code = "import sys; from pathlib import Path; from finetune import rundir; rundir.lock(Path(sys.argv[1]))"
     return subprocess.run(
-        [sys.executable, "-c", code, str(run)], env=_env(), capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code, str(run)], env=child_env(), capture_output=True, text=True, timeout=60
     )
 
 
@@ -286,17 +281,15 @@ def test_a_worker_that_outlives_its_parent_still_holds_the_lock(tmp_path):
 def test_kill_9_of_mode_train_leaves_no_orphan_and_the_rerun_resumes(tmp_path, tiny_cache):
     """The reported case end to end: kill -9 the pipeline of a running mode=train; the worker saves and
     ends (no orphan writing on), the same command resumes from its checkpoint and finishes."""
-    from tests.test_resume import RUN
-
     run = tmp_path / "run"
     args = [
         sys.executable, "-m", "finetune", "mode=train", f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}",
-        *RUN, "train.max_steps=400", "train.save_steps=5", "train.loss_spike_factor=0",
+        *WORKER_RUN, "train.max_steps=400", "train.save_steps=5", "train.loss_spike_factor=0",
     ]  # fmt: skip
-    assert subprocess.run([*args[:3], "mode=data", *args[4:]], env=_env(), timeout=600).returncode == 0
+    assert subprocess.run([*args[:3], "mode=data", *args[4:]], env=child_env(), timeout=600).returncode == 0
     log = tmp_path / "pipeline.log"
     with open(log, "w") as out:
-        pipeline = subprocess.Popen(args, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+        pipeline = subprocess.Popen(args, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while not (run / "checkpoints" / "checkpoint-5").is_dir():
         assert pipeline.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -313,7 +306,7 @@ def test_kill_9_of_mode_train_leaves_no_orphan_and_the_rerun_resumes(tmp_path, t
     assert last is not None and checkpoints.step_of(last) >= 5
     rerun = subprocess.run(
         [*args[:-3], "train.max_steps=" + str(checkpoints.step_of(last) + 5), *args[-2:]],
-        env=_env(), capture_output=True, text=True, timeout=600,
+        env=child_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     metrics = json.loads((run / "metrics.json").read_text())

@@ -14,11 +14,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from helpers import SEQ_LEN, Capture, child_env, planned, planned_run_dir, run_cli
 
 from finetune.core import secrets
 from finetune.core.errors import ConfigError
-
-REPO = Path(__file__).resolve().parent.parent
 
 PLANTED = {
     "HF_TOKEN": "hf_plantedTokenAAAA1111",
@@ -28,16 +27,6 @@ PLANTED = {
     "DB_PASSWORD": "pw_plantedEEEE5555",
     "CI_DEPLOY_SECRET": "dep_plantedFFFF6666",
 }
-
-
-def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
-
-
-def _run(
-    args: list[str], env: dict[str, str], cwd: Path, timeout: float = 600
-) -> subprocess.CompletedProcess:
-    return subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def test_scrub_names_values_and_keys():
@@ -70,12 +59,12 @@ def test_log_records_are_scrubbed(monkeypatch, caplog):
 @pytest.mark.slow
 def test_planted_secrets_appear_in_no_file_and_no_output(tmp_path, tiny_cache):
     """data, plan, train (tensorboard on) and a launch script with secrets in the environment and in overrides."""
-    env = _env(**PLANTED)
+    env = child_env(**PLANTED)
     run = tmp_path / "run"
     common = [
         f"run_dir={run}",
         f"data.cache_dir={tmp_path / 'cache'}",
-        "train.seq_len=128",
+        SEQ_LEN,
         "train.max_steps=4",
         "train.save_steps=2",
         "train.logging_steps=1",
@@ -87,10 +76,10 @@ def test_planted_secrets_appear_in_no_file_and_no_output(tmp_path, tiny_cache):
     outputs = []
     # data, then plan + a launch dry run (launch.sh, engine.json: what the worker reads), then the worker itself
     for mode in (["mode=data"], ["mode=launch", "launch.dry_run=true"]):
-        r = _run([sys.executable, "-m", "finetune", *mode, *common], env, tmp_path)
+        r = run_cli(*mode, *common, env=env, cwd=tmp_path)
         assert r.returncode == 0, r.stderr[-2000:]
         outputs.append(r.stdout + r.stderr)
-    r = _run([sys.executable, "-m", "finetune.train", str(run)], env, tmp_path)
+    r = run_cli(str(run), module="finetune.train", env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     outputs.append(r.stdout + r.stderr)
 
@@ -115,14 +104,11 @@ def test_planted_secrets_appear_in_no_file_and_no_output(tmp_path, tiny_cache):
 
 
 def test_launch_does_not_print_secret_values(tmp_path):
-    env = _env(HF_TOKEN=PLANTED["HF_TOKEN"])
-    r = _run(
-        [
-            sys.executable, "-m", "finetune", "mode=launch", "launch.dry_run=true",
-            "+recipe=llama8b_lora", f"run_dir={tmp_path / 'run'}", "+launch.env.HF_TOKEN=${oc.env:HF_TOKEN}",
-        ],
-        env,
-        tmp_path,
+    env = child_env(HF_TOKEN=PLANTED["HF_TOKEN"])
+    r = run_cli(
+        "mode=launch", "launch.dry_run=true", "+recipe=llama8b_lora", f"run_dir={tmp_path / 'run'}",
+        "+launch.env.HF_TOKEN=${oc.env:HF_TOKEN}",
+        env=env, cwd=tmp_path,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert PLANTED["HF_TOKEN"] not in r.stdout + r.stderr
@@ -142,25 +128,25 @@ def test_second_run_on_a_locked_run_dir_exits_2_naming_the_holder(tmp_path):
             "rundir.lock(Path(sys.argv[1])); print('locked', flush=True); time.sleep(300)",
             str(run),
         ],
-        env=_env(),
+        env=child_env(),
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        r = _run([sys.executable, "-m", "finetune", "mode=plan", f"run_dir={run}"], _env(), tmp_path)
+        r = run_cli("mode=plan", f"run_dir={run}", env=child_env(), cwd=tmp_path)
         assert r.returncode == 2
         assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
         assert f"run_dir={run}: in use by pid {holder.pid}" in r.stderr
         assert not (run / "config.yaml").exists() and not (run / "plan.json").exists()  # nothing written
-        w = _run([sys.executable, "-m", "finetune.train", str(run)], _env(), tmp_path)
+        w = run_cli(str(run), module="finetune.train", env=child_env(), cwd=tmp_path)
         assert w.returncode == 2 and f"in use by pid {holder.pid}" in w.stderr and "Traceback" not in w.stderr
     finally:
         holder.send_signal(signal.SIGKILL)  # a crashed holder: the kernel drops its lock
         holder.wait()
         holder.stdout.close()
     time.sleep(0.1)
-    r = _run([sys.executable, "-m", "finetune", "mode=plan", f"run_dir={run}"], _env(), tmp_path)
+    r = run_cli("mode=plan", f"run_dir={run}", env=child_env(), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (run / "plan.json").is_file()
 
@@ -171,11 +157,10 @@ def test_lock_is_reentrant_and_covers_children(tmp_path):
 
     rundir.lock(tmp_path)
     rundir.lock(tmp_path)  # again in the same process: fine
-    child = _run(
+    child = subprocess.run(
         [sys.executable, "-c", "import sys; from pathlib import Path; from finetune import rundir; "
          "rundir.lock(Path(sys.argv[1])); print('ok')", str(tmp_path)],
-        _env(),
-        tmp_path,
+        env=child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert child.returncode == 0 and child.stdout.strip() == "ok", child.stderr
 
@@ -190,7 +175,7 @@ def test_pickle_weights_refused_unless_allowed_and_opt_ins_logged(tmp_path, tiny
     from finetune.modeling.models import check_weight_safety, load_for_training
     from finetune.pipeline.cli import compose
 
-    cfg = compose(["train.seq_len=128"])
+    cfg = compose([SEQ_LEN])
     assert cfg.model.trust_remote_code is False and cfg.model.allow_pickle_weights is False
     model = tiny.load_model(cfg.model)
     folder = tmp_path / "pickled"
@@ -228,7 +213,7 @@ def test_every_loading_path_refuses_pickle_only_weights(tmp_path, tiny_cache):
         (folder / "model.safetensors").unlink()
         torch.save(model.state_dict(), folder / "pytorch_model.bin")
 
-    cfg = compose(["train.seq_len=128", "method=full"])
+    cfg = compose([SEQ_LEN, "method=full"])
     base = tmp_path / "base"
     pickled(base)
     on_pickles = replace(cfg, model=replace(cfg.model, name="pickled", config_path=str(base / "config.json")))
@@ -251,11 +236,9 @@ def test_every_loading_path_refuses_pickle_only_weights(tmp_path, tiny_cache):
 
 
 def _launch(tmp_path: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return _run(
-        [sys.executable, "-m", "finetune", "mode=launch", "launch.dry_run=true", f"run_dir={tmp_path / 'run'}",
-         *overrides],
-        env or _env(),
-        tmp_path,
+    return run_cli(
+        "mode=launch", "launch.dry_run=true", f"run_dir={tmp_path / 'run'}", *overrides,
+        env=env or child_env(), cwd=tmp_path,
     )  # fmt: skip
 
 
@@ -287,11 +270,10 @@ def test_launch_sh_quotes_every_value_and_runs_none_of_them(tmp_path):
     hostile = f'$(touch {target}); `touch {target}` "d" $HOME\n touch {target} ;'
     fake, record = _fake_python(tmp_path)
     run = tmp_path / "run $(touch pwned) `touch pwned`"
-    r = _run(
-        [sys.executable, "-m", "finetune", "mode=launch", "launch.dry_run=true", f"run_dir='{run}'",
-         f"launch.python={fake}", f"+launch.env.EXTRA='{hostile}'"],
-        _env(),
-        tmp_path,
+    r = run_cli(
+        "mode=launch", "launch.dry_run=true", f"run_dir='{run}'", f"launch.python={fake}",
+        f"+launch.env.EXTRA='{hostile}'",
+        env=child_env(), cwd=tmp_path,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     script = run / "launch.sh"
@@ -309,7 +291,7 @@ def test_a_secret_given_on_the_command_line_is_referenced_by_name_only(tmp_path)
     """The reported case: '+launch.env.HF_TOKEN=hf_...' was written in clear into a world-readable launch.sh."""
     token = "hf_givenOnTheCommandLine0123456789"
     fake, record = _fake_python(tmp_path)
-    env = {k: v for k, v in _env().items() if k != "HF_TOKEN"}
+    env = {k: v for k, v in child_env().items() if k != "HF_TOKEN"}
     r = _launch(tmp_path, f"+launch.env.HF_TOKEN={token}", f"launch.python={fake}", env=env)
     assert r.returncode == 0, r.stderr
     run = tmp_path / "run"
@@ -330,12 +312,11 @@ def test_a_secret_given_on_the_command_line_is_referenced_by_name_only(tmp_path)
 def test_sbatch_script_quotes_and_references_secrets(tmp_path):
     from finetune.core.config import LaunchConfig
     from finetune.launch import stage as launch_stage
-    from tests.test_launch import Capture, prepared
 
     secret = "tok_inTheEnvironment_5678"
     os.environ["SERVICE_TOKEN"] = secret
     try:
-        cfg, plan, run = prepared(tmp_path, "+recipe=llama70b_full")
+        cfg, plan, run = planned_run_dir(tmp_path, "+recipe=llama70b_full")
         launch = LaunchConfig(
             scheduler="slurm", nnodes=2, dry_run=True,
             env={"FORWARDED": secret, "URL": f"https://u:{secret}@host/$x", "PLAIN": "a b;touch x"},
@@ -366,7 +347,6 @@ def test_slurm_names_cannot_carry_lines(tmp_path):
 
 def test_serve_sh_keeps_names_on_their_comment_lines(tmp_path):
     from finetune.export import serve
-    from tests.test_launch import planned
 
     cfg, plan = planned("model=llama3_1_8b", "method=lora", "hardware=h100", "train.seq_len=4096")
     target = tmp_path / "pwned"
@@ -401,8 +381,9 @@ def test_serve_sh_keeps_names_on_their_comment_lines(tmp_path):
 def test_env_interpolation_outside_launch_env_is_refused(tmp_path, override):
     """The reported case: 'name=${oc.env:DATABASE_URL}' copied any variable into config.yaml in clear."""
     value = "postgres://user:pw0123456789@db/prod"
-    r = _run([sys.executable, "-m", "finetune", "mode=plan", f"run_dir={tmp_path / 'run'}", override],
-             _env(DATABASE_URL=value), tmp_path)  # fmt: skip
+    r = run_cli(
+        "mode=plan", f"run_dir={tmp_path / 'run'}", override, env=child_env(DATABASE_URL=value), cwd=tmp_path
+    )
     key = override.split("=", 1)[0].lstrip("+")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
     assert f"{key}: ${{oc.env:...}} is accepted only as the whole value of +launch.env.NAME" in r.stderr
@@ -411,7 +392,7 @@ def test_env_interpolation_outside_launch_env_is_refused(tmp_path, override):
 
 def test_a_variable_forwarded_with_oc_env_is_a_secret_whatever_its_name(tmp_path):
     value = "postgres://user:pw0123456789@db/prod"
-    r = _launch(tmp_path, "+launch.env.DB=${oc.env:DATABASE_URL}", env=_env(DATABASE_URL=value))
+    r = _launch(tmp_path, "+launch.env.DB=${oc.env:DATABASE_URL}", env=child_env(DATABASE_URL=value))
     assert r.returncode == 0, r.stderr
     run = tmp_path / "run"
     for path in run.rglob("*"):

@@ -8,56 +8,39 @@ line where they cannot run. What they gain is measured on a GPU (scripts/gpu_che
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import last_losses, plan_for, run_cli, tiny_cfg, train_run, write_engine
 
 from finetune.core.errors import ConfigError
 from finetune.modeling.collator import IGNORE_INDEX, NUM_TOKENS_KEY, PackedCollator
+from finetune.pipeline.cli import compose
 from finetune.train import throughput
-from tests.test_eval_support import compose_tiny, plan_for, train_in_process, write_engine
 
-REPO = Path(__file__).resolve().parent.parent
 STEPS = 4
-
-
-def _cfg(run_dir: Path, *overrides: str):
-    return compose_tiny(
-        f"run_dir={run_dir}",
-        "method=lora",
-        "method.lora_dropout=0.0",
-        "method.learning_rate=5e-3",
-        "train.seq_len=128",
-        f"train.max_steps={STEPS}",
-        "train.logging_steps=1",
-        "train.eval_steps=1000",
-        "train.save_steps=1000",
-        "train.report_to=[]",
-        "train.warmup_ratio=0.0",
-        *overrides,
-    )
+# LoRA without dropout at a learning rate that moves in STEPS steps, no warmup, one checkpoint at the end.
+LORA_RUN = (
+    "method=lora",
+    "method.lora_dropout=0.0",
+    "method.learning_rate=5e-3",
+    f"train.max_steps={STEPS}",
+    "train.save_steps=1000",
+    "train.warmup_ratio=0.0",
+)
 
 
 def _train(tmp_path: Path, tiny_data, name: str, *overrides: str) -> dict:
-    cfg = _cfg(tmp_path / name, *overrides)
-    return train_in_process(
+    cfg = tiny_cfg(*LORA_RUN, *overrides, run_dir=tmp_path / name)
+    return train_run(
         cfg, tiny_data, n_train=32, n_eval=8, max_generate=2, micro_batch_size=2, grad_accum_steps=2
     )
 
 
 def _losses(metrics: dict) -> list[float]:
-    from transformers.trainer_utils import get_last_checkpoint
-
-    run = Path(metrics["train"]["output_dir"]).parent
-    history = json.loads(
-        (Path(get_last_checkpoint(str(run / "checkpoints"))) / "trainer_state.json").read_text()
-    )
-    return [e["loss"] for e in history["log_history"] if "loss" in e]
+    return last_losses(Path(metrics["train"]["output_dir"]).parent)
 
 
 def _adapter(metrics: dict) -> dict[str, torch.Tensor]:
@@ -70,7 +53,7 @@ def _adapter(metrics: dict) -> dict[str, torch.Tensor]:
 
 
 def test_defaults_are_the_baseline_and_bad_values_name_the_key():
-    t = compose_tiny().train
+    t = compose([]).train
     assert (t.attention, t.liger, t.compile, t.fused_optimizer, t.profile) == (
         "sdpa",
         False,
@@ -81,19 +64,19 @@ def test_defaults_are_the_baseline_and_bad_values_name_the_key():
     with pytest.raises(
         ConfigError, match=r"train.attention='xformers' is not one of sdpa, flex, eager, flash"
     ):
-        compose_tiny("train.attention=xformers")
+        compose(["train.attention=xformers"])
     for key, why in (
         ("train.attention=flex", "FlexAttention has no backward on the CPU"),
         ("train.attention=flash", "flash-attn's kernels are CUDA kernels"),
         ("train.liger=true", "Liger's kernels are Triton GPU kernels"),
     ):
         with pytest.raises(ConfigError, match=f"needs CUDA \\({why}\\)"):
-            compose_tiny("hardware=cpu", key)
-        compose_tiny("hardware=h200", key)  # a GPU profile: accepted
+            compose(["hardware=cpu", key])
+        compose(["hardware=h200", key])  # a GPU profile: accepted
     with pytest.raises(
         ConfigError, match="train.compile=true is proven with train.sharding=none or ddp only"
     ):
-        compose_tiny("hardware=h200", "train.compile=true", "train.sharding=fsdp")
+        compose(["hardware=h200", "train.compile=true", "train.sharding=fsdp"])
 
 
 def test_a_lever_this_machine_cannot_run_is_refused_in_one_line(monkeypatch):
@@ -103,7 +86,7 @@ def test_a_lever_this_machine_cannot_run_is_refused_in_one_line(monkeypatch):
 
     def refusal(*overrides: str, sharding: str = "none") -> str:
         with pytest.raises(ConfigError) as err:
-            throughput.check_runtime(compose_tiny("hardware=h200", *overrides), sharding)
+            throughput.check_runtime(compose(["hardware=h200", *overrides]), sharding)
         assert "\n" not in str(err.value)
         return str(err.value)
 
@@ -118,27 +101,13 @@ def test_a_lever_this_machine_cannot_run_is_refused_in_one_line(monkeypatch):
     assert "FlexAttention has no backward on the CPU" in refusal("train.attention=flex")
     cuda["ok"] = True
     for ok in ("train.liger=true", "train.attention=flash", "train.attention=flex", "train.compile=true"):
-        throughput.check_runtime(compose_tiny("hardware=h200", ok), "none")
+        throughput.check_runtime(compose(["hardware=h200", ok]), "none")
     # The planner may choose the sharding: compile is refused at the worker when it chose FSDP or ZeRO-3.
     assert "the plan shards with zero3" in refusal("train.compile=true", sharding="zero3")
 
 
 def test_liger_refused_on_the_command_line(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "finetune",
-            "mode=plan",
-            "hardware=cpu",
-            "train.liger=true",
-            f"run_dir={tmp_path}",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_cli("mode=plan", "hardware=cpu", "train.liger=true", f"run_dir={tmp_path}", timeout=300)
     assert proc.returncode == 2
     assert (
         proc.stderr.strip()
@@ -158,8 +127,8 @@ def test_liger_goes_through_trls_switch_and_reaches_the_trainer(tmp_path, tiny_c
     from finetune.modeling.models import load_for_training, load_tokenizer
     from finetune.train.trainer import build_sft_config, build_trainer
 
-    assert throughput.sft_kwargs(compose_tiny("hardware=h200")) == {}
-    kwargs = throughput.sft_kwargs(compose_tiny("hardware=h200", "train.liger=true"))
+    assert throughput.sft_kwargs(compose(["hardware=h200"])) == {}
+    kwargs = throughput.sft_kwargs(compose(["hardware=h200", "train.liger=true"]))
     assert kwargs == {
         "use_liger_kernel": True,
         "liger_kernel_config": {
@@ -174,7 +143,7 @@ def test_liger_goes_through_trls_switch_and_reaches_the_trainer(tmp_path, tiny_c
     monkeypatch.setattr(
         transformers.trainer, "apply_liger_kernel", lambda model, config: applied.append(config)
     )
-    cfg = _cfg(tmp_path / "run", "train.max_steps=1")
+    cfg = tiny_cfg(*LORA_RUN, "train.max_steps=1", run_dir=tmp_path / "run")
     plan = plan_for(cfg, micro_batch_size=2, grad_accum_steps=1, chunked_loss=True)
     write_engine(cfg, plan, tmp_path / "run")
     args = build_sft_config(cfg, plan, tmp_path / "run", torch.float32)
@@ -206,12 +175,14 @@ def _lora_model(tiny_cache, attention: str, precision: str):
     # flex: a GPU profile gets past the config's refusal; the model still loads on the CPU (LoRA has no
     # device map), in fp32 (on "cuda" without CUDA, bf16 would fall back to fp32).
     assert attention != "flex" or precision == "fp32"
-    cfg = compose_tiny(
-        "hardware=h200" if attention == "flex" else "hardware=cpu",
-        "method=lora",
-        "method.lora_dropout=0.0",
-        f"method.precision={precision}",
-        f"train.attention={attention}",
+    cfg = compose(
+        [
+            "hardware=h200" if attention == "flex" else "hardware=cpu",
+            "method=lora",
+            "method.lora_dropout=0.0",
+            f"method.precision={precision}",
+            f"train.attention={attention}",
+        ]
     )
     torch.manual_seed(0)
     model, _ = load_for_training(cfg)

@@ -3,47 +3,25 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import SEQ_LEN, last_losses, plan_for, prepare_run, run_cli, tiny_cfg, train_run, write_engine
 
 from finetune import rundir
 from finetune.modeling.collator import NUM_TOKENS_KEY, PackedCollator
+from finetune.pipeline.cli import compose
 from finetune.train import stage
 from finetune.train.callbacks import EarlyStop, RunMonitor
-from tests.test_eval_support import compose_tiny, plan_for, train_in_process, write_engine
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _cfg(tmp_path: Path, *overrides: str):
-    return compose_tiny(
-        f"run_dir={tmp_path / 'run'}",
-        "train.seq_len=128",
-        "train.logging_steps=1",
-        "train.eval_steps=1000",
-        "train.save_steps=1000",
-        "train.report_to=[]",
-        "train.warmup_ratio=0.0",
-        *overrides,
-    )
-
-
-def _losses(run_dir: Path) -> list[float]:
-    """Per-step training losses from the last checkpoint's trainer state."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    last = get_last_checkpoint(str(run_dir / "checkpoints"))
-    history = json.loads((Path(last) / "trainer_state.json").read_text())["log_history"]
-    return [e["loss"] for e in history if "loss" in e]
+# One checkpoint, at the end of the run; the full learning rate from the first step.
+STEADY = ("train.save_steps=1000", "train.warmup_ratio=0.0")
 
 
 def _train(cfg, tiny_data, n_train=None, n_eval=24, **strategy):
-    return train_in_process(cfg, tiny_data, n_train=n_train, n_eval=n_eval, max_generate=8, **strategy)
+    return train_run(cfg, tiny_data, n_train=n_train, n_eval=n_eval, max_generate=8, **strategy)
 
 
 # ---------------------------------------------------------------- units
@@ -110,7 +88,7 @@ def test_early_stop_saves_then_stops_the_trainer(tmp_path, tiny_cache, tiny_data
             if logs and "loss" in logs and state.global_step == 5:
                 logs["loss"] = 100.0
 
-    cfg = _cfg(tmp_path, "method=lora", "train.max_steps=30")
+    cfg = tiny_cfg(*STEADY, "method=lora", "train.max_steps=30", run_dir=tmp_path / "run")
     plan = plan_for(cfg, micro_batch_size=1, grad_accum_steps=1)
     write_engine(cfg, plan, Path(cfg.run_dir))
     model, dtype = load_for_training(cfg)
@@ -154,7 +132,7 @@ def test_monitor_logs_throughput_and_memory_against_plan(caplog):
 
 
 def test_plan_json_round_trip(tmp_path):
-    cfg = _cfg(tmp_path)
+    cfg = tiny_cfg(*STEADY, run_dir=tmp_path / "run")
     plan = plan_for(cfg, micro_batch_size=2, grad_accum_steps=3, chunked_loss=True)
     rundir.write_json(tmp_path / rundir.PLAN_FILE, plan.to_dict())
     back = rundir.load_plan(tmp_path)
@@ -174,9 +152,9 @@ def test_plan_json_round_trip(tmp_path):
     ],
 )
 def test_method_trains_and_loss_falls(tmp_path, tiny_cache, tiny_data, method, overrides):
-    cfg = _cfg(tmp_path, f"method={method}", "train.max_steps=30", *overrides)
+    cfg = tiny_cfg(*STEADY, f"method={method}", "train.max_steps=30", *overrides, run_dir=tmp_path / "run")
     m = _train(cfg, tiny_data, micro_batch_size=4, grad_accum_steps=1)
-    losses = _losses(Path(cfg.run_dir))
+    losses = last_losses(Path(cfg.run_dir))
     assert len(losses) == 30 and m["train"]["steps"] == 30
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < 0.7 * first, losses
@@ -203,10 +181,10 @@ def test_adapter_and_optimizer_state_save_and_resume_exactly(tmp_path, tiny_cach
     from finetune.modeling.models import model_source
 
     common = ("method=lora", "method.learning_rate=5e-3", "train.max_steps=12", "train.save_steps=6")
-    cfg = _cfg(tmp_path, *common)
+    cfg = tiny_cfg(*STEADY, *common, run_dir=tmp_path / "run")
     m = _train(cfg, tiny_data, micro_batch_size=2, grad_accum_steps=2)
     run = Path(cfg.run_dir)
-    full = _losses(run)
+    full = last_losses(run)
     ckpt = run / "checkpoints" / "checkpoint-6"
     state = torch.load(ckpt / "optimizer.pt", weights_only=True)
     trainable = sum(1 for _ in (ckpt / "adapter_model.safetensors",))
@@ -224,20 +202,20 @@ def test_adapter_and_optimizer_state_save_and_resume_exactly(tmp_path, tiny_cach
     assert heldout_loss(loaded, evals, 0) == pytest.approx(m["eval"]["trained"]["loss"], rel=1e-5)
 
     # Resume from step 6 in a fresh run directory: the same losses for steps 7-12.
-    cfg2 = replace(_cfg(tmp_path / "again", *common), resume=str(ckpt))
+    cfg2 = replace(tiny_cfg(*STEADY, *common, run_dir=tmp_path / "again"), resume=str(ckpt))
     _train(cfg2, tiny_data, micro_batch_size=2, grad_accum_steps=2)
-    resumed = _losses(Path(cfg2.run_dir))
+    resumed = last_losses(Path(cfg2.run_dir))
     assert resumed[-6:] == pytest.approx(full[-6:], rel=1e-4)
 
 
 def test_micro_batch_times_accumulation_invariant(tmp_path, tiny_cache, tiny_data):
     """mb 1 x accumulation 4 == mb 4 x accumulation 1: the loss is the mean over all tokens of the step."""
     common = ("method=lora", "method.lora_dropout=0.0", "method.learning_rate=5e-3", "train.max_steps=6")
-    a = _cfg(tmp_path / "a", *common)
+    a = tiny_cfg(*STEADY, *common, run_dir=tmp_path / "a")
     _train(a, tiny_data, n_train=48, micro_batch_size=1, grad_accum_steps=4)
-    b = _cfg(tmp_path / "b", *common)
+    b = tiny_cfg(*STEADY, *common, run_dir=tmp_path / "b")
     _train(b, tiny_data, n_train=48, micro_batch_size=4, grad_accum_steps=1)
-    la, lb = _losses(Path(a.run_dir)), _losses(Path(b.run_dir))
+    la, lb = last_losses(Path(a.run_dir)), last_losses(Path(b.run_dir))
     assert len(la) == len(lb) == 6
     assert la == pytest.approx(lb, rel=2e-4)
     assert la[-1] < la[0]
@@ -246,18 +224,18 @@ def test_micro_batch_times_accumulation_invariant(tmp_path, tiny_cache, tiny_dat
 def test_chunked_loss_trains_like_the_plain_loss(tmp_path, tiny_cache, tiny_data):
     """Full fine-tuning (trainable head): the chunked loss path gives the same trajectory as the plain one."""
     common = ("method=full", "method.precision=fp32", "method.learning_rate=1e-3", "train.max_steps=5")
-    a = _cfg(tmp_path / "a", *common, "train.loss_chunk_size=37")
+    a = tiny_cfg(*STEADY, *common, "train.loss_chunk_size=37", run_dir=tmp_path / "a")
     _train(a, tiny_data, n_train=40, micro_batch_size=2, grad_accum_steps=2, chunked_loss=True)
-    b = _cfg(tmp_path / "b", *common)
+    b = tiny_cfg(*STEADY, *common, run_dir=tmp_path / "b")
     _train(b, tiny_data, n_train=40, micro_batch_size=2, grad_accum_steps=2, chunked_loss=False)
-    la, lb = _losses(Path(a.run_dir)), _losses(Path(b.run_dir))
+    la, lb = last_losses(Path(a.run_dir)), last_losses(Path(b.run_dir))
     assert la == pytest.approx(lb, rel=1e-4)
 
 
 def test_activation_checkpointing_keeps_the_trajectory(tmp_path, tiny_cache, tiny_data):
     """LoRA with non-reentrant checkpointing and the chunked loss trains exactly like the plain path."""
     common = ("method=lora", "method.lora_dropout=0.0", "method.learning_rate=5e-3", "train.max_steps=4")
-    a = _cfg(tmp_path / "a", *common)
+    a = tiny_cfg(*STEADY, *common, run_dir=tmp_path / "a")
     _train(
         a,
         tiny_data,
@@ -267,9 +245,9 @@ def test_activation_checkpointing_keeps_the_trajectory(tmp_path, tiny_cache, tin
         activation_checkpointing=True,
         chunked_loss=True,
     )
-    b = _cfg(tmp_path / "b", *common)
+    b = tiny_cfg(*STEADY, *common, run_dir=tmp_path / "b")
     _train(b, tiny_data, n_train=16, micro_batch_size=2, grad_accum_steps=2)
-    assert _losses(Path(a.run_dir)) == pytest.approx(_losses(Path(b.run_dir)), rel=1e-4)
+    assert last_losses(Path(a.run_dir)) == pytest.approx(last_losses(Path(b.run_dir)), rel=1e-4)
 
 
 def test_qlora_gradients_after_eval_match_dequantized_reference(tiny_cache, tiny_data, tmp_path):
@@ -280,12 +258,13 @@ def test_qlora_gradients_after_eval_match_dequantized_reference(tiny_cache, tiny
 
     from finetune.modeling.models import load_for_training, lora_config, model_source
 
-    cfg = _cfg(
-        tmp_path,
+    cfg = tiny_cfg(
+        *STEADY,
         "method=qlora",
         "method.lora_dropout=0.0",
         "method.compute_dtype=fp32",
         "method.adapter_dtype=fp32",
+        run_dir=tmp_path / "run",
     )
     torch.manual_seed(0)
     model, _ = load_for_training(cfg)
@@ -326,42 +305,16 @@ def test_qlora_gradients_after_eval_match_dequantized_reference(tiny_cache, tiny
 # ---------------------------------------------------------------- the worker entry and the default recipe
 
 
-def _prepare_run_dir(tmp_path: Path, *overrides: str) -> Path:
-    from finetune.data import stage as data_stage
-    from finetune.pipeline.stages import plan_stage, resolve
-
-    cfg = resolve(
-        compose_tiny(f"run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", *overrides)
-    )
-    run = rundir.prepare(cfg)
-    rundir.save_config(cfg, run)
-    data_stage.run(cfg, run)
-    write_engine(cfg, plan_stage(cfg, run, quiet=True), run)  # as the launcher writes them
-    return run
-
-
 @pytest.mark.slow
 def test_worker_entry_reads_config_and_plan(tmp_path, tiny_cache):
-    run = _prepare_run_dir(
-        tmp_path, "train.max_steps=8", "train.seq_len=128", "train.report_to=[tensorboard]"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-m", "finetune.train", str(run)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    where = [f"run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"]
+    run = prepare_run(compose([*where, "train.max_steps=8", SEQ_LEN, "train.report_to=[tensorboard]"]))
+    proc = run_cli(str(run), module="finetune.train")
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["train"]["steps"] == 8 and (run / "adapter" / "adapter_model.safetensors").is_file()
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
-    bad = subprocess.run(
-        [sys.executable, "-m", "finetune.train", str(tmp_path / "nope")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+    bad = run_cli(str(tmp_path / "nope"), module="finetune.train")
     # The worker reads plan.json first (its hardware profile and layout), then config.yaml.
     assert bad.returncode == 2
     assert f"{tmp_path / 'nope' / 'plan.json'}: missing; run the plan stage" in bad.stderr
@@ -370,7 +323,7 @@ def test_worker_entry_reads_config_and_plan(tmp_path, tiny_cache):
 @pytest.mark.slow
 def test_tiny_recipe_learns_the_bundled_task(tmp_path, tiny_cache):
     """The embedded default as configured: held-out loss falls clearly and exact match rises from ~0."""
-    run = _prepare_run_dir(tmp_path)
+    run = prepare_run(compose([f"run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"]))
     cfg = rundir.load_config(run)
     m = stage.run(cfg, run, rundir.load_plan(run), max_generate=None)
     base, trained = m["eval"]["base"], m["eval"]["trained"]
@@ -386,7 +339,7 @@ def test_a_rank_reads_engine_json_and_refuses_another_world_size(tmp_path, monke
     from finetune.core.errors import LaunchError
     from finetune.train.trainer import engine_trainer_kwargs
 
-    cfg = _cfg(tmp_path)
+    cfg = tiny_cfg(*STEADY, run_dir=tmp_path / "run")
     plan = plan_for(cfg, micro_batch_size=2, grad_accum_steps=3)
     run = Path(cfg.run_dir)
     with pytest.raises(LaunchError, match=r"engine.json: missing; the launcher writes it"):
@@ -409,7 +362,7 @@ def test_a_rank_the_pipeline_started_does_not_check_again(tmp_path, monkeypatch)
     a rank started without that promise (launch.sh by hand, SLURM) runs them itself."""
     from finetune.rundir import preflight
 
-    cfg = _cfg(tmp_path)
+    cfg = tiny_cfg(*STEADY, run_dir=tmp_path / "run")
     plan = plan_for(cfg)
     ran = []
     monkeypatch.setattr(preflight, "check", lambda *a, **k: ran.append("check"))

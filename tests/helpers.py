@@ -1,0 +1,291 @@
+"""What the tests share (the fixtures live in conftest.py): the tiny model's short-run config, plans,
+training in this process, run directories as the pipeline leaves them, and the command line run in a
+child process.
+
+Imported as `from helpers import ...`: pytest puts tests/ on sys.path (the folder is not a package).
+No test module imports another one; tests/test_architecture.py checks it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional
+
+from finetune.core.config import Config
+from finetune.core.config.evaluation import EvalConfig
+from finetune.planner import Plan
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The tiny data's sequence length: what the session's `tiny_data` fixture prepares.
+SEQ_LEN = "train.seq_len=128"
+# A short training run on the tiny data: a loss logged every step, no evaluation during training (the
+# runs are far shorter than 1000 steps) and no tensorboard.
+SHORT_RUN = (SEQ_LEN, "train.logging_steps=1", "train.eval_steps=1000", "train.report_to=[]")
+# The worker-process runs of the resume and preemption tests: 40 steps, mid-epoch (about 290 packed rows
+# of 2 per step in an epoch), a checkpoint every 5, dropout on so the RNG state matters.
+WORKER_RUN = (
+    *SHORT_RUN,
+    "train.batch_size=2",
+    "train.max_steps=40",
+    "train.save_steps=5",
+    "method.lora_dropout=0.1",
+    "data.eval_fraction=0.01",
+)
+
+
+# ---------------------------------------------------------------- configs and plans
+
+
+def tiny_cfg(*overrides: str, run_dir: Optional[Path] = None) -> Config:
+    """The embedded default (the tiny model on the CPU) composed with SHORT_RUN, then `overrides` (command-line
+    style, so a later one wins), in `run_dir` when given."""
+    from finetune.pipeline.cli import compose
+
+    where = [f"run_dir={run_dir}"] if run_dir is not None else []
+    return compose([*SHORT_RUN, *where, *overrides])
+
+
+def plan_for(cfg: Config, **strategy: Any) -> Plan:
+    """The planner's plan for `cfg` on this machine (hardware=cpu resolved as the pipeline does),
+    with strategy fields overridden."""
+    from finetune.core.composition import load_profiles
+    from finetune.pipeline.stages import resolve
+    from finetune.planner import make_plan
+
+    cfg = resolve(cfg)
+    plan = make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
+    return replace(plan, strategy=replace(plan.strategy, **strategy)) if strategy else plan
+
+
+def planned(*overrides: str) -> tuple[Config, Plan]:
+    """The composed and resolved config for `overrides`, and its plan (as the pipeline plans it)."""
+    from finetune.core.composition import compose, load_profiles
+    from finetune.pipeline.stages import resolve
+    from finetune.planner import make_plan
+
+    cfg = resolve(compose(list(overrides)))
+    return cfg, make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
+
+
+def fast_eval(**overrides: Any) -> EvalConfig:
+    """Few prompts, few tokens, no progress bars: seconds on two CPU cores."""
+    settings: dict[str, Any] = dict(num_samples=6, max_new_tokens=6, batch_size=8, progress=False)
+    settings.update(overrides)
+    return EvalConfig(**settings)
+
+
+# ---------------------------------------------------------------- run directories
+
+
+def write_engine(cfg: Config, plan: Plan, run_dir: Path) -> None:
+    """What the launcher writes before the ranks start (engine.json and the engine's files): the in-process
+    runs skip the launcher, and the worker reads them."""
+    from finetune.launch.engines import write_engine_files
+
+    write_engine_files(cfg, plan, Path(run_dir))
+
+
+def prepare_run(cfg: Config) -> Path:
+    """A run directory as `python -m finetune mode=train` leaves it for the worker: config.yaml, the data,
+    plan.json and the launcher's engine files (the ranks are not started)."""
+    from finetune import rundir
+    from finetune.data import stage as data_stage
+    from finetune.pipeline.stages import plan_stage, resolve
+
+    cfg = resolve(cfg)
+    run = rundir.prepare(cfg)
+    rundir.save_config(cfg, run)
+    data_stage.run(cfg, run)
+    write_engine(cfg, plan_stage(cfg, run, quiet=True), run)
+    return run
+
+
+def prepare_worker_run(run: Path, cache: Path, *overrides: str) -> Path:
+    """`prepare_run` for a WORKER_RUN (then `overrides`) in `run`, its data cached in `cache`."""
+    return prepare_run(tiny_cfg(f"data.cache_dir={cache}", *WORKER_RUN, *overrides, run_dir=run))
+
+
+def planned_run_dir(tmp_path: Path, *overrides: str) -> tuple[Config, Plan, Path]:
+    """tmp_path/run holding config.yaml and plan.json for `overrides` (what the launcher reads), no data."""
+    from finetune import rundir
+
+    cfg, plan = planned(*overrides)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rundir.save_config(cfg, run_dir)
+    rundir.write_json(run_dir / rundir.PLAN_FILE, plan.to_dict())
+    return cfg, plan, run_dir.resolve()
+
+
+def write_log_history(run_dir: Path, steps: int = 20) -> None:
+    """A checkpoint's trainer_state.json with a falling loss and eval loss, as the training stage leaves it."""
+    history = [{"step": s, "loss": 3.0 / s**0.3} for s in range(1, steps + 1)]
+    history += [{"step": s, "eval_loss": 3.2 / s**0.25} for s in (5, 10, 15, 20)]
+    ckpt = run_dir / "checkpoints" / f"checkpoint-{steps}"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": steps, "log_history": history}))
+
+
+def make_adapter_run(run_dir: Path, model_cfg: Any, method: Any, seed: int = 0, b_std: float = 0.05) -> Path:
+    """What the training stage leaves behind, without training: RUN_DIR/adapter from the tiny model + PEFT
+    (random A and B, B non-zero so a merge changes the weights) and a checkpoint's log history."""
+    import torch
+    from peft import get_peft_model
+
+    from finetune.modeling import tiny
+    from finetune.modeling.models import lora_config
+
+    torch.manual_seed(seed)
+    model = tiny.load_model(model_cfg)
+    peft_model = get_peft_model(model, lora_config(method))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, b_std)
+    out = run_dir / "adapter"
+    peft_model.save_pretrained(str(out))
+    tiny.load_tokenizer(model_cfg).save_pretrained(str(out))
+    write_log_history(run_dir)
+    return out
+
+
+# ---------------------------------------------------------------- training in this process, and what it leaves
+
+
+def train_run(
+    cfg: Config,
+    tiny_data: Any,
+    *,
+    n_eval: int,
+    max_generate: int,
+    n_train: Optional[int] = None,
+    **strategy: Any,
+) -> dict:
+    """`finetune.train.stage.run` in this process on the tiny data (the first `n_train` training rows and
+    `n_eval` eval rows), planned for this machine with `strategy` fixed (the batch shape); its metrics."""
+    from finetune.pipeline.stages import resolve
+    from finetune.train import stage
+
+    cfg = resolve(cfg)
+    train, evals = tiny_data
+    if n_train:
+        train = train.select(range(n_train))
+    datasets = (train, evals.select(range(n_eval)))
+    plan = plan_for(cfg, **strategy)
+    write_engine(cfg, plan, Path(cfg.run_dir))
+    return stage.run(cfg, Path(cfg.run_dir), plan, datasets=datasets, max_generate=max_generate)
+
+
+def losses(ckpt: Path) -> list[float]:
+    """The per-step training losses in a checkpoint's trainer state."""
+    history = json.loads((ckpt / "trainer_state.json").read_text())["log_history"]
+    return [e["loss"] for e in history if "loss" in e]
+
+
+def last_losses(run_dir: Path) -> list[float]:
+    """The per-step training losses in the run's last checkpoint."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return losses(Path(get_last_checkpoint(str(run_dir / "checkpoints"))))
+
+
+def adapter_weights(run_dir: Path) -> dict:
+    """The trained adapter's tensors, by name."""
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+# ---------------------------------------------------------------- child processes
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment with PYTHONPATH set to this tree (a child imports it, not an installed copy) and
+    one thread per child (the cores are shared)."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+
+
+def run_cli(
+    *args: str,
+    module: str = "finetune",
+    env: Optional[dict[str, str]] = None,
+    cwd: Path = REPO,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess[str]:
+    """`python -m finetune ARGS` (`module="finetune.train"`: the worker) run to its end, output captured.
+    `env` None: this process's environment."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def run_modes(
+    args: list[str], log: Path, timeout: float = 600, modes: tuple[str, ...] = ("data", "train")
+) -> str:
+    """`python -m finetune mode=M ARGS` for each mode in turn, as a user drives a run; each mode's output in
+    LOG-M.log. Fails naming the mode, with the ranks' tracebacks first; returns the last mode's output."""
+    for mode in modes:
+        proc = run_cli(f"mode={mode}", *args, timeout=timeout)
+        out = proc.stdout + proc.stderr
+        (log.parent / f"{log.name}-{mode}.log").write_text(out)
+        ranks = "\n".join(line for line in out.splitlines() if line.startswith("[rank"))
+        assert proc.returncode == 0, f"mode={mode} {log.name} failed:\n{ranks[-6000:]}\n{out[-3000:]}"
+    return out
+
+
+def worker(run: Path, **popen: Any) -> subprocess.Popen:
+    """`python -m finetune.train RUN` started in the background (one thread), stdout and stderr piped."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "finetune.train", str(run)],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
+    """Wait for a `worker`: its exit code and stderr."""
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def wait_for_checkpoint(run: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Until `proc` has written checkpoint-STEP; fails if it ends first or takes longer than `timeout`."""
+    path = run / "checkpoints" / f"checkpoint-{step}"
+    deadline = time.monotonic() + timeout
+    while not path.is_dir():
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"worker ended ({proc.returncode}) before {path.name}: {proc.stderr.read()[-2000:]}"
+            )
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"no {path.name} after {timeout} s")
+        time.sleep(0.01)
+
+
+class Capture:
+    """A process runner (the launcher's `runner`) that records what would run."""
+
+    def __init__(self, code: int = 0) -> None:
+        self.calls: list[tuple[list[str], dict[str, str], str]] = []
+        self.code = code
+
+    def __call__(self, argv, env, cwd) -> int:
+        self.calls.append((list(argv), dict(env), cwd))
+        return self.code
