@@ -55,9 +55,10 @@ def run_ours(n: int, seq_len: int, num_proc: int, seed: int, markers: bool) -> d
 
     convs, tok = _setup(n, seed, synthetic.LLAMA3_MARKERS if markers else synthetic.LLAMA3)
     renderer = Renderer(tok, "assistant")
-    tokenize(convs[:2], renderer, 1)  # warm-up: imports and template compilation, as for TRL below
+    texts = [json.dumps(c, ensure_ascii=False) for c in convs]  # what the stage keeps of each sample
+    tokenize(texts[:2], renderer, 1)  # warm-up: imports and template compilation, as for TRL below
     t0 = time.perf_counter()
-    ds = tokenize(convs, renderer, num_proc)
+    ds = tokenize(texts, renderer, num_proc)
     # What the stage does next: flat numpy views of the Arrow columns, BFD, vectorised row gathering.
     ids_col = ds.data.column("input_ids").combine_chunks()
     labels_col = ds.data.column("labels").combine_chunks()

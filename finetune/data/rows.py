@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,7 +69,7 @@ def _save_rows(prepared: Prepared, out: Path) -> None:
     singles = [[int(r)] for r in rows.evals]
     eval_ids = pack.gather_rows(tokens.ids, tokens.starts, rows.lengths, singles)
     eval_labels = pack.gather_rows(tokens.labels, tokens.starts, rows.lengths, singles)
-    messages = pa.array([json.dumps(m, ensure_ascii=False) for m in prepared.eval_messages], pa.string())
+    messages = pa.array(prepared.eval_messages, pa.string())
     Dataset(
         pa.table({"input_ids": eval_ids["tokens"], "labels": eval_labels["tokens"], "messages": messages})
     ).save_to_disk(str(out / rundir.DATA_EVAL_DIR), num_shards=1)
