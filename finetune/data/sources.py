@@ -264,6 +264,7 @@ _NOT_SPACE = re.compile(r"[^ \t\n\r]")
 _STRUCTURE = re.compile(r'["\[\]{}]')
 _STRING_END = re.compile(r'["\\]')
 _SCALAR_END = re.compile(r"[,\]}\s]")
+_DECODER = json.JSONDecoder()
 
 
 class _JsonText:
@@ -339,6 +340,18 @@ class _JsonText:
                 if depth == 0:
                     return self._take(i)
 
+    def parsed(self) -> Optional[tuple[Any]]:
+        """(the JSON value at `pos`,) parsed in place by the C decoder, `pos` moved past it; None (`pos` kept)
+        when it does not parse within the buffer, or ends at its end (a number may go on in the next chunk)."""
+        try:
+            obj, end = _DECODER.raw_decode(self.buf, self.pos)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+        if end == len(self.buf) and not self.eof:
+            return None
+        self._take(end)
+        return (obj,)
+
     def _take(self, end: int) -> str:
         text = self.buf[self.pos : end]
         self.line += text.count("\n")
@@ -358,6 +371,10 @@ def _item(name: str, line: int, index: int, text: str) -> Item:
         return _malformed(name, line + exc.lineno - 1, exc)
     except RecursionError:
         return BadRecord(name, line, "too_deep", TOO_DEEP)
+    return _record(name, line, index, obj)
+
+
+def _record(name: str, line: int, index: int, obj: Any) -> Item:
     if not isinstance(obj, dict):
         return BadRecord(name, line, "not_an_object", f"item {index} is not a JSON object")
     return Record(name, line, obj)
@@ -403,11 +420,17 @@ def _array_items(text: _JsonText, name: str) -> Iterator[Item]:
             yield BadRecord(name, text.line, "malformed_json", "malformed JSON (an item is missing)")
             return
         line = text.line
-        value = text.value()
-        if value is None:
-            yield BadRecord(name, line, "malformed_json", "malformed JSON (the file ends inside this item)")
-            return
-        yield _item(name, line, index, value)
+        parsed = text.parsed()
+        if parsed is not None:
+            yield _record(name, line, index, parsed[0])
+        else:  # not parsed where it stands (malformed, too deep, or longer than the buffer): its extent, alone
+            value = text.value()
+            if value is None:
+                yield BadRecord(
+                    name, line, "malformed_json", "malformed JSON (the file ends inside this item)"
+                )
+                return
+            yield _item(name, line, index, value)
         index += 1
 
 

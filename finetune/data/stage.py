@@ -55,9 +55,25 @@ def run(cfg: Config, run_dir: Path, *, tokenizer: Any = None) -> dict:
     return result
 
 
+def check_prepared(run_dir: Path) -> Path:
+    """RUN_DIR/data, once it is there and matches its checksums; else a one-line `DataError` saying how to
+    get it back (the data stage copies it from the cache again, or prepares it anew)."""
+    base = Path(run_dir) / rundir.DATA_DIR
+    if not (base / rundir.DATA_TRAIN_DIR).is_dir():
+        raise DataError(f"{base}: no prepared data; run the data stage (mode=data) first")
+    try:
+        cache.verify(base)
+    except cache.Damaged as exc:
+        raise DataError(f"{base}: the prepared data is damaged ({exc}); {_AGAIN}") from None
+    return base
+
+
+_AGAIN = "run the data stage again (mode=data, same settings) to copy it from the cache or prepare it anew"
+
+
 def load_prepared(run_dir: Path):
     """(train, eval) `datasets.Dataset`s written by the data stage into `run_dir/data/`, checked against their
-    checksums first (a one-line `DataError` when they do not match: the data stage copies them again).
+    checksums first (`check_prepared`).
 
     train: packed rows with `input_ids`, `labels` (-100 where masked), `position_ids` (restarting at every
     sample) and `seq_lengths`; row 0 holds the longest sample. eval: one conversation a row with `input_ids`,
@@ -65,21 +81,14 @@ def load_prepared(run_dir: Path):
     """
     from datasets import load_from_disk
 
-    base = Path(run_dir) / rundir.DATA_DIR
-    if not (base / rundir.DATA_TRAIN_DIR).is_dir():
-        raise DataError(f"{base}: no prepared data; run the data stage (mode=data) first")
-    again = "run the data stage again (mode=data, same settings) to copy it from the cache or prepare it anew"
-    try:
-        cache.verify(base)
-    except cache.Damaged as exc:
-        raise DataError(f"{base}: the prepared data is damaged ({exc}); {again}") from None
+    base = check_prepared(run_dir)
     try:
         return load_from_disk(str(base / rundir.DATA_TRAIN_DIR)), load_from_disk(
             str(base / rundir.DATA_EVAL_DIR)
         )
     except Exception as exc:  # pyarrow and datasets raise several types for a file they cannot read
         raise DataError(
-            f"{base}: the prepared data cannot be read ({type(exc).__name__}: {exc}); {again}"
+            f"{base}: the prepared data cannot be read ({type(exc).__name__}: {exc}); {_AGAIN}"
         ) from None
 
 
@@ -240,4 +249,4 @@ def _report(console, s: dict) -> None:
     )
 
 
-__all__ = ["run", "load_prepared"]
+__all__ = ["run", "load_prepared", "check_prepared"]

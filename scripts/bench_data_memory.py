@@ -1,0 +1,156 @@
+"""Peak memory and time of the data stage on many tiny records, and what checking the cache costs.
+
+    python scripts/bench_data_memory.py                                   # 1M records (about 20 min on 2 cores)
+    python scripts/bench_data_memory.py --records 1000000 10000000
+    python scripts/bench_data_memory.py --records 200000 --tree /tmp/old  # another checkout, side by side
+
+For each size: a JSONL file of N distinct one-turn records (about 50 bytes a line, like issue 28's
+probe of 10 million records in 504 MB), then `python -m finetune mode=data data.path=FILE` in a child
+process (the tiny model's tokenizer, the default data settings: deduplication, near-duplicate removal,
+PII scrubbing, a 10% held-out split), run twice: a cache miss, then a hit (the entry checked and copied
+into a second run directory). The child's process tree's resident memory is sampled every 0.1 s.
+Prints one row per run (records, file size, kept samples, tokens, peak RSS, bytes per record, seconds),
+then the checksums the cache could use, over the largest entry's files read from the page cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_records(path: Path, n: int) -> None:
+    """N distinct prompt/completion records, about 50 bytes a line."""
+    with path.open("w") as f:
+        for start in range(0, n, 100_000):
+            f.write(
+                "".join(
+                    f'{{"prompt": "count to {i * 7919 % 10_000_000}", "completion": "{i}"}}\n'
+                    for i in range(start, min(n, start + 100_000))
+                )
+            )
+
+
+def peak_rss(proc: subprocess.Popen, stop: threading.Event, out: list[int]) -> None:
+    """The largest sum of RSS over `proc` and its children, sampled every 0.1 s until `stop`."""
+    import psutil
+
+    root = psutil.Process(proc.pid)
+    peak = 0
+    while not stop.is_set():
+        try:
+            tree = [root, *root.children(recursive=True)]
+            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+        except psutil.Error:
+            pass
+        stop.wait(0.1)
+    out.append(peak)
+
+
+def run_stage(tree: Path, data: Path, run_dir: Path, cache: Path, models: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree), "FINETUNE_CACHE": str(models), "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "finetune", "mode=data", f"data.path={data}", f"run_dir={run_dir}"]
+    argv.append(f"data.cache_dir={cache}")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        argv, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    stop, peak = threading.Event(), []
+    sampler = threading.Thread(target=peak_rss, args=(proc, stop, peak))
+    sampler.start()
+    _, err = proc.communicate()
+    seconds = time.perf_counter() - t0
+    stop.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"mode=data failed ({proc.returncode}):\n{err[-3000:]}")
+    stats = json.loads((run_dir / "data_stats.json").read_text())
+    return {
+        "kept": stats["num_train"] + stats["num_eval"],
+        "tokens": stats["tokens"]["train_total"] + stats["tokens"]["eval_total"],
+        "hit": stats["cache"]["hit"],
+        "entry": Path(stats["cache"]["dir"]),
+        "peak": peak[0],
+        "seconds": seconds,
+    }
+
+
+def hash_rates(files: list[Path]) -> list[tuple[str, float]]:
+    """GB/s of each checksum over `files` (best of three, from the page cache)."""
+    import xxhash
+
+    total = sum(p.stat().st_size for p in files)
+    rates = []
+    for name, make in (
+        ("sha256", hashlib.sha256),
+        ("blake2b", hashlib.blake2b),
+        ("xxh3_128 (used)", xxhash.xxh3_128),
+    ):
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for p in files:
+                h = make()
+                with p.open("rb") as f:
+                    while chunk := f.read(8 << 20):
+                        h.update(chunk)
+                h.hexdigest()
+            best = min(best, time.perf_counter() - t0)
+        rates.append((name, total / best / 1e9))
+    return rates
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--records", type=int, nargs="+", default=[1_000_000])
+    ap.add_argument("--tree", type=Path, default=REPO, help="the checkout to run (default: this one)")
+    ap.add_argument(
+        "--work", type=Path, default=None, help="where the files go (default: a temporary folder)"
+    )
+    args = ap.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench-data-memory-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rows, largest = [], None
+    for n in args.records:
+        data = work / f"records-{n}.jsonl"
+        if not data.is_file():
+            write_records(data, n)
+        for attempt in ("miss", "hit"):
+            r = run_stage(args.tree, data, work / f"run-{n}-{attempt}", work / f"cache-{n}", work / "models")
+            rows.append((n, data.stat().st_size, r))
+            print(
+                f"  {n:,} records, cache {'hit' if r['hit'] else 'miss'}: {r['peak'] / 1e9:.2f} GB, "
+                f"{r['seconds']:.0f} s",
+                file=sys.stderr,
+            )
+        largest = rows[-1][2]["entry"]
+    print(f"data stage, tiny records ({args.tree}, {os.cpu_count()} CPUs)")
+    print("| records | file MB | cache | kept | tokens | peak RSS GB | bytes/record | seconds |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    for n, size, r in rows:
+        print(
+            f"| {n:,} | {size / 1e6:,.0f} | {'hit' if r['hit'] else 'miss'} | {r['kept']:,} | {r['tokens']:,} "
+            f"| {r['peak'] / 1e9:.2f} | {r['peak'] / n:,.0f} | {r['seconds']:,.0f} |"
+        )
+    if largest is not None:
+        files = sorted(p for p in largest.rglob("*.arrow"))
+        size = sum(p.stat().st_size for p in files)
+        print(f"\nchecksums over the {size / 1e6:,.0f} MB of arrow files in {largest.name}")
+        print("| checksum | GB/s |")
+        print("|---|---:|")
+        for name, rate in hash_rates(files):
+            print(f"| {name} | {rate:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
