@@ -3,6 +3,7 @@
     python scripts/bench_data_memory.py                                   # 1M records (about 20 min on 2 cores)
     python scripts/bench_data_memory.py --records 1000000 10000000
     python scripts/bench_data_memory.py --records 200000 --tree /tmp/old  # another checkout, side by side
+    python scripts/bench_data_memory.py --records --parts 20000           # only the near-duplicate parts
 
 For each size: a JSONL file of N distinct one-turn records (about 50 bytes a line, like issue 28's
 probe of 10 million records in 504 MB), then `python -m finetune mode=data data.path=FILE` in a child
@@ -10,7 +11,10 @@ process (the tiny model's tokenizer, the default data settings: deduplication, n
 PII scrubbing, a 10% held-out split), run twice: a cache miss, then a hit (the entry checked and copied
 into a second run directory). The child's process tree's resident memory is sampled every 0.1 s.
 Prints one row per run (records, file size, kept samples, tokens, peak RSS, bytes per record, seconds),
-then the checksums the cache could use, over the largest entry's files read from the page cache.
+then the checksums the cache could use, over the largest entry's files read from the page cache, and
+near-duplicate removal on `--parts` keys both ways: datasketch's MinHash objects and MinHashLSH index
+(what the stage ran before) against `finetune.data.clean`'s signature rows and numpy buckets (its
+bands and values): time, peak Python allocations (tracemalloc, a separate run) and whether they agree.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 
 
 def write_records(path: Path, n: int) -> None:
@@ -110,9 +115,77 @@ def hash_rates(files: list[Path]) -> list[tuple[str, float]]:
     return rates
 
 
+def _near_keys(n: int) -> list[str]:
+    """n conversation keys of a dozen words, every tenth a near duplicate of the one before (a word added)."""
+    import random
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(5000)]
+    keys: list[str] = []
+    for i in range(n):
+        if i % 10 == 9:
+            keys.append(keys[-1] + " indeed")
+        else:
+            keys.append(
+                "user: "
+                + " ".join(rng.choices(words, k=8))
+                + "\nassistant: "
+                + " ".join(rng.choices(words, k=6))
+            )
+    return keys
+
+
+def _library_way(keys: list[str], threshold: float) -> list[bool]:
+    """What the stage ran before: a MinHash object a key (MinHash.bulk) and datasketch's in-memory LSH index."""
+    from datasketch import MinHash, MinHashLSH
+
+    from finetune.data.clean import NUM_PERM, _shingles
+
+    hashes = MinHash.bulk((_shingles(k) for k in keys), num_perm=NUM_PERM)
+    lsh = MinHashLSH(threshold=threshold, num_perm=NUM_PERM)
+    dup = []
+    for i, mh in enumerate(hashes):
+        hit = any(hashes[j].jaccard(mh) >= threshold for j in lsh.query(mh))
+        dup.append(hit)
+        if not hit:
+            lsh.insert(i, mh)
+    return dup
+
+
+def _our_way(keys: list[str], threshold: float) -> list[bool]:
+    from finetune.data import clean
+
+    return clean.near_duplicates(clean.signatures(keys), threshold).tolist()
+
+
+def near_dup_parts(n: int, threshold: float = 0.85) -> list[tuple[str, float, float, bool]]:
+    """(way, seconds, peak MB of Python allocations, agrees with the library) for each way."""
+    import tracemalloc
+
+    keys = _near_keys(n)
+    rows, reference = [], None
+    for name, way in (
+        ("datasketch MinHash.bulk + MinHashLSH", _library_way),
+        ("signature rows + numpy buckets", _our_way),
+    ):
+        t0 = time.perf_counter()
+        dup = way(keys, threshold)
+        seconds = time.perf_counter() - t0
+        tracemalloc.start()
+        way(keys, threshold)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        reference = dup if reference is None else reference
+        rows.append((f"{name} ({sum(dup):,} near duplicates)", seconds, peak / 1e6, dup == reference))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--records", type=int, nargs="+", default=[1_000_000])
+    ap.add_argument("--records", type=int, nargs="*", default=[1_000_000])
+    ap.add_argument(
+        "--parts", type=int, default=0, help="keys for the near-duplicate comparison (0: skip it)"
+    )
     ap.add_argument("--tree", type=Path, default=REPO, help="the checkout to run (default: this one)")
     ap.add_argument(
         "--work", type=Path, default=None, help="where the files go (default: a temporary folder)"
@@ -134,14 +207,9 @@ def main() -> None:
                 file=sys.stderr,
             )
         largest = rows[-1][2]["entry"]
-    print(f"data stage, tiny records ({args.tree}, {os.cpu_count()} CPUs)")
-    print("| records | file MB | cache | kept | tokens | peak RSS GB | bytes/record | seconds |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|")
-    for n, size, r in rows:
-        print(
-            f"| {n:,} | {size / 1e6:,.0f} | {'hit' if r['hit'] else 'miss'} | {r['kept']:,} | {r['tokens']:,} "
-            f"| {r['peak'] / 1e9:.2f} | {r['peak'] / n:,.0f} | {r['seconds']:,.0f} |"
-        )
+    if rows:
+        print(f"data stage, tiny records ({args.tree}, {os.cpu_count()} CPUs)")
+        _table(rows)
     if largest is not None:
         files = sorted(p for p in largest.rglob("*.arrow"))
         size = sum(p.stat().st_size for p in files)
@@ -150,6 +218,22 @@ def main() -> None:
         print("|---|---:|")
         for name, rate in hash_rates(files):
             print(f"| {name} | {rate:.2f} |")
+    if args.parts:
+        print(f"\nnear duplicates of {args.parts:,} keys (threshold 0.85, 128 permutations)")
+        print("| way | seconds | peak MB (tracemalloc) | bytes a key | same answers |")
+        print("|---|---:|---:|---:|---|")
+        for name, seconds, peak, same in near_dup_parts(args.parts):
+            print(f"| {name} | {seconds:.1f} | {peak:.1f} | {peak * 1e6 / args.parts:,.0f} | {same} |")
+
+
+def _table(rows: list) -> None:
+    print("| records | file MB | cache | kept | tokens | peak RSS GB | bytes/record | seconds |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    for n, size, r in rows:
+        print(
+            f"| {n:,} | {size / 1e6:,.0f} | {'hit' if r['hit'] else 'miss'} | {r['kept']:,} | {r['tokens']:,} "
+            f"| {r['peak'] / 1e9:.2f} | {r['peak'] / n:,.0f} | {r['seconds']:,.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -135,10 +135,10 @@ def _bands(threshold: float) -> list[tuple[int, int]]:
 _FOLD = np.random.default_rng(0x5EED).integers(1, 2**63, size=NUM_PERM, dtype=np.uint64) | np.uint64(1)
 
 
-def _bucket_keys(sig: np.ndarray, start: int, end: int) -> np.ndarray:
-    """One 64-bit key a row for a band: rows with equal bands get equal keys (a rare equal key for unequal
-    bands only adds a candidate, which is checked band for band)."""
-    band = sig[:, start:end].astype(np.uint64)
+def _bucket_keys(sig: np.ndarray, rows: np.ndarray, start: int, end: int) -> np.ndarray:
+    """One 64-bit key for each of `rows` for a band: rows with equal bands get equal keys (a rare equal key
+    for unequal bands only adds a candidate, which is checked band for band)."""
+    band = sig[rows, start:end].astype(np.uint64)
     keys = (band * _FOLD[start:end]).sum(axis=1, dtype=np.uint64)
     return keys ^ (keys >> np.uint64(29))
 
@@ -150,24 +150,29 @@ def _shared(keys: np.ndarray) -> np.ndarray:
     return np.isin(keys, repeated)
 
 
+def _similar(sig: np.ndarray, a: int, b: int, threshold: float, j: int, i: int) -> bool:
+    """Rows j and i of `sig` share band [a, b) and their estimated Jaccard similarity reaches `threshold`."""
+    return bool(np.array_equal(sig[j, a:b], sig[i, a:b])) and jaccard(sig[j], sig[i]) >= threshold
+
+
 # Ours beside datasketch's MinHashLSH, with its bands and the same answers: its in-memory index holds a
-# bytes key and a set per band and sample (about 5 kB a sample at 8 bands, measured in scripts/
-# bench_data_memory.py), where these bucket keys take 8 bytes a band; only samples sharing a bucket are
-# then compared one by one.
-def near_duplicates(sig: np.ndarray, threshold: float) -> np.ndarray:
-    """True for every row that is a near duplicate of an earlier kept row (first occurrence wins): a candidate
-    shares a whole LSH band with it, and is confirmed by its estimated Jaccard similarity."""
+# bytes key and a set per band and sample (measured in scripts/bench_data_memory.py: BENCHMARKS.md),
+# where these bucket keys take 8 bytes a band; only samples sharing a bucket are compared one by one.
+def near_duplicates(sig: np.ndarray, threshold: float, rows: Optional[np.ndarray] = None) -> np.ndarray:
+    """For each of `rows` of `sig` (default: all), in order: True when it is a near duplicate of an earlier
+    kept one (the first occurrence wins): it shares a whole LSH band with it, and their estimated Jaccard
+    similarity reaches the threshold."""
+    rows = np.arange(len(sig)) if rows is None else np.asarray(rows)
     bands = _bands(threshold)
-    keys = [_bucket_keys(sig, a, b) for a, b in bands]
-    candidates = np.zeros(len(sig), dtype=bool)
+    keys = [_bucket_keys(sig, rows, a, b) for a, b in bands]
+    candidates = np.zeros(len(rows), dtype=bool)
     for k in keys:
         candidates |= _shared(k)
-    dup = np.zeros(len(sig), dtype=bool)
+    dup = np.zeros(len(rows), dtype=bool)
     kept: list[dict[int, list[int]]] = [{} for _ in bands]
     for i in np.flatnonzero(candidates).tolist():
-        row = sig[i]
         hit = any(
-            np.array_equal(sig[j, a:b], row[a:b]) and jaccard(sig[j], row) >= threshold
+            _similar(sig, a, b, threshold, int(rows[j]), int(rows[i]))
             for (a, b), k, table in zip(bands, keys, kept)
             for j in table.get(int(k[i]), ())
         )
@@ -180,27 +185,26 @@ def near_duplicates(sig: np.ndarray, threshold: float) -> np.ndarray:
 
 def leaks(
     train_exact: Sequence[bytes],
-    train_sig: Optional[np.ndarray],
     eval_exact: Sequence[bytes],
-    eval_sig: Optional[np.ndarray],
+    sig: Optional[np.ndarray],
+    train_rows: np.ndarray,
+    eval_rows: np.ndarray,
     threshold: float,
 ) -> np.ndarray:
-    """True for every train item that is an exact (same digest) or near duplicate of some eval item."""
+    """For each train item: True when it is an exact (same digest) or near duplicate of some eval item
+    (their signatures are rows `train_rows` and `eval_rows` of `sig`)."""
     in_eval = set(eval_exact)
     out = np.fromiter((d in in_eval for d in train_exact), dtype=bool, count=len(train_exact))
-    if train_sig is None or eval_sig is None or not len(eval_sig):
+    if sig is None or not len(eval_rows):
         return out
-    n_eval = len(eval_sig)
-    both = np.concatenate([eval_sig, train_sig])
     for a, b in _bands(threshold):
-        keys = _bucket_keys(both, a, b)
+        eval_keys = _bucket_keys(sig, eval_rows, a, b)
+        train_keys = _bucket_keys(sig, train_rows, a, b)
         table: dict[int, list[int]] = {}
-        for j, key in enumerate(keys[:n_eval].tolist()):
-            table.setdefault(key, []).append(j)
-        for i in np.flatnonzero(~out & np.isin(keys[n_eval:], keys[:n_eval])).tolist():
-            row = train_sig[i]
+        for j, key in enumerate(eval_keys.tolist()):
+            table.setdefault(key, []).append(int(eval_rows[j]))
+        for i in np.flatnonzero(~out & np.isin(train_keys, eval_keys)).tolist():
             out[i] = any(
-                np.array_equal(eval_sig[j, a:b], row[a:b]) and jaccard(eval_sig[j], row) >= threshold
-                for j in table[int(keys[n_eval + i])]
+                _similar(sig, a, b, threshold, j, int(train_rows[i])) for j in table[int(train_keys[i])]
             )
     return out

@@ -42,22 +42,26 @@ class Tally:
 class Kept:
     """Conversations kept, in input order, each held compactly: its JSON text (what tokenizing reads), the
     SHA-1 of its normalized text (`exact`: duplicates and eval leaks) and of the seed and that text
-    (`order`: the held-out split), 20 bytes each, and its MinHash signature (a row of `signatures`,
-    when deduplication or the split needs one)."""
+    (`order`: the held-out split), 20 bytes each, and its MinHash signature (row `rows[i]` of
+    `signatures`, when deduplication or the split needs one; selections share the matrix, never copy it)."""
 
     texts: list[str]
     exact: list[bytes]
     order: list[bytes]
     signatures: Optional[np.ndarray]
+    rows: np.ndarray
 
     def __len__(self) -> int:
         return len(self.texts)
 
-    def select(self, rows: Sequence[int]) -> Kept:
-        rows = list(rows)
-        sig = self.signatures[rows] if self.signatures is not None else None
+    def select(self, picks: Sequence[int]) -> Kept:
+        picks = list(picks)
         return Kept(
-            [self.texts[i] for i in rows], [self.exact[i] for i in rows], [self.order[i] for i in rows], sig
+            [self.texts[i] for i in picks],
+            [self.exact[i] for i in picks],
+            [self.order[i] for i in picks],
+            self.signatures,
+            self.rows[np.asarray(picks, dtype=np.int64)],
         )
 
 
@@ -110,8 +114,13 @@ def collect(
     signatures = None
     if need_signatures:
         blocks.append(clean.signatures(pending))
-        signatures = np.concatenate(blocks)
-    return Kept(texts, exact, order, signatures)
+        signatures = np.empty((len(texts), clean.NUM_PERM), dtype=np.uint32)
+        done = 0
+        while blocks:  # block by block, each freed once copied: never two copies of them all
+            block = blocks.pop(0)
+            signatures[done : done + len(block)] = block
+            done += len(block)
+    return Kept(texts, exact, order, signatures, np.arange(len(texts)))
 
 
 def check_input(loaded: sources.Loaded, dc: DataConfig, path: str, tally: Tally) -> None:
@@ -184,7 +193,7 @@ def near_deduplicate(kept: Kept, dc: DataConfig, tally: Tally, progress) -> Kept
     if not dc.near_dedup or kept.signatures is None or not len(kept):
         return kept
     task = progress.add_task("near-duplicates", total=1)
-    dup = clean.near_duplicates(kept.signatures, dc.near_dedup_threshold)
+    dup = clean.near_duplicates(kept.signatures, dc.near_dedup_threshold, kept.rows)
     progress.advance(task)
     tally.dropped["near_duplicate"] += int(dup.sum())
     return kept.select(np.flatnonzero(~dup).tolist())
@@ -203,7 +212,7 @@ def split(kept: Kept, dc: DataConfig, tally: Tally) -> tuple[list[str], list[str
     if eval_idx:
         train, evals = kept.select(train_idx), kept.select(eval_idx)
         leak = clean.leaks(
-            train.exact, train.signatures, evals.exact, evals.signatures, dc.near_dedup_threshold
+            train.exact, evals.exact, kept.signatures, train.rows, evals.rows, dc.near_dedup_threshold
         )
         tally.dropped["eval_leak"] += int(leak.sum())
         train_idx = [i for i, bad in zip(train_idx, leak.tolist()) if not bad]
