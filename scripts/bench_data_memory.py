@@ -3,6 +3,7 @@
     python scripts/bench_data_memory.py                                   # 1M records (about 20 min on 2 cores)
     python scripts/bench_data_memory.py --records 1000000 10000000
     python scripts/bench_data_memory.py --records 200000 --tree /tmp/old  # another checkout, side by side
+    python scripts/bench_data_memory.py --records 20000 50000 --words 150  # long samples: memory a token
     python scripts/bench_data_memory.py --records --parts 20000           # only the near-duplicate parts
 
 For each size: a JSONL file of N distinct one-turn records (about 50 bytes a line, like issue 28's
@@ -34,16 +35,22 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def write_records(path: Path, n: int) -> None:
-    """N distinct prompt/completion records, about 50 bytes a line."""
+def write_records(path: Path, n: int, words: int = 0) -> None:
+    """N distinct prompt/completion records: about 50 bytes a line, or (`words` > 0) a completion of that
+    many random words from a 2,000-word vocabulary (long samples: memory per token)."""
+    import random
+
+    vocab = [f"word{i}" for i in range(2000)]
     with path.open("w") as f:
-        for start in range(0, n, 100_000):
-            f.write(
-                "".join(
-                    f'{{"prompt": "count to {i * 7919 % 10_000_000}", "completion": "{i}"}}\n'
-                    for i in range(start, min(n, start + 100_000))
-                )
-            )
+        for start in range(0, n, 10_000):
+            lines = []
+            for i in range(start, min(n, start + 10_000)):
+                if words:
+                    text = " ".join(random.Random(i).choices(vocab, k=words))
+                    lines.append(json.dumps({"prompt": f"tell me story {i}", "completion": text}) + "\n")
+                else:
+                    lines.append(f'{{"prompt": "count to {i * 7919 % 10_000_000}", "completion": "{i}"}}\n')
+            f.write("".join(lines))
 
 
 def peak_rss(proc: subprocess.Popen, stop: threading.Event, out: list[int]) -> None:
@@ -62,10 +69,10 @@ def peak_rss(proc: subprocess.Popen, stop: threading.Event, out: list[int]) -> N
     out.append(peak)
 
 
-def run_stage(tree: Path, data: Path, run_dir: Path, cache: Path, models: Path) -> dict:
+def run_stage(tree: Path, data: Path, run_dir: Path, cache: Path, models: Path, extra: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "FINETUNE_CACHE": str(models), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "finetune", "mode=data", f"data.path={data}", f"run_dir={run_dir}"]
-    argv.append(f"data.cache_dir={cache}")
+    argv += [f"data.cache_dir={cache}", *extra]
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         argv, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -186,6 +193,7 @@ def main() -> None:
     ap.add_argument(
         "--parts", type=int, default=0, help="keys for the near-duplicate comparison (0: skip it)"
     )
+    ap.add_argument("--words", type=int, default=0, help="words a completion (0: tiny records)")
     ap.add_argument("--tree", type=Path, default=REPO, help="the checkout to run (default: this one)")
     ap.add_argument(
         "--work", type=Path, default=None, help="where the files go (default: a temporary folder)"
@@ -194,12 +202,22 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-data-memory-"))
     work.mkdir(parents=True, exist_ok=True)
     rows, largest = [], None
+    # Long samples need the tiny model's whole context (the recipe's 256 would drop them).
+    extra = ["train.seq_len=1024"] if args.words else []
     for n in args.records:
-        data = work / f"records-{n}.jsonl"
+        name = f"{n}-w{args.words}" if args.words else str(n)
+        data = work / f"records-{name}.jsonl"
         if not data.is_file():
-            write_records(data, n)
+            write_records(data, n, args.words)
         for attempt in ("miss", "hit"):
-            r = run_stage(args.tree, data, work / f"run-{n}-{attempt}", work / f"cache-{n}", work / "models")
+            r = run_stage(
+                args.tree,
+                data,
+                work / f"run-{name}-{attempt}",
+                work / f"cache-{name}",
+                work / "models",
+                extra,
+            )
             rows.append((n, data.stat().st_size, r))
             print(
                 f"  {n:,} records, cache {'hit' if r['hit'] else 'miss'}: {r['peak'] / 1e9:.2f} GB, "
@@ -208,7 +226,8 @@ def main() -> None:
             )
         largest = rows[-1][2]["entry"]
     if rows:
-        print(f"data stage, tiny records ({args.tree}, {os.cpu_count()} CPUs)")
+        shape = f"{args.words}-word completions, seq_len 1024" if args.words else "tiny records"
+        print(f"data stage, {shape} ({args.tree}, {os.cpu_count()} CPUs)")
         _table(rows)
     if largest is not None:
         files = sorted(p for p in largest.rglob("*.arrow"))
@@ -227,12 +246,15 @@ def main() -> None:
 
 
 def _table(rows: list) -> None:
-    print("| records | file MB | cache | kept | tokens | peak RSS GB | bytes/record | seconds |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    print(
+        "| records | file MB | cache | kept | tokens | peak RSS GB | bytes/record | bytes/token | seconds |"
+    )
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for n, size, r in rows:
         print(
             f"| {n:,} | {size / 1e6:,.0f} | {'hit' if r['hit'] else 'miss'} | {r['kept']:,} | {r['tokens']:,} "
-            f"| {r['peak'] / 1e9:.2f} | {r['peak'] / n:,.0f} | {r['seconds']:,.0f} |"
+            f"| {r['peak'] / 1e9:.2f} | {r['peak'] / n:,.0f} | {r['peak'] / max(r['tokens'], 1):,.0f} "
+            f"| {r['seconds']:,.0f} |"
         )
 
 
