@@ -574,7 +574,6 @@ def test_seq_len_beyond_model_positions_is_bad_input():
             ],
             "FSDP2 offloads parameters, gradients and optimizer state together",
         ),  # fmt: skip
-        (["+recipe=llama70b_qlora", "hardware=h100x8", "train.sharding=fsdp"], "method=qlora does not shard"),
     ],
 )
 def test_fixed_settings_no_engine_runs_are_refused_with_one_line(overrides, needle):

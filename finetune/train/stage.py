@@ -224,7 +224,7 @@ def _load_model(cfg: Config, plan: Plan, run_dir: Path) -> _Model:
 
         # deepspeed.comm over that group (accelerate sets it up itself on GPUs, not on CPU ranks)
         deepspeed.init_distributed(dist_backend="gloo" if cfg.hardware.device == "cpu" else "nccl")
-    model, compute_dtype = models.load_for_training(cfg)
+    model, compute_dtype = models.load_for_training(cfg, sharded=plan.strategy.engine.shards)
     loaded_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
     trainable, total = models.trainable_parameters(model)
     if cfg.hardware.device == "cpu":

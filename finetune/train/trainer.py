@@ -36,7 +36,7 @@ from finetune.modeling.chunked_loss import add_chunked_loss_head
 from finetune.modeling.collator import NUM_TOKENS_KEY, PackedCollator
 from finetune.planner import Plan
 from finetune.rundir import checkpoints
-from finetune.train import throughput
+from finetune.train import quantized, throughput
 from finetune.train.callbacks import RunMonitor
 
 log = logging.getLogger(__name__)
@@ -315,9 +315,10 @@ def engine_record(trainer: Any) -> dict[str, Any]:
     record["fused_optimizer"] = bool(getattr(basic, "defaults", {}).get("fused"))
     record["loaded_partitioned"] = bool(getattr(trainer, "loaded_partitioned", False))  # zero.Init
     rank = int(os.environ.get("RANK", "0"))
-    record["ranks"] = gather_object(
-        [{"rank": rank, "pid": os.getpid(), "parameters_held": local, "parameters": full}]
-    )
+    mine = {"rank": rank, "pid": os.getpid(), "parameters_held": local, "parameters": full}
+    # QLoRA: this rank's share of the 4-bit base, and the digest of its weights as the engine gathers them
+    mine["quantized_base"] = quantized.record(trainer)
+    record["ranks"] = gather_object([mine])
     return record
 
 
