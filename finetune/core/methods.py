@@ -116,6 +116,5 @@ METHODS: dict[str, MethodSpec] = {
         flops_per_weight=4.0,
         merge="adapter_quantized_base",
         serve_adapter=True,
-        shard_refusal="bitsandbytes' 4-bit weights stay whole on every GPU; use one GPU or ddp",
     ),
 }
