@@ -448,6 +448,28 @@ def working_set(job: Job, s: Strategy, rt: Runtime) -> float:
     return working
 
 
+def step_gradients(job: Job, s: Strategy, rt: Runtime) -> float:
+    """Bytes of the trainable parameters' gradients that each step allocates on the GPU and frees again.
+
+    The trainer's `model.zero_grad()` sets gradients to None (torch's default), so one process, DDP and FSDP2
+    allocate them afresh in every backward; ZeRO-3 writes them into a flat buffer allocated once (stage3.py's
+    grad_partitions_flat_buffer), and offload keeps them on the host.
+    """
+    if rt.engine.deepspeed or s.offload_optimizer:
+        return 0.0
+    param = rt.full_weights if job.method.spec.trains_base_weights else rt.adapter_storage
+    return param * job.trainable / _shards(job, s)
+
+
+def fluctuating(job: Job, s: Strategy, rt: Runtime) -> float:
+    """What each step allocates and frees (the activations, the loss, the working set above it, the
+    gradients): what the allocator's reserved-but-unused share scales with (`allocator_fraction`), unlike the
+    weights and states allocated once."""
+    loss = loss_peak(job, s, rt)
+    above = max(0.0, working_set(job, s, rt) - loss)
+    return activations(job, s, rt) + loss + above + step_gradients(job, s, rt)
+
+
 def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory, float]:
     """Per-GPU memory terms (GB) and host memory offloaded per GPU (bytes)."""
     rt = rt or runtime(job, s)
@@ -456,8 +478,8 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
     acts = activations(job, s, rt)
     loss = loss_peak(job, s, rt)
     dev = job.device
-    four = weights_gpu + state_gpu + acts + loss
-    overhead = dev.fixed_gb * GB + max(0.0, working_set(job, s, rt) - loss) + dev.allocator_fraction * four
+    above = max(0.0, working_set(job, s, rt) - loss)
+    overhead = dev.fixed_gb * GB + above + dev.allocator_fraction * fluctuating(job, s, rt)
     mem = Memory(
         weights=weights_gpu / GB,
         trainable_state=state_gpu / GB,
