@@ -52,8 +52,8 @@ def test_qlora_spec():
     assert (qlora.trains_base_weights, qlora.adapters, qlora.quantized_base) == (False, True, True)
     assert qlora.flops_per_weight == 4.0
     assert qlora.merge == "adapter_quantized_base" and qlora.serve_adapter
-    assert not qlora.can_shard
-    assert qlora.shard_refusal == "bitsandbytes' 4-bit weights stay whole on every GPU; use one GPU or ddp"
+    # bnb_4bit_quant_storage in the compute dtype makes the 4-bit weights shardable (issue 25)
+    assert qlora.can_shard and qlora.shard_refusal is None
     assert (qlora.fallback, qlora.fallback_settings) == (None, ())
 
 
@@ -131,17 +131,21 @@ def test_adapter_keys_are_checked_only_for_adapter_methods():
         ("lora", "zero3", False),
         ("qlora", "none", False),
         ("qlora", "ddp", False),
-        ("qlora", "fsdp", True),
-        ("qlora", "zero3", True),
+        ("qlora", "fsdp", False),
+        ("qlora", "zero3", False),
+        ("unshardable_test", "fsdp", True),
+        ("unshardable_test", "zero3", True),
+        ("unshardable_test", "ddp", False),
     ],
 )
-def test_sharding_refusal_comes_from_the_spec(method: str, sharding: str, refused: bool):
+def test_sharding_refusal_comes_from_the_spec(method: str, sharding: str, refused: bool, monkeypatch):
+    refusal = "its weights stay whole on every GPU; use one GPU or ddp"
+    monkeypatch.setitem(
+        METHODS, "unshardable_test", replace(METHODS["qlora"], name="unshardable_test", shard_refusal=refusal)
+    )
     reason = why_not(Strategy(sharding=sharding), method, gpus=8)
     if refused:
-        assert reason == (
-            f"method=qlora does not shard under train.sharding={sharding}: bitsandbytes' 4-bit weights "
-            "stay whole on every GPU; use one GPU or ddp"
-        )
+        assert reason == f"method={method} does not shard under train.sharding={sharding}: {refusal}"
     else:
         assert reason is None
 
@@ -157,9 +161,9 @@ def test_flops_per_weight_come_from_the_spec():
 
 def test_fallback_suggestions_come_from_the_spec():
     _, full = plan_for("+recipe=qwen32b_full", "hardware=h200")
-    assert not full.fits and "method=lora fits on h200 (94.8 GB per GPU)" in full.suggestions
+    assert not full.fits and "method=lora fits on h200 (91.3 GB per GPU)" in full.suggestions
     _, lora = plan_for("+recipe=llama70b_lora", "hardware=h100")
-    assert not lora.fits and "method=qlora fits on h100 (63.4 GB per GPU)" in lora.suggestions
+    assert not lora.fits and "method=qlora fits on h100 (61.6 GB per GPU)" in lora.suggestions
 
 
 # ---------------------------------------------------------------- a new method is one entry
