@@ -586,7 +586,7 @@ def test_fixed_settings_no_engine_runs_are_refused_with_one_line(overrides, need
 
 
 def test_fsdp_never_gets_8bit_states_and_offloads_everything_together():
-    _, plan = plan_for("+recipe=qwen32b_full")
+    _, plan = plan_for("+recipe=qwen32b_full", "train.engine=fsdp")
     s = plan.strategy
     assert s.sharding == "fsdp" and s.optimizer == "adamw"
     assert s.offload_optimizer == s.offload_params
