@@ -3,13 +3,15 @@
 Every combination of the settings the user left open (`None` in the config) is
 a candidate: activation checkpointing, micro-batch size (halving down to 1,
 gradient accumulation keeping the effective batch), data parallel or a
-sharded engine (`train.engine`, or every sharded engine when it is unset), 8-bit
-optimizer states (CUDA), optimizer and parameter offload. Candidates the engine cannot run are never considered
-(finetune/planner/engines.py); a setting the user fixed is never changed, and
-fixed settings no engine can run are refused with one line. Among the
-candidates that fit with `plan.headroom` to spare, the one with the least
-estimated time per token wins (ties: no sharding, the engine listed first in
-finetune/core/parallelism.py, exact AdamW, the larger micro-batch). The loss path is `train.chunked_loss`, or `DEFAULT_CHUNKED_LOSS`.
+sharded engine (`train.engine`, or every sharded engine when it is unset),
+8-bit optimizer states (CUDA), optimizer and parameter offload. Candidates the
+engine cannot run are never considered (finetune/planner/engines.py); a
+setting the user fixed is never changed, and fixed settings no engine can run
+are refused with one line. Among the candidates that fit with `plan.headroom`
+to spare, the one with the least estimated time per token wins (ties: no
+sharding, the engine listed first in finetune/core/parallelism.py, exact
+AdamW, the larger micro-batch). The loss path is `train.chunked_loss`, or
+`DEFAULT_CHUNKED_LOSS`.
 """
 
 from __future__ import annotations
@@ -152,9 +154,8 @@ def _preference(job: Job, s: Strategy, mfu: Optional[float]) -> tuple[Any, ...]:
     return (
         _seconds_per_token(job, s, mfu),
         s.engine.shards,
-        list(ENGINES).index(
-            s.sharding
-        ),  # the estimate does not tell the sharded engines apart: the table's order
+        # the estimate does not tell the sharded engines apart: the table's order decides
+        list(ENGINES).index(s.sharding),
         s.optimizer != "adamw",
         -s.micro_batch_size,
     )
@@ -361,6 +362,7 @@ def _suggestions(plan: Plan, job: Job, alts: list[Plan]) -> list[str]:
 
 
 def _offload_words(s: Strategy) -> str:
+    """What the strategy offloads, as a clause (", everything offloaded"), or nothing."""
     if s.offload_params:
         return ", parameters offloaded" if s.engine.offloads_optimizer_alone else ", everything offloaded"
     return ", optimizer offloaded" if s.offload_optimizer else ""
