@@ -214,9 +214,8 @@ def trainable_state(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
             return weight * n / shards + bucket, host
         sub_group = 4 * min(ZERO3_SUB_GROUP, n / shards)  # fp32 gradients of one optimizer sub-group
         return (weight + grad + master + moments) * n / shards + sub_group + bucket, 0.0
-    if (
-        rt.engine.shards
-    ):  # FSDP2: trainable parameters (fp32 but QLoRA's), gradients and moments over the shards
+    # FSDP2: trainable parameters (fp32, but QLoRA's in their dtype), gradients and moments over the shards
+    if rt.engine.shards:
         param = rt.full_weights if full else rt.adapter_storage
         weight = 0 if full else param
         per = weight + param + _moment_bytes(s.optimizer, param)
