@@ -465,8 +465,16 @@ def fluctuating(job: Job, s: Strategy, rt: Runtime) -> float:
     gradients): what the allocator's reserved-but-unused share scales with (`allocator_fraction`), unlike the
     weights and states allocated once."""
     loss = loss_peak(job, s, rt)
-    above = max(0.0, working_set(job, s, rt) - loss)
-    return activations(job, s, rt) + loss + above + step_gradients(job, s, rt)
+    return _fluctuating(job, s, rt, activations(job, s, rt), loss, _above_loss(job, s, rt, loss))
+
+
+def _above_loss(job: Job, s: Strategy, rt: Runtime, loss: float) -> float:
+    """The backward working set's bytes above the loss peak (they never coincide)."""
+    return max(0.0, working_set(job, s, rt) - loss)
+
+
+def _fluctuating(job: Job, s: Strategy, rt: Runtime, acts: float, loss: float, above: float) -> float:
+    return acts + loss + above + step_gradients(job, s, rt)
 
 
 def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory, float]:
@@ -477,8 +485,10 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
     acts = activations(job, s, rt)
     loss = loss_peak(job, s, rt)
     dev = job.device
-    above = max(0.0, working_set(job, s, rt) - loss)
-    overhead = dev.fixed_gb * GB + above + dev.allocator_fraction * fluctuating(job, s, rt)
+    above = _above_loss(job, s, rt, loss)
+    overhead = (
+        dev.fixed_gb * GB + above + dev.allocator_fraction * _fluctuating(job, s, rt, acts, loss, above)
+    )
     mem = Memory(
         weights=weights_gpu / GB,
         trainable_state=state_gpu / GB,
