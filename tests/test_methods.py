@@ -159,9 +159,9 @@ def test_flops_per_weight_come_from_the_spec():
 
 def test_fallback_suggestions_come_from_the_spec():
     _, full = plan_for("+recipe=qwen32b_full", "hardware=h200")
-    assert not full.fits and "method=lora fits on h200 (94.8 GB per GPU)" in full.suggestions
+    assert not full.fits and "method=lora fits on h200 (91.3 GB per GPU)" in full.suggestions
     _, lora = plan_for("+recipe=llama70b_lora", "hardware=h100")
-    assert not lora.fits and "method=qlora fits on h100 (63.4 GB per GPU)" in lora.suggestions
+    assert not lora.fits and "method=qlora fits on h100 (61.6 GB per GPU)" in lora.suggestions
 
 
 # ---------------------------------------------------------------- a new method is one entry
