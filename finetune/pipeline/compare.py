@@ -19,6 +19,7 @@ from typing import Any, Optional
 from finetune import rundir
 from finetune.core.config import RUNS_DIR
 from finetune.core.errors import ConfigError
+from finetune.core.markup import console_text, markdown_cell
 from finetune.modeling.models import VARIANTS
 
 # Config keys that differ between any two runs without being a knob of the experiment.
@@ -134,13 +135,14 @@ def _fmt(value: Any) -> str:
 
 
 def markdown(table: dict[str, Any]) -> str:
-    names = [r["name"] for r in table["runs"]]
+    """compare.md: run names, keys and values are user text, escaped (`markup.markdown_cell`)."""
+    names = [markdown_cell(r["name"]) for r in table["runs"]]
     lines = ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for row in table["rows"]:
-        cells = [_fmt(v).replace("|", "\\|") for v in row["values"]]
+        cells = [markdown_cell(_fmt(v)) for v in row["values"]]
         if row["best"] is not None:
             cells[row["best"]] = f"**{cells[row['best']]}**"
-        lines.append(f"| {row['key']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {markdown_cell(row['key'])} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("Bold: the best value of a row (lowest loss, memory and time; highest task scores).")
     return "\n".join(lines) + "\n"
@@ -153,16 +155,16 @@ def print_table(table: dict[str, Any], console: Optional[Any] = None) -> None:
     t = Table(title="runs compared", header_style="bold")
     t.add_column("")
     for r in table["runs"]:
-        t.add_column(r["name"], justify="right")
+        t.add_column(console_text(r["name"]), justify="right")
     section = None
     for row in table["rows"]:
         if section is not None and row["kind"] != section:
             t.add_section()
         section = row["kind"]
-        cells = [_fmt(v) for v in row["values"]]
+        cells = [console_text(_fmt(v)) for v in row["values"]]
         if row["best"] is not None:
             cells[row["best"]] = f"[bold green]{cells[row['best']]}[/bold green]"
-        t.add_row(row["key"], *cells)
+        t.add_row(console_text(row["key"]), *cells)
     (console or Console()).print(t)
 
 

@@ -17,6 +17,7 @@ from finetune import rundir
 from finetune.core.composition import load_profiles
 from finetune.core.config import RUNS_DIR, Config
 from finetune.core.errors import INTERRUPTED_EXIT_CODE, ConfigError, LaunchError, PlanError
+from finetune.core.markup import terminal_text
 from finetune.data import stage as data_stage
 from finetune.launch import stage as launch_stage
 from finetune.modeling import models
@@ -137,7 +138,7 @@ def export_stage(cfg: Config, run_dir: Path, plan: Plan) -> None:
 
 def _print_summary(run_dir: Path) -> None:
     metrics_path = rundir.eval_dir(run_dir) / rundir.EVAL_METRICS_FILE
-    print(f"\nrun directory: {run_dir}")
+    print(f"\nrun directory: {terminal_text(run_dir)}")
     for name in (
         rundir.CONFIG_FILE,
         rundir.PLAN_FILE,
@@ -156,7 +157,7 @@ def _print_summary(run_dir: Path) -> None:
         for variant in ("base", "trained", "merged"):
             if variant in metrics:
                 values = ", ".join(
-                    f"{k} {v:.4f}"
+                    f"{terminal_text(k)} {v:.4f}"
                     for k, v in metrics[variant].items()
                     if isinstance(v, (int, float)) and "/" not in k
                 )
