@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from finetune import rundir
 from finetune.core.config import RUNS_DIR
-from finetune.core.errors import ConfigError
+from finetune.core.errors import ConfigError, FinetuneError
 from finetune.core.markup import console_text, markdown_cell
 from finetune.modeling.models import VARIANTS
 
@@ -51,24 +51,38 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: node}
 
 
+def _read(file: Path, parse: Any) -> Any:
+    """A compared run's file, parsed; a damaged one is one line naming it (a link or FIFO there too)."""
+    if not file.is_file():
+        return {}
+    try:
+        doc = parse(rundir.read_own_text(file))
+    except FinetuneError:
+        raise
+    except Exception as exc:
+        # JSON's and YAML's errors: the file is not what finetune writes.
+        raise ConfigError(f"runs: {file} is damaged ({type(exc).__name__}); run its stage again") from None
+    return doc if isinstance(doc, dict) else {}
+
+
 def _config(path: Path) -> dict[str, Any]:
     import yaml
 
-    file = path / rundir.CONFIG_FILE
-    return _flatten(yaml.safe_load(file.read_text()) or {}) if file.is_file() else {}
+    return _flatten(_read(path / rundir.CONFIG_FILE, yaml.safe_load))
 
 
 def _metrics(path: Path) -> tuple[dict[str, dict], dict[str, Any], str]:
     """({variant: metrics}, training summary, source file) of one run."""
     evaluation = rundir.eval_dir(path) / rundir.EVAL_METRICS_FILE
-    training = path / rundir.METRICS_FILE
-    train_doc = json.loads(training.read_text()) if training.is_file() else {}
+    train_doc = _read(path / rundir.METRICS_FILE, json.loads)
     if evaluation.is_file():
-        doc, source = json.loads(evaluation.read_text()), f"{rundir.EVAL_DIR}/{rundir.EVAL_METRICS_FILE}"
+        doc, source = _read(evaluation, json.loads), f"{rundir.EVAL_DIR}/{rundir.EVAL_METRICS_FILE}"
     else:
         doc, source = train_doc.get("eval", {}), rundir.METRICS_FILE
+    doc = doc if isinstance(doc, dict) else {}
     variants = {v: doc[v] for v in VARIANTS if isinstance(doc.get(v), dict)}
-    return variants, train_doc.get("train", {}), source
+    train = train_doc.get("train", {})
+    return variants, train if isinstance(train, dict) else {}, source
 
 
 def _is_number(value: Any) -> bool:

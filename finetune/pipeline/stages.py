@@ -48,7 +48,7 @@ def data_seq_len(run_dir: Path) -> Optional[int]:
     stats = run_dir / rundir.DATA_STATS_FILE
     if not stats.is_file():
         return None
-    value = json.loads(stats.read_text()).get("seq_len")
+    value = json.loads(rundir.read_own_text(stats)).get("seq_len")
     return int(value) if value else None
 
 
@@ -152,10 +152,13 @@ def _print_summary(run_dir: Path) -> None:
     ):
         if (run_dir / name).exists():
             print(f"  {name}")
-    if metrics_path.is_file():
-        metrics = json.loads(metrics_path.read_text())
+    try:
+        metrics = json.loads(rundir.read_own_text(metrics_path)) if metrics_path.is_file() else {}
+    except ValueError:
+        metrics = {}  # written whole or not at all: a damaged one is not ours to summarise
+    if isinstance(metrics, dict):
         for variant in ("base", "trained", "merged"):
-            if variant in metrics:
+            if isinstance(metrics.get(variant), dict):
                 values = ", ".join(
                     f"{terminal_text(k)} {v:.4f}"
                     for k, v in metrics[variant].items()

@@ -29,6 +29,7 @@ from finetune.rundir.files import (
     check_target,
     free_bytes,
     make_fresh_folder,
+    read_own_text,
     write_json,
 )
 from finetune.rundir.layout import (
@@ -167,6 +168,7 @@ __all__ = [
     "mark_owned",
     "merged_dir",
     "prepare",
+    "read_own_text",
     "references_secrets",
     "replace_tree",
     "save_config",

@@ -15,6 +15,7 @@ scratch another user can), and whoever runs the job should see it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -62,9 +63,9 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _refuse(path: Path, what: str) -> LaunchError:
+def _refuse(path: Path, what: str, done: str = "written") -> LaunchError:
     return LaunchError(
-        f"{path}: {what} that finetune did not make; nothing was written through it: remove it (or choose "
+        f"{path}: {what} that finetune did not make; nothing was {done} through it: remove it (or choose "
         "another run_dir)"
     )
 
@@ -151,6 +152,25 @@ def make_fresh_folder(folder: Path) -> None:
             raise _refuse(folder, _link(folder) if stat.S_ISLNK(st.st_mode) else _kind(st.st_mode))
         shutil.rmtree(folder)  # does not follow the links inside
     folder.mkdir(parents=True)
+
+
+def read_own_text(path: Path) -> str:
+    """The text of a file finetune wrote (config.yaml, plan.json, metrics.json, ...), opened without following
+    a link or blocking on a FIFO: LaunchError when a link or special file stands there (a planted link to
+    /dev/zero or a FIFO would otherwise hang the reader), FileNotFoundError when nothing does."""
+    path = Path(path)
+    flags = os.O_RDONLY | os.O_NOCTTY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _refuse(path, _link(path), "read") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse(path, _kind(st.st_mode), "read")
+        return f.read().decode("utf-8")
 
 
 def atomic_write_bytes(path: Path, data: bytes, mode: Optional[int] = None) -> None:

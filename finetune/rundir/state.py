@@ -4,6 +4,7 @@ refuses to write a config over checkpoints trained under another one."""
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -14,7 +15,7 @@ from finetune.core.errors import ConfigError, FinetuneError, LaunchError
 from finetune.core.secrets import scrub
 from finetune.planner import Plan
 from finetune.rundir import checkpoints
-from finetune.rundir.files import atomic_write_text
+from finetune.rundir.files import atomic_write_text, read_own_text
 from finetune.rundir.layout import CONFIG_FILE, ENGINE_FILE, PLAN_FILE, checkpoint_dir
 from finetune.rundir.shell import command_line
 
@@ -58,8 +59,10 @@ def check_resumable(cfg: Config, run_dir: Path) -> None:
     if cfg.resume is False or not path.is_file() or not checkpoints.listing(checkpoint_dir(run_dir)):
         return
     try:
-        old = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError):
+        old = yaml.safe_load(read_own_text(path)) or {}
+    except (OSError, ValueError, yaml.YAMLError):
+        return
+    if not isinstance(old, dict):
         return
     before, after = _resume_facts(old), _resume_facts(scrub(asdict(cfg)))
     changed = [k for k in after if k in before and before[k] != after[k]]
@@ -90,7 +93,7 @@ def load_plan(run_dir: Path) -> Plan:
     if not path.is_file():
         raise LaunchError(f"{path}: missing; run the plan stage ({again}) first")
     try:
-        return Plan.from_dict(json.loads(path.read_text()))
+        return Plan.from_dict(json.loads(read_own_text(path)))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise _damaged(path, exc, again) from None
 
@@ -105,7 +108,7 @@ def load_engine(run_dir: Path) -> dict[str, Any]:
             "(or mode=launch; launch.dry_run=true writes it without starting)"
         )
     try:
-        engine = json.loads(path.read_text())
+        engine = json.loads(read_own_text(path))
         if not isinstance(engine, dict) or not isinstance(engine.get("trainer_kwargs"), dict):
             raise ValueError("not an engine record")
         int(engine["world_size"])
@@ -124,7 +127,7 @@ def load_config(run_dir: Path) -> Config:
     if not path.is_file():
         raise LaunchError(f"{path}: missing; run the pipeline ({_rerun(run_dir)}) first")
     try:
-        node = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+        node = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(io.StringIO(read_own_text(path))))
         cfg = OmegaConf.to_object(node)
     except FinetuneError:
         raise

@@ -195,21 +195,10 @@ def _lock_and_precheck(cfg: Config, run_dir: Path, plan: Plan) -> Optional[str]:
     """Rank 0: the run directory's lock, then the pre-checks; what launch.allow_mismatch=true let through."""
     run_dir.mkdir(parents=True, exist_ok=True)
     rundir.lock(run_dir)
-    _check_outputs(cfg, run_dir)
     mismatch = _prechecks(cfg, run_dir, plan).mismatch
     if mismatch:
         log.warning("launch.allow_mismatch=true: training although %s", mismatch)
     return mismatch
-
-
-def _check_outputs(cfg: Config, run_dir: Path) -> None:
-    """Before hours of training: no link or special file finetune did not make where this run writes (the
-    checkpoints, TensorBoard's folder, the trained output, the metrics and profile files); one line, exit 2."""
-    rundir.check_folder(rundir.checkpoint_dir(run_dir), deep=False)
-    rundir.check_folder(run_dir / rundir.TENSORBOARD_DIR)
-    rundir.check_folder(rundir.trained_dir(run_dir, cfg.method.uses_adapters))
-    for name in (rundir.METRICS_FILE, rundir.PROFILE_FILE):
-        rundir.check_target(run_dir / name)
 
 
 def _load_data(run_dir: Path, datasets: Optional[tuple[Any, Any]]) -> tuple[Any, Any]:
@@ -408,7 +397,7 @@ def _read_metrics(run_dir: Path) -> dict:
     """metrics.json as written, or {} when it is missing or damaged (it is rewritten whole at the end)."""
     path = run_dir / rundir.METRICS_FILE
     try:
-        doc = json.loads(path.read_text()) if path.is_file() else {}
+        doc = json.loads(rundir.read_own_text(path)) if path.is_file() else {}
     except (OSError, ValueError):
         log.warning("%s is damaged (not JSON); it is written anew at the end of this run", path)
         return {}
