@@ -446,7 +446,10 @@ def test_resume_hints_in_messages_run_only_themselves(tmp_path):
     run = tmp_path / HOSTILE_DIR
     run.mkdir()
     worker = ["python", "-m", "finetune.train", str(run)]
-    assert _words(_after(str(Preempted("SIGTERM", 3, None, run)), "(or: ", "); resume=false"), tmp_path) == worker
+    assert (
+        _words(_after(str(Preempted("SIGTERM", 3, None, run)), "(or: ", "); resume=false"), tmp_path)
+        == worker
+    )
     assert _words(_after(interrupted_message("SIGTERM", run) + "\n", "(or: ", ")\n"), tmp_path) == worker
     with pytest.raises(LaunchError) as missing:
         rundir.load_plan(run)
@@ -533,6 +536,33 @@ def test_a_checkpoint_damaged_with_a_matching_manifest_is_skipped_in_one_line(
     ):
         checkpoints.resume_checkpoint("checkpoint-8", folder)
     assert not pwned.exists()  # the payload never ran
+
+
+def test_a_deepspeed_shard_naming_code_is_refused_without_running_it(tmp_path):
+    """DeepSpeed loads its shards without weights_only: their pickles are read for what they would call."""
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
+    folder = tmp_path / "checkpoints"
+    _checkpoint(folder, 4)
+    ckpt = _checkpoint(folder, 8)
+    shard = ckpt / "global_step8" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shard.parent.mkdir()
+    torch.save({"optimizer_state_dict": {"loss_scaler": LossScaler(1.0)}, "ds_version": "0.19.8"}, shard)
+    _reseal(ckpt)
+    assert checkpoints.verify(ckpt) is None  # DeepSpeed's own classes, as its ZeRO-3 checkpoints hold
+    pwned = tmp_path / "PWNED"
+    _payload(shard, pwned)
+    _reseal(ckpt)
+    problem = checkpoints.verify(ckpt)
+    assert problem == (
+        "global_step8/zero_pp_rank_0_mp_rank_00_optim_states.pt: its pickle names posix.system, which "
+        "DeepSpeed's loader would run (it loads without weights_only)"
+    )
+    assert checkpoints.last_complete(folder) == folder / "checkpoint-4" and not pwned.exists()
+    torch.save({"x": 1}, shard, _use_new_zipfile_serialization=False)  # the legacy format: not checkable
+    _reseal(ckpt)
+    assert "not in torch's zip format" in checkpoints.verify(ckpt)
 
 
 def test_with_every_checkpoint_damaged_the_run_starts_over_saying_so(tmp_path, caplog):

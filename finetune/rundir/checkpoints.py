@@ -20,9 +20,11 @@ A checkpoint whose checksums match can still be unusable (damaged before it was 
 together with its manifest): `verify` also opens what the trainer reads on resume, as it reads it
 (`_unloadable`: the trainer state, the RNG, optimizer and scheduler states with `weights_only`, the
 adapter or model's safetensors headers, the JSON files), so such a checkpoint is skipped like a
-truncated one, in one line that names it and what is used instead. Engine shards in subfolders
-(DeepSpeed's `global_step*/`, FSDP's sharded folders) are covered by the checksums only; the engine
-loads them itself.
+truncated one, in one line that names it and what is used instead. DeepSpeed loads its shards
+(`global_step*/*.pt`) without `weights_only`, so a pickle payload there would run: their pickles are
+read, not run, and any callable they name outside torch's allowlist and DeepSpeed's own classes
+(`posix.system`, say) refuses the checkpoint. FSDP's sharded folders (`*.distcp`, `.metadata`) are
+covered by the checksums only.
 """
 
 from __future__ import annotations
@@ -191,6 +193,11 @@ def _unloadable(folder: Path, names: list[str]) -> Optional[str]:
     top = [n for n in names if "/" not in n and n not in _NOT_READ_ON_RESUME]
     if TRAINER_STATE_FILE not in top:
         return f"no {TRAINER_STATE_FILE} (the step and data position to resume from)"
+    for name in names:
+        if "/" in name and name.endswith(".pt"):
+            problem = _engine_shard_problem(folder / name)
+            if problem:
+                return f"{name}: {problem}"
     for name in top:
         path = folder / name
         try:
@@ -226,6 +233,25 @@ def _trainer_state_problem(path: Path) -> Optional[str]:
     callbacks = data.get("stateful_callbacks")
     if callbacks is not None and not isinstance(callbacks, dict):
         return "stateful_callbacks is not a mapping"
+    return None
+
+
+def _engine_shard_problem(path: Path) -> Optional[str]:
+    """Why DeepSpeed must not load this shard (its loader runs whatever the pickle names); None: it may."""
+    import zipfile
+
+    import torch
+
+    if not zipfile.is_zipfile(path):
+        return "not in torch's zip format, so its pickle cannot be checked"
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception as exc:
+        return f"cannot be read ({_first_line(exc)})"
+    # DeepSpeed pickles its own classes (LossScaler, ZeroStageEnum: measured on a ZeRO-3 checkpoint).
+    foreign = [name for name in unsafe if not name.startswith("deepspeed.")]
+    if foreign:
+        return f"its pickle names {foreign[0]}, which DeepSpeed's loader would run (it loads without weights_only)"
     return None
 
 
