@@ -176,6 +176,8 @@ def verify(folder: Path, checksums: bool = True) -> Optional[str]:
 # training_args.bin is written but never read back (a pickle of the arguments: not loadable with weights_only).
 _NOT_READ_ON_RESUME = {"training_args.bin"}
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+# What DeepSpeed writes when the trainer saves (tag global_stepN) and reads back with its own loader.
+_DEEPSPEED_SHARD = re.compile(r"^global_step\d+/[^/]+\.pt$")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -194,7 +196,7 @@ def _unloadable(folder: Path, names: list[str]) -> Optional[str]:
     if TRAINER_STATE_FILE not in top:
         return f"no {TRAINER_STATE_FILE} (the step and data position to resume from)"
     for name in names:
-        if "/" in name and name.endswith(".pt"):
+        if _DEEPSPEED_SHARD.match(name):
             problem = _engine_shard_problem(folder / name)
             if problem:
                 return f"{name}: {problem}"
