@@ -26,6 +26,7 @@ from typing import Any, Optional
 from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.config.evaluation import EvalConfig
+from finetune.core.markup import console_text
 from finetune.data.stage import load_prepared
 from finetune.evaluation import curves, metrics, regression
 from finetune.evaluation.generate import generate, sampling_kwargs
@@ -292,8 +293,8 @@ def _print_table(result: dict[str, Any]) -> None:
     table.add_column("metric")
     for v in variants:
         table.add_column(v, justify="right")
-    for name in metric_names(result):
-        table.add_row(name, *(_fmt(result[v].get(name)) for v in variants))
+    for name in metric_names(result):  # a regex metric's name holds brackets: not rich markup
+        table.add_row(console_text(name), *(_fmt(result[v].get(name)) for v in variants))
     Console(stderr=True).print(table)
 
 

@@ -24,6 +24,7 @@ from finetune import rundir
 from finetune.core.composition import compose
 from finetune.core.config import Config
 from finetune.core.errors import FinetuneError, LaunchError
+from finetune.core.markup import terminal_text
 from finetune.data.stage import load_prepared
 from finetune.pipeline import stages
 
@@ -70,7 +71,7 @@ def sibling_overrides(cfg: Config, overrides: Sequence[str], sibling: str) -> li
 
 def _check(report: list[dict[str, Any]], name: str, ok: bool, detail: str) -> None:
     report.append({"check": name, "ok": bool(ok), "detail": detail})
-    print(f"smoke: {'ok  ' if ok else 'FAIL'} {name}: {detail}")
+    print(f"smoke: {'ok  ' if ok else 'FAIL'} {name}: {terminal_text(detail)}")
 
 
 def run(cfg: Config, overrides: Sequence[str], hub_check: Any = hub_reachable) -> dict[str, Any]:

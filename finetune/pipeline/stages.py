@@ -17,6 +17,7 @@ from finetune import rundir
 from finetune.core.composition import load_profiles
 from finetune.core.config import RUNS_DIR, Config
 from finetune.core.errors import INTERRUPTED_EXIT_CODE, ConfigError, LaunchError, PlanError
+from finetune.core.markup import terminal_text
 from finetune.data import stage as data_stage
 from finetune.launch import stage as launch_stage
 from finetune.modeling import models
@@ -47,7 +48,7 @@ def data_seq_len(run_dir: Path) -> Optional[int]:
     stats = run_dir / rundir.DATA_STATS_FILE
     if not stats.is_file():
         return None
-    value = json.loads(stats.read_text()).get("seq_len")
+    value = json.loads(rundir.read_own_text(stats)).get("seq_len")
     return int(value) if value else None
 
 
@@ -137,7 +138,7 @@ def export_stage(cfg: Config, run_dir: Path, plan: Plan) -> None:
 
 def _print_summary(run_dir: Path) -> None:
     metrics_path = rundir.eval_dir(run_dir) / rundir.EVAL_METRICS_FILE
-    print(f"\nrun directory: {run_dir}")
+    print(f"\nrun directory: {terminal_text(run_dir)}")
     for name in (
         rundir.CONFIG_FILE,
         rundir.PLAN_FILE,
@@ -151,12 +152,15 @@ def _print_summary(run_dir: Path) -> None:
     ):
         if (run_dir / name).exists():
             print(f"  {name}")
-    if metrics_path.is_file():
-        metrics = json.loads(metrics_path.read_text())
+    try:
+        metrics = json.loads(rundir.read_own_text(metrics_path)) if metrics_path.is_file() else {}
+    except ValueError:
+        metrics = {}  # written whole or not at all: a damaged one is not ours to summarise
+    if isinstance(metrics, dict):
         for variant in ("base", "trained", "merged"):
-            if variant in metrics:
+            if isinstance(metrics.get(variant), dict):
                 values = ", ".join(
-                    f"{k} {v:.4f}"
+                    f"{terminal_text(k)} {v:.4f}"
                     for k, v in metrics[variant].items()
                     if isinstance(v, (int, float)) and "/" not in k
                 )

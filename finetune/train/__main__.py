@@ -20,6 +20,7 @@ from finetune.core.errors import (
     interrupt_on_signals,
     is_disk_full,
 )
+from finetune.core.markup import terminal_line
 from finetune.rundir import PLAN_FILE, checkpoint_dir, free_bytes
 
 
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
         run_worker(args[0])
     except FinetuneError as exc:
-        print(f"finetune.train: {exc}", file=sys.stderr)
+        print(f"finetune.train: {terminal_line(exc)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:  # Interrupted, or the trainer's second signal
         from finetune.train.stage import interrupted_message
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         full = disk_full(exc, args[0])
         if full is None:
             raise
-        print(f"finetune.train: {full}", file=sys.stderr)
+        print(f"finetune.train: {terminal_line(full)}", file=sys.stderr)
         return full.exit_code
     finally:
         restore()

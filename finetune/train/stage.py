@@ -34,7 +34,7 @@ import transformers
 
 from finetune import rundir
 from finetune.core.config import Config
-from finetune.core.errors import INTERRUPTED_EXIT_CODE, FinetuneError
+from finetune.core.errors import INTERRUPTED_EXIT_CODE, ConfigError, FinetuneError, is_disk_full
 from finetune.core.secrets import install_log_filter
 from finetune.data.stage import load_prepared
 from finetune.evaluation import heldout
@@ -293,7 +293,19 @@ def _train(session: _Session, resumed_from: Optional[str], run_dir: Path) -> flo
     phase = "training"
     session.preemption.install()
     trainer = session.trainer
-    trainer.train(resume_from_checkpoint=resumed_from)
+    try:
+        trainer.train(resume_from_checkpoint=resumed_from)
+    except Exception as exc:
+        # `checkpoints.verify` opened what the trainer reads; what fails to load before the first step
+        # (an engine's shards) is still this checkpoint's fault: one line naming it and what to use instead.
+        if (
+            not resumed_from
+            or session.monitor.steps_begun
+            or isinstance(exc, FinetuneError)
+            or is_disk_full(exc)
+        ):
+            raise
+        raise unresumable(Path(resumed_from), exc) from None
     if session.preemption.received is not None:
         raise Preempted(
             session.preemption.received,
@@ -310,6 +322,8 @@ def _save_trained(cfg: Config, run_dir: Path, trainer: Any, tokenizer: Any, rank
     global phase
     phase = "saving the trained output"
     out_dir = rundir.trained_dir(run_dir, cfg.method.uses_adapters)
+    if rank0:
+        rundir.check_folder(out_dir)  # the libraries write into it in place: no link planted since the start
     engine = engine_record(trainer)  # every rank takes part (it gathers)
     save_output(
         trainer, out_dir
@@ -379,12 +393,21 @@ def _eval_skipped(plan: Plan, rank0: bool) -> dict:
     }
 
 
+def _read_metrics(run_dir: Path) -> dict:
+    """metrics.json as written, or {} when it is missing or damaged (it is rewritten whole at the end)."""
+    path = run_dir / rundir.METRICS_FILE
+    try:
+        doc = json.loads(rundir.read_own_text(path)) if path.is_file() else {}
+    except (OSError, ValueError):
+        log.warning("%s is damaged (not JSON); it is written anew at the end of this run", path)
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
 def _write_metrics(trainer: Any, run_dir: Path, metrics: dict) -> None:
     """Global rank 0 merges them into metrics.json (the eval stage's keys stay)."""
     if trainer.is_world_process_zero():
-        path = run_dir / rundir.METRICS_FILE
-        existing = json.loads(path.read_text()) if path.is_file() else {}
-        rundir.write_json(path, {**existing, **metrics})
+        rundir.write_json(run_dir / rundir.METRICS_FILE, {**_read_metrics(run_dir), **metrics})
 
 
 def _prechecks(cfg: Config, run_dir: Path, plan: Plan) -> preflight.MachineCheck:
@@ -441,8 +464,8 @@ def _complete(trainer: Any, checkpoint: Path, run_dir: Path) -> bool:
         target = args.max_steps
     else:  # epoch-based: the trainer's own count of optimizer steps
         target = trainer.set_initial_training_values(args, trainer.get_train_dataloader())[-1]
-    metrics = run_dir / rundir.METRICS_FILE
-    previous = json.loads(metrics.read_text()).get("train", {}) if metrics.is_file() else {}
+    previous = _read_metrics(run_dir).get("train")
+    previous = previous if isinstance(previous, dict) else {}
     return (
         state.get("global_step", 0) >= target
         and previous.get("steps") == state.get("global_step")
@@ -453,7 +476,7 @@ def _complete(trainer: Any, checkpoint: Path, run_dir: Path) -> bool:
 def _already_trained(run_dir: Path, checkpoint: Optional[str], rank0: bool) -> dict:
     """The metrics of the finished run, marked as such: nothing is trained, saved or evaluated again."""
     path = run_dir / rundir.METRICS_FILE
-    metrics = json.loads(path.read_text())
+    metrics = _read_metrics(run_dir)
     log.info("already trained: %s is the schedule's last step; nothing to train", checkpoint)
     resumed = str(Path(checkpoint).resolve()) if checkpoint else None
     metrics["train"] = {**metrics["train"], "resumed_from": resumed, "already_complete": True}
@@ -487,8 +510,30 @@ class Preempted(FinetuneError):
             where = "nothing trained yet, nothing saved"
         super().__init__(
             f"stopped by {signal_name} at step {step}; {where}. To resume, run the same command again "
-            f"(or: python -m finetune.train {run_dir}); resume=false starts over"
+            f"(or: {rundir.command_line('python', '-m', 'finetune.train', run_dir)}); resume=false starts over"
         )
+
+
+def unresumable(checkpoint: Path, exc: BaseException) -> ConfigError:
+    """The one line for a checkpoint that verified but failed to load before the first step: which one, the
+    error, and what to resume from instead (the previous complete checkpoint, or a fresh start)."""
+    step = checkpoints.step_of(checkpoint)
+    earlier = [
+        p
+        for p in reversed(checkpoints.listing(checkpoint.parent))
+        if step is None or (checkpoints.step_of(p) or 0) < step
+    ]
+    previous = next((p for p in earlier if checkpoints.verify(p) is None), None)
+    instead = (
+        f"resume={previous.name} resumes from the previous complete checkpoint"
+        if previous
+        else "resume=false starts over (no earlier complete checkpoint)"
+    )
+    text = str(exc).strip().splitlines()
+    error = f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
+    return ConfigError(
+        f"checkpoint {checkpoint} could not be resumed ({error}), before its first step; {instead}"
+    )
 
 
 def interrupted_message(signal_name: str, run_dir: Union[str, Path]) -> str:
@@ -501,7 +546,7 @@ def interrupted_message(signal_name: str, run_dir: Union[str, Path]) -> str:
     )
     return (
         f"stopped by {signal_name} during {phase}, at once (nothing was saved by this stop); {where}. "
-        f"To resume, run the same command again (or: python -m finetune.train {run_dir})"
+        f"To resume, run the same command again (or: {rundir.command_line('python', '-m', 'finetune.train', run_dir)})"
     )
 
 
