@@ -53,10 +53,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except FinetuneError as exc:
         print(f"finetune: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except OSError as exc:
+    except Exception as exc:  # an OSError, or a library's own error that says so (safetensors')
         if not is_disk_full(exc):
             raise
-        where = exc.filename or os.getcwd()
+        where = getattr(exc, "filename", None) or os.getcwd()
         print(f"finetune: error: {DiskFullError(where, None, free_bytes(Path(where)))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
