@@ -68,13 +68,21 @@ def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> 
         except Exception as exc:  # no data stage: the check falls back to the regression prompts
             log.warning("no held-out split for the merge check (%s); using the regression prompts", exc)
     out = rundir.export_dir(run_dir)
-    with outputs.staged(out, int(plan.disk_export_gb * 1e9)) as staging:
+    with outputs.staged(out, _export_bytes(cfg, plan, source)) as staging:
         summary = _write_export(cfg, run_dir, plan, staging, identity, eval_dataset)
     _print_summary(summary, out)
     do_merge = x.merge or not cfg.method.uses_adapters
     if do_merge and x.evaluate_merged:
         summary["eval"] = eval_stage.run(cfg, run_dir, ["merged"], eval_dataset=eval_dataset)
     return summary
+
+
+def _export_bytes(cfg: Config, plan: Plan, source: Path) -> int:
+    """About what export/ takes: the merged weights in the merge dtype (fp32 on the CPU, where the plan's
+    bf16 estimate is half of it) and the adapter's copy."""
+    merged = cfg.export.merge or not cfg.method.uses_adapters
+    weights = plan.params_total * (4 if merge.merge_dtype(cfg) == "fp32" else 2) if merged else 0
+    return weights + (merge.dir_size(source) if cfg.method.uses_adapters else 0)
 
 
 def _write_export(
