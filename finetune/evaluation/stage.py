@@ -199,6 +199,20 @@ def _key(variant: str, record: Any) -> Any:
     return (record.get("made_from") or {}).get("sha256")
 
 
+def _kept(old_metrics: dict[str, Any], models: _Models, todo: Sequence[str]) -> list[str]:
+    """The variants of an earlier evaluation to keep beside this one: not re-scored now, and recorded as
+    the same model as the one present now (nothing is kept from a file that records no models)."""
+    old_models = old_metrics.get("models") or {}
+    kept = []
+    for v in VARIANTS:
+        if v not in old_metrics or v in todo or v not in models.records or v in models.skipped:
+            continue
+        then, now = _key(v, old_models.get(v)), _key(v, models.records[v])
+        if then is not None and then == now:
+            kept.append(v)
+    return kept
+
+
 @dataclass
 class _Prompts:
     """What every model answers: the held-out task items and the regression set, with the rows of
@@ -235,13 +249,7 @@ def run(
             log.warning("eval: %s: not scored as %r; run mode=export to export this trained model", why, v)
     out_dir = rundir.eval_dir(run_dir)
     old_metrics = {} if replace_all else _read_json(out_dir / rundir.EVAL_METRICS_FILE)
-    old_models = old_metrics.get("models") or {}
-    keep = [
-        v
-        for v in VARIANTS
-        if v in old_metrics and v not in todo and v in models.records and v not in models.skipped
-        and _key(v, old_models.get(v)) is not None and _key(v, old_models.get(v)) == _key(v, models.records[v])
-    ]  # fmt: skip
+    keep = _kept(old_metrics, models, todo)
     prompts = _prompts(eval_dataset, reg_rows, cfg.eval.num_samples, out_dir, keep)
     tokenizer = load_tokenizer(cfg.model)
     result: dict[str, Any] = {v: old_metrics[v] for v in keep}
