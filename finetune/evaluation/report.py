@@ -14,6 +14,7 @@ from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.markup import markdown_cell, markdown_text
 from finetune.modeling.models import VARIANTS
+from finetune.modeling.outputs import Identity
 from finetune.rundir import checkpoints
 
 # Metrics where lower is better; every other one is better higher.
@@ -47,6 +48,33 @@ def _delta(name: str, base: Any, other: Any) -> str:
     return f"{d:+.4f}" + (" ✓" if better else "")
 
 
+def models_section(result: dict[str, Any]) -> list[str]:
+    """Which model each column is (metrics.json `models`), and what was not scored (`skipped`)."""
+    models, skipped = result.get("models") or {}, result.get("skipped") or {}
+    if not models and not skipped:
+        return []
+    lines = ["## Models", ""]
+    for v in VARIANTS:
+        record = models.get(v)
+        if v in skipped:
+            lines.append(f"- **{v}**: not scored: {skipped[v]}; run mode=export to export the trained model.")
+        elif v == "base" and record:
+            lines.append(f"- **base**: {record.get('model')} (`{record.get('source')}`)")
+        elif v == "trained" and (identity := Identity.from_dict(record)):
+            lines.append(
+                f"- **trained**: {identity.describe()}, saved {identity.saved or 'at an unknown time'}"
+            )
+        elif v == "merged" and record:
+            source = Identity.from_dict(record.get("made_from"))
+            made = f"made from {source.describe()}" if source else "made from an unrecorded model"
+            trained = Identity.from_dict(models.get("trained"))
+            same = (
+                " (the trained model above)" if source and trained and source.sha256 == trained.sha256 else ""
+            )
+            lines.append(f"- **merged**: `{record.get('path')}`, {made}{same}")
+    return lines
+
+
 def write_report(
     cfg: Config, path: Path, result: dict[str, Any], rows: Sequence[dict], curves_drawn: bool
 ) -> None:
@@ -74,6 +102,9 @@ def write_report(
             ]
         lines.append("| " + " | ".join(cells) + " |")
 
+    models = models_section(result)
+    if models:
+        lines += ["", *models]
     regressions = result.get("regression") or {}
     if regressions:
         lines += ["", "## Regression set", ""]

@@ -54,10 +54,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except FinetuneError as exc:
         print(f"finetune: error: {terminal_line(exc)}", file=sys.stderr)
         return exc.exit_code
-    except OSError as exc:
+    except Exception as exc:  # an OSError, or a library's own error that says so (safetensors')
         if not is_disk_full(exc):
             raise
-        where = exc.filename or os.getcwd()
+        where = getattr(exc, "filename", None) or os.getcwd()
         print(
             f"finetune: error: {terminal_line(DiskFullError(where, None, free_bytes(Path(where))))}",
             file=sys.stderr,

@@ -110,6 +110,9 @@ def run(cfg: Config, overrides: Sequence[str], hub_check: Any = hub_reachable) -
         )
         checkpoint = rundir.checkpoint_dir(smoke_dir) / f"checkpoint-{steps}"
         _check(report, "save", checkpoint.is_dir(), str(checkpoint))
+        # Read before the resumed run: training a new model moves this export aside (superseded-export/).
+        merge = json.loads((rundir.export_dir(smoke_dir) / rundir.MERGE_CHECK_FILE).read_text())
+        _check(report, "merge", merge["ok"], f"max |logit diff| {merge['max_abs_diff']:.3g}")
         # Later overrides win: the same smoke run, resumed for two more steps.
         resumed_cfg = compose(
             [*smoke_overrides, "mode=train", "resume=true", f"train.max_steps={steps + RESUME_EXTRA_STEPS}"]
@@ -120,8 +123,6 @@ def run(cfg: Config, overrides: Sequence[str], hub_check: Any = hub_reachable) -
             f"checkpoint-{steps}"
         )
         _check(report, "resume", ok, f"resumed from {resumed.get('resumed_from')} to step {resumed['steps']}")
-        merge = json.loads((rundir.export_dir(smoke_dir) / rundir.MERGE_CHECK_FILE).read_text())
-        _check(report, "merge", merge["ok"], f"max |logit diff| {merge['max_abs_diff']:.3g}")
     except FinetuneError as exc:
         _check(report, "pipeline", False, str(exc))
     except (OSError, KeyError, json.JSONDecodeError) as exc:

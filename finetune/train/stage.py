@@ -4,8 +4,10 @@
 
 Reads the packed data the data stage wrote (`finetune.data.stage.load_prepared`),
 trains with the plan's strategy, saves the adapter (`RUN_DIR/adapter`) or the
-model (`RUN_DIR/model`) with the tokenizer, and writes `RUN_DIR/metrics.json`:
-`train` {steps, final_loss, tokens_per_second, peak_memory_gb, planned_memory_gb, ...,
+model (`RUN_DIR/model`) with the tokenizer and its identity (`finetune.modeling.outputs`: written
+whole, then the export and evaluation made from another model moved aside), and writes
+`RUN_DIR/metrics.json`: `train` {steps, final_loss, tokens_per_second, peak_memory_gb, planned_memory_gb,
+run_id, output_identity, ...,
 engine: {world_size, backend, wrapper, zero_stage, offload_optimizer, ranks[...]} (what really ran)}
 and `eval` {base: {loss, exact_match, ...}, trained: {...}} on the held-out split.
 Several ranks: rank 0 alone logs, evaluates and writes files; under ZeRO-3/FSDP (weights split
@@ -26,6 +28,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -38,7 +41,7 @@ from finetune.core.errors import INTERRUPTED_EXIT_CODE, ConfigError, FinetuneErr
 from finetune.core.secrets import install_log_filter
 from finetune.data.stage import load_prepared
 from finetune.evaluation import heldout
-from finetune.modeling import models
+from finetune.modeling import models, outputs
 from finetune.planner import Plan
 from finetune.rundir import checkpoints, preflight
 from finetune.train import callbacks as cb
@@ -142,6 +145,8 @@ class _Trained:
     seconds: float
     out_dir: Path
     engine: dict[str, Any]
+    identity: Optional[outputs.Identity]  # of the saved output (rank 0, which writes it)
+    run_id: str
 
 
 def run(
@@ -159,6 +164,7 @@ def run(
     """
     run_dir = Path(run_dir)
     rank0 = is_rank_zero()
+    run_id = uuid.uuid4().hex[:12]  # names this training process in metrics.json and the output's identity
     mismatch = _lock_and_precheck(cfg, run_dir, plan) if rank0 else None
     transformers.utils.logging.disable_progress_bar()
     throughput.check_runtime(cfg, plan.strategy.sharding)  # a lever this machine cannot run: one line, exit 2
@@ -180,9 +186,9 @@ def run(
         seconds = _train(session, resumed_from, run_dir)
     finally:
         session.preemption.uninstall()
-    out_dir, engine = _save_trained(cfg, run_dir, session.trainer, loaded.tokenizer, rank0)
+    out_dir, engine, identity = _save_trained(cfg, run_dir, session.trainer, loaded, run_id, rank0)
     scores = _final_evaluation(loaded, eval_ds, max_generate, in_worker_eval)
-    trained = _Trained(resumed_from, seconds, out_dir, engine)
+    trained = _Trained(resumed_from, seconds, out_dir, engine, identity, run_id)
     metrics = {
         "train": _train_metrics(cfg, plan, session, loaded, trained, t0, mismatch),
         "eval": {"base": base, "trained": scores} if in_worker_eval else _eval_skipped(plan, rank0),
@@ -317,20 +323,41 @@ def _train(session: _Session, resumed_from: Optional[str], run_dir: Path) -> flo
     return time.perf_counter() - t_train
 
 
-def _save_trained(cfg: Config, run_dir: Path, trainer: Any, tokenizer: Any, rank0: bool) -> tuple[Path, dict]:
-    """The adapter or model with the tokenizer, and the engine that really ran: (output folder, engine)."""
+def _save_trained(
+    cfg: Config, run_dir: Path, trainer: Any, loaded: _Model, run_id: str, rank0: bool
+) -> tuple[Path, dict, Optional[outputs.Identity]]:
+    """The adapter or model with the tokenizer and its identity, staged and renamed into place whole (a
+    full disk leaves the previous output), and the engine that really ran: (output folder, engine, identity).
+
+    The export and evaluation made from another output are then moved aside (`outputs.retire_stale`).
+    """
     global phase
     phase = "saving the trained output"
     out_dir = rundir.trained_dir(run_dir, cfg.method.uses_adapters)
     if rank0:
         rundir.check_folder(out_dir)  # the libraries write into it in place: no link planted since the start
     engine = engine_record(trainer)  # every rank takes part (it gathers)
-    save_output(
-        trainer, out_dir
-    )  # every rank: ZeRO-3 and FSDP2 gather the partitioned weights; rank 0 writes
-    if rank0:
-        tokenizer.save_pretrained(str(out_dir))
-    return out_dir, engine
+    identity = None
+    with outputs.staged(out_dir, _output_bytes(loaded.model), writer=rank0) as tmp:
+        # Every rank: ZeRO-3 and FSDP2 gather the partitioned weights; rank 0 writes.
+        save_output(trainer, tmp)
+        if rank0:
+            loaded.tokenizer.save_pretrained(str(tmp))
+            identity = outputs.record(tmp, trainer.state.global_step, run_id, out_dir.name)
+    if identity is not None:
+        outputs.retire_stale(run_dir, identity)
+    return out_dir, engine, identity
+
+
+def _output_bytes(model: Any) -> int:
+    """About what the saved output takes: the trainable tensors (an adapter), or every one (full fine-tuning)."""
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    adapter_only = hasattr(model, "peft_config")
+    return sum(
+        (getattr(p, "ds_numel", None) or p.numel()) * p.element_size()
+        for p in (trainable if adapter_only else params)
+    )
 
 
 def _final_evaluation(
@@ -377,6 +404,8 @@ def _train_metrics(
         "total_parameters": loaded.total,
         "strategy": asdict(plan.strategy),
         "output_dir": str(trained.out_dir),
+        "run_id": trained.run_id,
+        "output_identity": trained.identity.to_dict() if trained.identity else None,
         "engine": trained.engine,
         "machine_mismatch": mismatch,
         "profile": session.profiler.summary() if session.profiler is not None else None,  # train.profile
