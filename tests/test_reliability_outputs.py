@@ -294,7 +294,7 @@ def test_an_export_of_another_model_is_not_scored_as_merged(tmp_path, tiny_cache
     samples = [json.loads(line) for line in (run / "eval" / "samples.jsonl").read_text().splitlines()]
     assert all({"base", "trained", "merged"} <= set(r) for r in samples)
     report = (run / "eval" / "report.md").read_text()
-    assert f"- **merged**: `export/merged`, made from {new.describe()} (the trained model above)" in report
+    assert f"- **merged**: export/merged, made from {new.describe()} (the trained model above)" in report
 
 
 def test_a_full_disk_while_evaluation_writes_keeps_the_previous_evaluation(
@@ -446,7 +446,7 @@ def test_retrain_then_eval_never_reports_the_old_export_as_merged(tmp_path, tiny
     assert doc["merged"]["loss"] == pytest.approx(doc["trained"]["loss"], abs=1e-3)
     assert f"made from the trained {three.describe()}" in (run / "export" / "serve.sh").read_text()
     assert (
-        f"- **merged**: `export/merged`, made from {three.describe()} (the trained model above)"
+        f"- **merged**: export/merged, made from {three.describe()} (the trained model above)"
         in (run / "eval" / "report.md").read_text()
     )
     summary = _summary(r.stdout)

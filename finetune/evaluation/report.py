@@ -57,21 +57,28 @@ def models_section(result: dict[str, Any]) -> list[str]:
     for v in VARIANTS:
         record = models.get(v)
         if v in skipped:
-            lines.append(f"- **{v}**: not scored: {skipped[v]}; run mode=export to export the trained model.")
+            lines.append(
+                f"- **{v}**: not scored: {markdown_text(skipped[v])}; run mode=export to export the trained model."
+            )
         elif v == "base" and record:
-            lines.append(f"- **base**: {record.get('model')} (`{record.get('source')}`)")
+            lines.append(
+                f"- **base**: {markdown_text(record.get('model'))} ({markdown_text(record.get('source'))})"
+            )
         elif v == "trained" and (identity := Identity.from_dict(record)):
             lines.append(
-                f"- **trained**: {identity.describe()}, saved {identity.saved or 'at an unknown time'}"
+                f"- **trained**: {markdown_text(identity.describe())}, saved "
+                f"{markdown_text(identity.saved or 'at an unknown time')}"
             )
         elif v == "merged" and record:
             source = Identity.from_dict(record.get("made_from"))
-            made = f"made from {source.describe()}" if source else "made from an unrecorded model"
+            made = (
+                f"made from {markdown_text(source.describe())}" if source else "made from an unrecorded model"
+            )
             trained = Identity.from_dict(models.get("trained"))
             same = (
                 " (the trained model above)" if source and trained and source.sha256 == trained.sha256 else ""
             )
-            lines.append(f"- **merged**: `{record.get('path')}`, {made}{same}")
+            lines.append(f"- **merged**: {markdown_text(record.get('path'))}, {made}{same}")
     return lines
 
 

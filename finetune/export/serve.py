@@ -202,5 +202,5 @@ def script(cfg: Config, commands: list[ServeCommand], made_from: Optional[Identi
 def write(
     cfg: Config, path: Path, commands: list[ServeCommand], made_from: Optional[Identity] = None
 ) -> None:
-    rundir.atomic_write_text(path, script(cfg, commands, made_from))
-    path.chmod(0o755)
+    # the mode is set on the temporary file before the rename: a chmod after it would follow a planted link
+    rundir.atomic_write_text(path, script(cfg, commands, made_from), mode=0o755)

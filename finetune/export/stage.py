@@ -27,6 +27,7 @@ from typing import Any
 from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.errors import LaunchError
+from finetune.core.markup import console_text
 from finetune.data.stage import load_prepared
 from finetune.evaluation import regression
 from finetune.evaluation import stage as eval_stage
@@ -172,4 +173,5 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
         )
     if "adapter" in summary:
         console.print(f"adapter: {summary['adapter']['size_bytes'] / 1e6:,.2f} MB")
-    console.print(f"serve: bash {out / rundir.SERVE_FILE} [{'|'.join(summary['serve'])}]")
+    serve_line = rundir.command_line("bash", out / rundir.SERVE_FILE)
+    console.print(f"serve: {console_text(serve_line)} {console_text('[' + '|'.join(summary['serve']) + ']')}")
