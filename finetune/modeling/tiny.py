@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from finetune.core.config import ModelConfig
-from finetune.core.errors import ConfigError
+from finetune.core.errors import ConfigError, DiskFullError, is_disk_full
 from finetune.core.package import PACKAGE_DIR
+from finetune.rundir.files import free_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -87,6 +88,10 @@ def _build_once(target: Path, build: Any) -> Path:
         except OSError:  # another process won the race; use its copy
             if not target.is_dir():
                 raise
+    except Exception as exc:  # safetensors' own error on a full disk is no OSError
+        if is_disk_full(exc):
+            raise DiskFullError(target, None, free_bytes(target.parent)) from None
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
