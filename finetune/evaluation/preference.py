@@ -61,6 +61,11 @@ def log_probs(
     return out
 
 
+def applies(eval_dataset: Any) -> bool:
+    """The held-out split holds preference pairs (the data stage's `preferences` record kind)."""
+    return eval_dataset is not None and "chosen_ids" in eval_dataset.column_names
+
+
 def scores(policy: list[list[float]], reference: list[list[float]], beta: float) -> dict[str, float]:
     """preference_accuracy, reward_margin, logprob_accuracy and the mean rewards, over the held-out pairs."""
     if not policy:

@@ -148,13 +148,15 @@ def reference_copy(job: Job, s: Strategy) -> bool:
     return job.reference_runs and job.method.spec.trains_base_weights and not s.precompute_reference
 
 
-def reference_weights(job: Job, s: Strategy, rt: Runtime) -> float:
-    """Bytes per GPU of the frozen reference copy: in the policy's parameter dtype (TRL builds it with
-    `dtype=model.dtype`), sharded like the policy under ZeRO-3 and FSDP2 (`prepare_deepspeed` / `prepare_fsdp`)."""
+def reference_weights(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
+    """(on each GPU, offloaded per GPU) bytes of the frozen reference copy: in the policy's parameter dtype (TRL
+    builds it with `dtype=model.dtype`), sharded like the policy under ZeRO-3 and FSDP2 (`prepare_deepspeed` /
+    `prepare_fsdp` take the engine's settings, parameter offload included)."""
     if not reference_copy(job, s):
-        return 0.0
+        return 0.0, 0.0
     per = rt.compute if rt.engine.shards else rt.full_weights
-    return per * job.counts.total / _shards(job, s)
+    held = per * job.counts.total / _shards(job, s)
+    return (0.0, held) if s.offload_params else (held, 0.0)
 
 
 def reference_forward_peak(job: Job, s: Strategy, rt: Runtime) -> float:
@@ -553,7 +555,8 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
     """Per-GPU memory terms (GB) and host memory offloaded per GPU (bytes)."""
     rt = rt or runtime(job, s)
     weights_gpu, weights_host = weights(job, s, rt)
-    weights_gpu += reference_weights(job, s, rt)
+    ref_gpu, ref_host = reference_weights(job, s, rt)
+    weights_gpu, weights_host = weights_gpu + ref_gpu, weights_host + ref_host
     state_gpu, state_host = trainable_state(job, s, rt)
     acts = activations(job, s, rt)
     loss = loss_peak(job, s, rt)

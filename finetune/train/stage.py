@@ -303,7 +303,7 @@ def _base_evaluation(cfg: Config, loaded: _Model, eval_ds: Any, max_generate: Op
 def _evaluate(cfg: Config, loaded: _Model, eval_ds: Any, **generation: Any) -> dict:
     """The held-out scores of the model as it is now. Preference pairs add the preference metrics against
     the model training started from (`preference`): its log-probabilities, taken at the base evaluation."""
-    if cfg.objective.spec.record_kind != "preferences":
+    if not preference.applies(eval_ds):
         return heldout.evaluate(loaded.model, loaded.tokenizer, eval_ds, **generation)
     result, mine = preference.evaluate(
         loaded.model, loaded.tokenizer, eval_ds, cfg.dpo.beta, loaded.reference_log_probs, **generation
