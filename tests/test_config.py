@@ -21,7 +21,18 @@ def test_config_folders_are_walked_recursively():
     # The ConfigStore registers recipes/*.yaml; a nested file would be silently skipped.
     assert all(p.parent == ROOT / "recipes" for p in _yaml_files(ROOT / "recipes"))
     groups = {p.parent.name for p in _yaml_files(ROOT / "configs") if p.parent != ROOT / "configs"}
-    assert groups == {"model", "method", "hardware", "data", "train", "plan", "launch", "eval", "export"}
+    assert groups == {
+        "model",
+        "method",
+        "hardware",
+        "data",
+        "train",
+        "plan",
+        "launch",
+        "eval",
+        "export",
+        "objective",
+    }
 
 
 @pytest.mark.parametrize("recipe", recipe_names())
@@ -54,7 +65,7 @@ def test_every_group_option_composes(group: str, option: str):
 def test_stable_names():
     assert set(recipe_names()) == {
         "tiny", "llama8b_lora", "llama8b_qlora", "llama70b_qlora", "llama70b_lora",
-        "llama70b_full", "qwen32b_lora", "qwen32b_full",
+        "llama70b_full", "qwen32b_lora", "qwen32b_full", "tiny_dpo", "llama8b_dpo", "llama70b_qlora_dpo",
     }  # fmt: skip
     assert set(group_choices("model")) == {
         "tiny",
@@ -67,6 +78,7 @@ def test_stable_names():
         "llama2_70b",
     }
     assert set(group_choices("method")) == {"full", "lora", "qlora"}
+    assert set(group_choices("objective")) == {"sft", "dpo"}
     assert set(group_choices("hardware")) == {
         "cpu", "h100", "h200", "b200", "b300", "h100x8", "h200x8", "b200x8", "b300x8", "auto", "local",
         "a100_40gb", "a100_80gb", "a100_40gbx8", "a100_80gbx8", "l40s", "l40sx8", "h100_nvl",

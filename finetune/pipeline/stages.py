@@ -57,6 +57,14 @@ def data_seq_len(run_dir: Path) -> Optional[int]:
         ) from None
 
 
+def _precompute_reference(cfg: Config) -> Optional[bool]:
+    """The objective's `reference` setting (dpo.reference): precompute (True), a frozen copy (False), or the
+    planner's choice (None, `auto`, and every objective without the setting)."""
+    spec = cfg.objective.spec
+    source = getattr(getattr(cfg, spec.settings), "reference", "auto") if spec.settings else "auto"
+    return None if source == "auto" else source == "precompute"
+
+
 def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
     seq_len = None
     if cfg.train.seq_len == "auto":
@@ -64,7 +72,15 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
         if seq_len is None:
             raise PlanError("train.seq_len=auto needs the data stage: run mode=data (or mode=all) first")
     plan = make_plan(
-        cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles(), seq_len=seq_len
+        cfg.model,
+        cfg.method,
+        cfg.hardware,
+        cfg.train,
+        cfg.plan,
+        load_profiles(),
+        seq_len=seq_len,
+        objective=cfg.objective.spec,
+        precompute_reference=_precompute_reference(cfg),
     )
     plan = replace(plan, reasons=(*cfg.hardware.notes, *plan.reasons))  # hardware=local: what was detected
     plan = plan.with_processes(cfg.launch.nproc_per_node, cfg.launch.nnodes)  # the layout the launcher starts
