@@ -143,8 +143,8 @@ def test_preference_data_stage_splits_by_prompt_and_counts(tmp_path, tiny_tokeni
     rows.append({"prompt": "Even or odd: 5", "chosen": "x" * 5000, "rejected": "odd"})  # too long
     path = _write(tmp_path / "p.jsonl", rows)
     cfg = tiny_cfg("objective=dpo", "train.seq_len=48", "data.eval_fraction=0.2", "data.near_dedup=false")
-    loaded, _ = sources.load(str(path))
-    prepared = prepare.preferences(cfg, tiny_tokenizer, loaded, str(path), console=None)
+    inp, _ = sources.open_input(str(path))
+    prepared = prepare.preferences(cfg, tiny_tokenizer, inp, str(path), console=None)
     s = prepared.stats
     assert s["num_input"] == 122
     assert s["dropped"]["duplicate"] == 1

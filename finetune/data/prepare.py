@@ -17,11 +17,14 @@ stage calls the one its objective names.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from finetune.core.config import Config
 from finetune.core.config.data import DataConfig
@@ -284,10 +287,10 @@ def _dedup_pairs(kept: list[pairs.Pair], dc: DataConfig, tally: samples.Tally) -
     """Exact duplicate pairs out (data.dedup); several pairs may share a prompt."""
     if not dc.dedup:
         return kept
-    seen: set[str] = set()
+    seen: set[bytes] = set()
     out = []
     for p in kept:
-        h = clean.exact_hash(_pair_key(p))
+        h = clean.exact_digest(_pair_key(p))
         if h in seen:
             tally.dropped["duplicate"] += 1
             continue
@@ -308,22 +311,26 @@ def _split_by_prompt(
     n_eval = round(dc.eval_fraction * n)
     if dc.eval_fraction > 0 and n >= 2:
         n_eval = min(max(n_eval, 1), n - 1)
-    order = samples._split_order(unique, dc.seed)
+    # By the SHA-1 of seed and prompt, as samples.split orders conversations: not by input order.
+    order = sorted(range(n), key=lambda i: hashlib.sha1(f"{dc.seed}:{unique[i]}".encode()).digest())
     eval_keys = {unique[i] for i in order[:n_eval]}
     train = [p for p, k in zip(kept, keys) if k not in eval_keys]
     evals = [p for p, k in zip(kept, keys) if k in eval_keys]
     if evals and train:
         train_keys = [clean.conversation_key(p.prompt) for p in train]
-        near = dc.near_dedup
+        eval_sorted = sorted(eval_keys)
+        sig = clean.signatures(train_keys + eval_sorted) if dc.near_dedup else None
+        rows = np.arange(len(train_keys) + len(eval_sorted))
         leak = clean.leaks(
-            train_keys,
-            clean.minhashes(train_keys) if near else None,
-            sorted(eval_keys),
-            clean.minhashes(sorted(eval_keys)) if near else None,
+            [clean.exact_digest(k) for k in train_keys],
+            [clean.exact_digest(k) for k in eval_sorted],
+            sig,
+            rows[: len(train_keys)],
+            rows[len(train_keys) :],
             dc.near_dedup_threshold,
         )
-        tally.dropped["eval_leak"] += sum(leak)
-        train = [p for p, bad in zip(train, leak) if not bad]
+        tally.dropped["eval_leak"] += int(leak.sum())
+        train = [p for p, bad in zip(train, leak.tolist()) if not bad]
     return train, evals
 
 
