@@ -72,6 +72,7 @@ def build_grpo_config(
     output_dir: Path,
     *,
     generation: str,
+    activation_checkpointing: bool = False,
     **training: Any,
 ) -> GRPOConfig:
     """TRL's `GRPOConfig` from ours; `generation` is the resolved mode (never `auto`), `training` the
@@ -93,6 +94,9 @@ def build_grpo_config(
         temperature=grpo.temperature,
         beta=grpo.beta,
         reward_weights=[r.weight for r in rewards],
+        # GRPOConfig defaults the deprecated `gradient_checkpointing` to True; the new name, set, wins silently
+        activation_checkpointing=activation_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if activation_checkpointing else None,
         **vllm,
         **extra,
         **training,
