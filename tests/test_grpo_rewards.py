@@ -10,7 +10,6 @@ from finetune.core.config.grpo import GrpoConfig
 from finetune.core.errors import ConfigError, RewardError
 from finetune.evaluation import rewards
 
-
 PROMPTS = ["Even or odd: 12", "Even or odd: 7", "Sentiment: The movie was great.", "Parity of 3"]
 COMPLETIONS = ["Even.", "even", "The answer is positive", "odd"]
 REFERENCES = ["even", "odd", "positive", "odd"]

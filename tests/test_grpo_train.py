@@ -74,10 +74,14 @@ def test_grpo_trains_on_our_rewards_bf16_cpu(tiny_cache: Path, tiny_model_cfg: A
         # 4 completions of one prompt per step; TRL's logged mean is the mean of what our reward returned
         assert len(values) == 4
         assert log["rewards/letters/mean"] == pytest.approx(sum(values) / 4, abs=1e-6)
-        assert log["reward"] == pytest.approx(log["rewards/exact_match/mean"] + 0.5 * sum(values) / 4, abs=1e-6)
+        assert log["reward"] == pytest.approx(
+            log["rewards/exact_match/mean"] + 0.5 * sum(values) / 4, abs=1e-6
+        )
         assert log["completions/max_length"] <= 6
     assert any(log["reward_std"] > 0 for log in logs)
-    moved = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    moved = [
+        n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])
+    ]
     assert moved, "no adapter weight changed"
     assert all("lora_" in n for n in moved)
 

@@ -40,12 +40,16 @@ def check_reward_name(name: str, key: str) -> None:
     check_metric_name(name, key)
 
 
-def _exact_match(prompts: Sequence[str], completions: Sequence[str], references: Sequence[str]) -> list[float]:
+def _exact_match(
+    prompts: Sequence[str], completions: Sequence[str], references: Sequence[str]
+) -> list[float]:
     return [float(tasks.exact_match(c, r)) for c, r in zip(completions, references)]
 
 
 def _contains(prompts: Sequence[str], completions: Sequence[str], references: Sequence[str]) -> list[float]:
-    return [float(tasks.normalize_answer(r) in tasks.normalize_answer(c)) for c, r in zip(completions, references)]
+    return [
+        float(tasks.normalize_answer(r) in tasks.normalize_answer(c)) for c, r in zip(completions, references)
+    ]
 
 
 def _regex(pattern: str) -> Score:
@@ -79,7 +83,9 @@ class Reward:
     weight: float
     fn: Score
 
-    def score(self, prompts: Sequence[str], completions: Sequence[str], references: Sequence[str]) -> list[float]:
+    def score(
+        self, prompts: Sequence[str], completions: Sequence[str], references: Sequence[str]
+    ) -> list[float]:
         """One finite float per completion, or a `RewardError` naming this reward."""
         try:
             values = self.fn(list(prompts), list(completions), list(references))
@@ -99,7 +105,9 @@ class Reward:
         for i, value in enumerate(values):
             # bool is an int: True/False are the natural pass/fail of a verifiable reward
             if not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise RewardError(f"reward {self.name!r} returned {value!r} for completion {i}, not a finite number")
+                raise RewardError(
+                    f"reward {self.name!r} returned {value!r} for completion {i}, not a finite number"
+                )
             out.append(float(value))
         return out
 
@@ -121,7 +129,9 @@ def resolve(
 ) -> list[Reward]:
     """The configured rewards as callables, user functions imported here (fail before a model loads)."""
     if not names:
-        raise ConfigError(f"{key}: name at least one reward (exact_match, contains, regex:, format: or a function)")
+        raise ConfigError(
+            f"{key}: name at least one reward (exact_match, contains, regex:, format: or a function)"
+        )
     if weights is not None and len(weights) != len(names):
         raise ConfigError(f"{key}: {len(names)} rewards but {len(weights)} reward_weights")
     if len(set(names)) != len(names):

@@ -41,7 +41,9 @@ def prompt_rows(conversations: Sequence[dict]) -> list[dict]:
     for i, record in enumerate(conversations):
         messages = record.get("messages")
         if not messages or messages[-1].get("role") != "assistant":
-            raise ConfigError(f"GRPO prompts: record {i} does not end with an assistant answer to check against")
+            raise ConfigError(
+                f"GRPO prompts: record {i} does not end with an assistant answer to check against"
+            )
         rows.append({"prompt": list(messages[:-1]), REFERENCE_COLUMN: str(messages[-1]["content"])})
     return rows
 
@@ -52,7 +54,9 @@ def trl_reward_function(reward: Reward) -> Any:
     def reward_fn(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
         references = columns.get(REFERENCE_COLUMN)
         if references is None:
-            raise ConfigError(f"GRPO data: no {REFERENCE_COLUMN!r} column for reward {reward.name!r} to check")
+            raise ConfigError(
+                f"GRPO data: no {REFERENCE_COLUMN!r} column for reward {reward.name!r} to check"
+            )
         return reward.score([_text(p) for p in prompts], [_text(c) for c in completions], list(references))
 
     # TRL logs each reward as rewards/<__name__>/mean: the configured name, not "reward_fn"
@@ -85,7 +89,9 @@ def build_grpo_config(
         if generation == "colocate":
             vllm["vllm_gpu_memory_utilization"] = grpo.vllm_gpu_memory_utilization
         else:
-            vllm.update(vllm_server_port=grpo.vllm_server_port, vllm_server_timeout=grpo.vllm_server_timeout_s)
+            vllm.update(
+                vllm_server_port=grpo.vllm_server_port, vllm_server_timeout=grpo.vllm_server_timeout_s
+            )
     extra = {} if grpo.steps_per_generation is None else {"steps_per_generation": grpo.steps_per_generation}
     return GRPOConfig(
         output_dir=str(output_dir),

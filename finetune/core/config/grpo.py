@@ -60,7 +60,9 @@ class GrpoConfig:
         if self.beta < 0:
             raise ConfigError(f"grpo.beta={self.beta} must be >= 0")
         if self.generation not in GENERATION_MODES:
-            raise ConfigError(f"grpo.generation={self.generation!r} must be one of {', '.join(GENERATION_MODES)}")
+            raise ConfigError(
+                f"grpo.generation={self.generation!r} must be one of {', '.join(GENERATION_MODES)}"
+            )
         if not 0 < self.vllm_gpu_memory_utilization < 1:
             raise ConfigError(
                 f"grpo.vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be between 0 and 1"
