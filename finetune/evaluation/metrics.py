@@ -64,7 +64,7 @@ def import_function(path: str, key: str) -> Callable[..., Any]:
         raise ConfigError(f"{key}: cannot import {path!r} ({exc})") from None
     if not callable(fn):
         raise ConfigError(f"{key}: {path!r} is not a function")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def _user_function(path: str) -> Metric:

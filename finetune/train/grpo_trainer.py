@@ -92,7 +92,9 @@ def build_grpo_config(
             vllm.update(
                 vllm_server_port=grpo.vllm_server_port, vllm_server_timeout=grpo.vllm_server_timeout_s
             )
-    extra = {} if grpo.steps_per_generation is None else {"steps_per_generation": grpo.steps_per_generation}
+    extra: dict[str, Any] = {}
+    if grpo.steps_per_generation is not None:
+        extra["steps_per_generation"] = grpo.steps_per_generation
     return GRPOConfig(
         output_dir=str(output_dir),
         num_generations=grpo.num_generations,
