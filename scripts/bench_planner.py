@@ -292,7 +292,7 @@ def packed_position_ids(tokens: int) -> Any:
 
 
 def loss_step(model: Any, ids: Any, labels: Any, case: Case, position_ids: Any = None) -> Any:
-    """The trainer's forward to the loss (finetune/train/trainer.py): the chunked loss inside the model's forward, or
+    """The trainer's forward to the loss (finetune/train/sft_trainer.py): the chunked loss inside the model's forward, or
     TRL's fused head as SFTTrainer.compute_loss calls it."""
     kwargs = dict(input_ids=ids, labels=labels, use_cache=False)
     if position_ids is not None:

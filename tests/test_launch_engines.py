@@ -289,7 +289,7 @@ def test_every_rung_on_every_profile_gets_the_engine_settings_it_plans(tmp_path,
     optimizer, checkpointing and batch numbers are the plan's, one for one; nothing is substituted."""
     from transformers.training_args import OptimizerNames
 
-    from finetune.train.trainer import optimizer_name
+    from finetune.train.base_trainer import optimizer_name
 
     engines = {"none": "single", "ddp": "ddp", "fsdp": "fsdp", "zero3": "deepspeed"}
     seen = set()

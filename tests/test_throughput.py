@@ -125,7 +125,7 @@ def test_liger_goes_through_trls_switch_and_reaches_the_trainer(tmp_path, tiny_c
     import transformers.trainer
 
     from finetune.modeling.models import load_for_training, load_tokenizer
-    from finetune.train.trainer import build_sft_config, build_trainer
+    from finetune.train.sft_trainer import build_sft_config, build_trainer
 
     assert throughput.sft_kwargs(compose(["hardware=h200"])) == {}
     kwargs = throughput.sft_kwargs(compose(["hardware=h200", "train.liger=true"]))

@@ -81,7 +81,7 @@ def test_early_stop_saves_then_stops_the_trainer(tmp_path, tiny_cache, tiny_data
     from transformers import TrainerCallback
 
     from finetune.modeling.models import load_for_training, load_tokenizer
-    from finetune.train.trainer import build_trainer
+    from finetune.train.sft_trainer import build_trainer
 
     class Spike(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -337,7 +337,7 @@ def test_tiny_recipe_learns_the_bundled_task(tmp_path, tiny_cache):
 
 def test_a_rank_reads_engine_json_and_refuses_another_world_size(tmp_path, monkeypatch):
     from finetune.core.errors import LaunchError
-    from finetune.train.trainer import engine_trainer_kwargs
+    from finetune.train.base_trainer import engine_trainer_kwargs
 
     cfg = tiny_cfg(*STEADY, run_dir=tmp_path / "run")
     plan = plan_for(cfg, micro_batch_size=2, grad_accum_steps=3)

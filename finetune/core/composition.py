@@ -29,6 +29,7 @@ from finetune.core.config.data import DataConfig
 from finetune.core.config.evaluation import EvalConfig
 from finetune.core.config.export import ExportConfig
 from finetune.core.config.launch import LaunchConfig
+from finetune.core.config.objective import ObjectiveConfig
 from finetune.core.errors import ConfigError, FinetuneError
 from finetune.core.package import PACKAGE_DIR
 
@@ -58,6 +59,7 @@ def register_configs() -> None:
         ("launch", LaunchConfig),
         ("eval", EvalConfig),
         ("export", ExportConfig),
+        ("objective", ObjectiveConfig),
     ):
         cs.store(group=group, name=f"{group}_schema", node=schema)
     for path in sorted(package_dir("recipes").glob("*.yaml")):
@@ -75,7 +77,7 @@ def group_choices(group: str) -> list[str]:
 
 # ---------------------------------------------------------------- the command line
 
-_GROUPS = ("model", "method", "hardware", "data", "train", "plan", "launch", "eval", "export")
+_GROUPS = ("model", "method", "hardware", "data", "train", "plan", "launch", "eval", "export", "objective")
 DEFAULT_RECIPE = "tiny"
 
 

@@ -141,6 +141,11 @@ class Renderer:
             **self.template_kwargs,
         )
 
+    def text(self, msgs: Messages, add_generation_prompt: bool = False) -> str:
+        """The conversation rendered with the chat template (a prompt: with the assistant's opening)."""
+        (out,), _ = self._render([msgs], add_generation_prompt=add_generation_prompt)
+        return out
+
     def render(self, msgs: Messages) -> tuple[str, list[tuple[int, int]]]:
         """The rendered text and its trainable character spans."""
         if self.train_on == "all":

@@ -18,16 +18,47 @@ from typing import Optional
 
 from finetune import rundir
 from finetune.data import pack, stats
-from finetune.data.prepare import Prepared
+from finetune.data.prepare import Prepared, PreparedPairs
 
 
-def save(prepared: Prepared, out: Path) -> None:
+def save(prepared: Prepared | PreparedPairs, out: Path) -> None:
     """The rows and the histogram into the folder `out` (a cache entry being built)."""
     with _quiet_datasets():
-        _save_rows(prepared, out)
+        if isinstance(prepared, PreparedPairs):
+            _save_pairs(prepared, out)
+        else:
+            _save_rows(prepared, out)
 
 
-def approx_bytes(prepared: Optional[Prepared]) -> Optional[int]:
+def _save_pairs(prepared: PreparedPairs, out: Path) -> None:
+    """Preference pairs, one a row (TRL's prompt_ids, chosen_ids, rejected_ids); eval rows also carry the
+    prompt + chosen conversation (`messages`, for generation from the prompt) and prompt + rejected."""
+    from datasets import Dataset
+
+    columns = ("prompt_ids", "chosen_ids", "rejected_ids")
+    train = {c: [r[c] for r in prepared.train] for c in columns}
+    Dataset.from_dict(train).save_to_disk(str(out / rundir.DATA_TRAIN_DIR))
+    eval_columns = (*columns, "messages", "rejected")
+    evals = {c: [r[c] for r in prepared.evals] for c in eval_columns}
+    Dataset.from_dict(evals).save_to_disk(str(out / rundir.DATA_EVAL_DIR), num_shards=1)
+    lengths = prepared.stats["splits"]
+    stats.histogram(
+        out / rundir.DATA_HISTOGRAM_FILE,
+        {
+            "train": [
+                len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"]))
+                for r in prepared.train
+            ],
+            "eval": [
+                len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"]))
+                for r in prepared.evals
+            ],
+        },
+        int(prepared.stats["seq_len"]) or max(1, lengths["train"]["max"]),
+    )
+
+
+def approx_bytes(prepared: Optional[Prepared | PreparedPairs]) -> Optional[int]:
     """About what the saved rows take: three 8-byte columns a training token, two an eval token."""
     tokens = (prepared.stats if prepared is not None else {}).get("tokens")
     if not tokens:

@@ -38,7 +38,7 @@ def run(cfg: Config, run_dir: Path, *, tokenizer: Any = None) -> dict:
     rundir.check_replaceable(run_dir / rundir.DATA_DIR, cache.published_before_markers)
     console = _console()
     tokenizer = tokenizer if tokenizer is not None else models.load_tokenizer(cfg.model)
-    path = cfg.data.path or str(tiny.bundled_data_path())
+    path = cfg.data.path or str(tiny.bundled_data_path(cfg.objective.spec.record_kind))
     entry, key, hit = _cache_entry(cfg, tokenizer, path, console)
     result = json.loads((entry / cache.COMPLETE).read_text())
     result["cache"] = {"fingerprint": key, "hit": hit, "dir": str(entry)}
@@ -80,12 +80,13 @@ def _cache_entry(cfg: Config, tokenizer: Any, path: str, console) -> tuple[Path,
     entry = cache.lookup(cache_root, key)
     if entry is not None:
         return entry, key, True
-    prepared: Optional[prepare.Prepared] = None
+    prepared: Optional[prepare.Prepared | prepare.PreparedPairs] = None
     try:
         with cache.building(cache_root, key) as tmp:
             loaded = preloaded if preloaded is not None else sources.load(path)[0]
-            # The one record kind today; a second (preference pairs, prompt-only) is chosen here.
-            prepared = prepare.conversations(cfg, tokenizer, loaded, path, console)
+            # The objective's record kind (finetune/core/objectives.py) chooses the preparation.
+            prepare_kind = prepare.RECORD_KINDS[cfg.objective.spec.record_kind]
+            prepared = prepare_kind(cfg, tokenizer, loaded, path, console)
             prepared.stats["input"]["fingerprint"] = input_fp
             rows.save(prepared, tmp)
             prepared.stats["cache"] = {"fingerprint": key, "hit": False, "dir": str(cache_root / key)}
@@ -105,6 +106,7 @@ def _fingerprint(cfg: Config, input_fp: str, tokenizer: Any) -> str:
     return cache.fingerprint(
         {
             "version": PREPARED_VERSION,
+            "record_kind": cfg.objective.spec.record_kind,
             "input": input_fp,
             "tokenizer": _tokenizer_fingerprint(tokenizer),
             "template": tokenizer.chat_template,
@@ -171,10 +173,12 @@ def _report(console, s: dict) -> None:
     console.print(t)
     dropped = ", ".join(f"{k} {v}" for k, v in s["dropped"].items()) or "none"
     cache_line = "hit" if s["cache"]["hit"] else "miss (prepared and stored)"
+    # Preference pairs are not packed (one pair a row).
+    packing = s.get("packing")
+    packed = f"packing {packing['bins']:,} bins at {packing['efficiency']:.1%}; " if packing else ""
     console.print(
         f"data: {s['num_input']:,} input, dropped: {dropped}; seq_len {s['seq_len']}; "
-        f"packing {s['packing']['bins']:,} bins at {s['packing']['efficiency']:.1%}; "
-        f"cache {cache_line} {s['cache']['fingerprint']}"
+        f"{packed}cache {cache_line} {s['cache']['fingerprint']}"
     )
 
 

@@ -55,9 +55,14 @@ CHAT_TEMPLATE = (
 )
 
 
-def bundled_data_path() -> Path:
-    """The bundled chat data set (messages JSONL), shipped inside the package."""
-    return PACKAGE_DIR / "data" / "bundled" / "chat.jsonl"
+# The bundled data set of each record kind (finetune/core/objectives.py), shipped inside the package.
+_BUNDLED = {"conversations": "chat.jsonl", "preferences": "preferences.jsonl"}
+
+
+def bundled_data_path(record_kind: str = "conversations") -> Path:
+    """The bundled data set for `record_kind`: chat conversations (messages JSONL), or the preference pairs
+    built from them (scripts/make_bundled_preferences.py)."""
+    return PACKAGE_DIR / "data" / "bundled" / _BUNDLED[record_kind]
 
 
 def cache_root() -> Path:

@@ -45,11 +45,21 @@ from finetune.modeling import models, outputs
 from finetune.planner import Plan
 from finetune.rundir import checkpoints, preflight
 from finetune.train import callbacks as cb
-from finetune.train import throughput
+from finetune.train import dpo_trainer, sft_trainer, throughput
+from finetune.train.base_trainer import engine_record, save_output
 from finetune.train.profiling import StepProfiler
-from finetune.train.trainer import build_sft_config, build_trainer, engine_record, save_output
 
 log = logging.getLogger(__name__)
+
+# The module that builds each TRL trainer and its config (`ObjectiveSpec.trl_trainer`): `build_config`,
+# `build_trainer`. An objective with a new trainer adds its module here.
+TRAINERS = {"SFTTrainer": sft_trainer, "DPOTrainer": dpo_trainer}
+
+
+def trainer_module(cfg: Config) -> Any:
+    """The trainer module of `cfg.objective` (finetune/core/objectives.py names its TRL trainer)."""
+    return TRAINERS[cfg.objective.spec.trl_trainer]
+
 
 # What the worker is doing now, for the one line a signal leaves (`interrupted_message`).
 phase = "starting"
@@ -120,7 +130,7 @@ class _Model:
     model: Any
     tokenizer: Any
     compute_dtype: Any
-    args: Any  # the SFTConfig
+    args: Any  # the objective's TRL config (SFTConfig, DPOConfig)
     trainable: int
     total: int
     loaded_partitioned: bool
@@ -223,7 +233,7 @@ def _load_model(cfg: Config, plan: Plan, run_dir: Path) -> _Model:
     # from_pretrained load this rank's partition only (zero.Init), not the whole model per rank.
     # The tiny model is built (first use) before that: built under zero.Init it would be saved partitioned.
     models.model_source(cfg.model)
-    args = build_sft_config(cfg, plan, run_dir, models.training_dtype(cfg))
+    args = trainer_module(cfg).build_config(cfg, plan, run_dir, models.training_dtype(cfg))
     _ = args.device  # joins the process group now: zero.Init partitions over it while loading
     if args.deepspeed:
         import deepspeed
@@ -258,7 +268,7 @@ def _build_session(
     monitor = cb.RunMonitor(cfg.hardware.device, plan.gpu_memory.total, baseline_gb=baseline_gb)
     early = cb.EarlyStop(cfg.train.loss_spike_factor, cfg.train.eval_rise_patience)
     preemption = cb.Preemption()
-    trainer = build_trainer(
+    trainer = trainer_module(cfg).build_trainer(
         cfg,
         plan,
         run_dir,

@@ -1,7 +1,7 @@
 """Typed configuration: one dataclass per concern (the schemas; pure, stdlib only).
 
 Each section has its module here (model, method, hardware, data, train, plan, launch, eval,
-export); this one holds the root `Config`, the checks that span sections, and re-exports the
+export, objective); this one holds the root `Config`, the checks that span sections, and re-exports the
 sections. The YAML files under `configs/` extend these schemas; finetune/core/composition.py
 registers them in Hydra's ConfigStore and composes configs/, recipes/ and the command line once
 (`OmegaConf.to_object`): everything downstream gets these objects, never a dict. Cross-field
@@ -23,6 +23,7 @@ from finetune.core.config.hardware import HardwareConfig
 from finetune.core.config.launch import LaunchConfig
 from finetune.core.config.method import OPTIMIZERS, MethodConfig
 from finetune.core.config.model import ModelConfig
+from finetune.core.config.objective import DPOSettings, ObjectiveConfig
 from finetune.core.config.plan import PlanConfig, SmokeConfig
 from finetune.core.config.train import ATTENTIONS, SHARDINGS, TrainConfig
 from finetune.core.errors import ConfigError
@@ -41,6 +42,8 @@ __all__ = [
     "LaunchConfig",
     "MethodConfig",
     "ModelConfig",
+    "ObjectiveConfig",
+    "DPOSettings",
     "PlanConfig",
     "SmokeConfig",
     "TrainConfig",
@@ -68,6 +71,11 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    # What the model is trained to do (sft, dpo), and each objective's own settings section.
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    dpo: DPOSettings = field(default_factory=DPOSettings)
+    # Start from an earlier run's output (RUN_DIR: its adapter or model folder) instead of the base: SFT, then DPO.
+    init_from: Optional[str] = None
     # The recipe's name; names the default run directory.
     name: str = "tiny"
     mode: str = choice("all", MODES)

@@ -24,6 +24,10 @@ class DataConfig:
     instruction_field: str = "instruction"
     input_field: str = "input"
     output_field: str = "output"
+    # Preference pairs (objective=dpo): the better and the worse answer, beside `prompt_field` (or, without a
+    # prompt, two whole conversations whose common prefix is the prompt).
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
     system_prompt: Optional[str] = None
     # Which tokens carry labels: assistant (all assistant turns), all, or last (the last assistant turn).
     train_on: str = choice("assistant", ("assistant", "all", "last"))

@@ -1,20 +1,14 @@
-"""The trainer: TRL's `SFTTrainer` with an `SFTConfig` built from the typed config and the plan.
+"""What every objective's trainer shares (TRL pairs each trainer with its config over a shared base):
+the arguments built from the typed config and the plan, the engine's arguments, FSDP2 on CPU ranks, atomic
+checkpoints, the record of what really ran, and saving the trained output.
 
-The plan decides micro-batch size, gradient accumulation, activation
-checkpointing (non-reentrant), the optimizer and the chunked loss; the config
-gives learning rate, schedule, warm-up, length, intervals, logging and seed.
-The data arrive pre-tokenized and packed from the data stage, so TRL's own
-preparation is skipped and `PackedCollator` batches them.
+The plan decides micro-batch size, gradient accumulation, activation checkpointing (non-reentrant) and the
+optimizer; the config gives learning rate, schedule, warm-up, intervals, logging and seed. Each objective's
+module (sft_trainer.py, dpo_trainer.py) adds its own config class's fields and its trainer class, built as
+`class X(RunTrainerMixin, TRLTrainer)`.
 
 Checkpoints are atomic (`_save_checkpoint`, see `finetune.rundir.checkpoints`): staged,
 checksummed, renamed into place; a crash mid-save leaves the previous one intact.
-
-With `strategy.chunked_loss`, `compute_loss` asks the model for the project's
-chunked loss, computed inside its forward (`add_chunked_loss_head`: no logits,
-the head gathered under ZeRO-3/FSDP2), honouring `num_items_in_batch` so
-gradient accumulation weighs every token the same as one large batch. Without
-it, TRL's own loss runs (`SFTTrainer.compute_loss`: a fused LM head that never
-builds the full logits either).
 """
 
 from __future__ import annotations
@@ -22,18 +16,14 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from trl import SFTConfig, SFTTrainer
 
 from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.errors import LaunchError
-from finetune.modeling.chunked_loss import add_chunked_loss_head
-from finetune.modeling.collator import NUM_TOKENS_KEY, PackedCollator
 from finetune.planner import Plan
 from finetune.rundir import checkpoints
 from finetune.train import quantized, throughput
@@ -53,13 +43,13 @@ def optimizer_name(optimizer: str, device: str, fused: Optional[bool] = None) ->
     return _OPTIMIZERS[optimizer]
 
 
-def build_sft_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dtype) -> SFTConfig:
-    """Every knob of the run in one place: the plan's strategy and the typed config."""
+def common_kwargs(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dtype) -> dict[str, Any]:
+    """The TrainingArguments fields every objective's config takes: the plan's batch shape and optimizer,
+    the precision, the optimisation, intervals and logging, and the engine the launcher wrote for the plan."""
     s, t = plan.strategy, cfg.train
     by_steps = t.max_steps > 0
-    report_to = [
-        r for r in t.report_to if r != "tensorboard"
-    ]  # TensorBoard is added as a callback (its folder)
+    # TensorBoard is added as a callback (its folder): `run_callbacks`
+    report_to = [r for r in t.report_to if r != "tensorboard"]
     kwargs: dict[str, Any] = dict(
         output_dir=str(rundir.checkpoint_dir(run_dir)),
         # Batch shape (the plan's).
@@ -93,24 +83,17 @@ def build_sft_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torc
         save_total_limit=t.save_total_limit,
         report_to=report_to or "none",
         disable_tqdm=True,
-        # Data: pre-tokenized, packed, in the data stage's order (longest sample first).
-        dataset_kwargs={"skip_prepare_dataset": True},
+        # Data: pre-tokenized by the data stage, in its order.
         remove_unused_columns=False,
-        packing=False,
-        padding_free=False,
-        max_length=None,
         train_sampling_strategy="sequential",
         dataloader_num_workers=0,
-        # The loss is the tokens' mean over the whole accumulated batch.
-        average_tokens_across_devices=True,
         # Every trainable parameter takes part in each forward; the search for unused ones is pure cost.
         ddp_find_unused_parameters=False,
     )
     # The engine (DeepSpeed JSON or FSDP2 settings, use_cpu, collective timeout), as the launcher wrote it
     # for the plan's layout: DeepSpeed asserts its batch = micro x accumulation x world size.
     kwargs.update(engine_trainer_kwargs(run_dir))
-    kwargs.update(throughput.sft_kwargs(cfg))  # Liger's kernels through TRL's switch
-    return SFTConfig(**kwargs)
+    return kwargs
 
 
 def engine_trainer_kwargs(run_dir: Path) -> dict[str, Any]:
@@ -132,36 +115,27 @@ def engine_trainer_kwargs(run_dir: Path) -> dict[str, Any]:
     return kwargs
 
 
-class FinetuneTrainer(SFTTrainer):
-    """SFTTrainer plus token counting for throughput and, when planned, the exact chunked loss."""
+class RunTrainerMixin:
+    """What every objective's trainer shares, mixed in before TRL's trainer class (`class X(RunTrainerMixin,
+    SFTTrainer)`): FSDP2 on CPU ranks, atomic checkpoints, and the run's state the stage reads back."""
 
-    def __init__(
-        self,
-        *args: Any,
-        chunked_loss: bool = False,
-        loss_chunk_size: int = 1024,
-        monitor: Optional[RunMonitor] = None,
-        **kwargs: Any,
-    ):
-        with (
-            warnings.catch_warnings()
-        ):  # the checked TRL deprecates use_liger_kernel for Hub kernels: see sft_kwargs
-            warnings.filterwarnings(
-                "ignore", message=r"`use_liger_kernel=True` is deprecated", category=FutureWarning
-            )
-            super().__init__(*args, **kwargs)
-        self.chunked_loss = chunked_loss
+    accelerator: Any
+    args: Any
+    state: Any
+    model: Any
+    is_fsdp_enabled: bool
+    _get_output_dir: Any
+
+    def _init_run(self, monitor: Optional[RunMonitor]) -> None:
         self.monitor = monitor
         self.last_checkpoint: Optional[Path] = None
         self.loaded_partitioned = False  # set by the stage: the model came from zero.Init
-        # After TRL's fused LM head (SFTTrainer.__init__): ours wraps it, and runs only when asked.
-        add_chunked_loss_head(self.model, loss_chunk_size, use_liger=self.args.use_liger_kernel)
 
     def create_accelerator_and_postprocess(self) -> None:
         """FSDP2 on CPU ranks too: accelerate enables its FSDP plugin only for accelerator devices and
         silently runs DDP over gloo instead, so a planned FSDP run on CPU processes (the tests' stand-in
         for GPUs) would prove nothing. The plugin is installed as accelerate would on GPUs."""
-        super().create_accelerator_and_postprocess()
+        super().create_accelerator_and_postprocess()  # type: ignore[misc]
         from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
         state = self.accelerator.state
@@ -178,29 +152,6 @@ class FinetuneTrainer(SFTTrainer):
         state.fsdp_plugin = plugin
         self.is_fsdp_enabled = True
         log.info("FSDP2 on %d CPU ranks (gloo)", state.num_processes)
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        inputs["use_cache"] = False  # a cache would also turn off the packed (block-diagonal) attention mask
-        inputs.pop(
-            "skip_logits", None
-        )  # the Trainer's Liger hint for evaluation: both loss paths make no logits
-        num_tokens = inputs.pop(NUM_TOKENS_KEY, None)
-        if self.model.training and self.monitor is not None and num_tokens is not None:
-            self.monitor.add_tokens(int(num_tokens))
-        if not self.chunked_loss:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        # Through the wrapped model (DDP, DeepSpeed, FSDP2, accelerate's autocast): the loss is computed
-        # inside the model's forward, where every engine has the head whole.
-        outputs = model(**inputs, chunked_loss=True, num_items_in_batch=num_items_in_batch)
-        loss = outputs.loss
-        # As `Trainer.compute_loss`: `num_items_in_batch` counts every rank's tokens and DDP averages gradients.
-        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-            loss = loss * self.accelerator.num_processes
-        return (loss, outputs) if return_outputs else loss
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        inputs.pop(NUM_TOKENS_KEY, None)
-        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
     def _save_checkpoint(self, model, trial):
         """Atomic: the trainer writes into checkpoints/.staging/checkpoint-N, rank 0 seals and renames it.
@@ -374,47 +325,25 @@ def save_output(trainer: Any, out_dir: Path) -> None:
         config.save_pretrained(str(out_dir))
 
 
-def build_trainer(
-    cfg: Config,
-    plan: Plan,
-    run_dir: Path,
-    model: Any,
-    tokenizer: Any,
-    train_dataset: Any,
-    eval_dataset: Any,
-    compute_dtype: torch.dtype,
-    callbacks: list[Any],
-    monitor: Optional[RunMonitor] = None,
-    args: Optional[SFTConfig] = None,
-) -> FinetuneTrainer:
-    """The trainer for `model`; `args` when built before loading the model (ZeRO-3: see load_for_training)."""
+def run_callbacks(cfg: Config, run_dir: Path, args: Any, callbacks: list[Any]) -> list[Any]:
+    """The stage's callbacks plus TensorBoard's (one writer: rank 0's events file in RUN_DIR/tensorboard)."""
     from transformers.integrations import TensorBoardCallback
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    args = args or build_sft_config(cfg, plan, run_dir, compute_dtype)
     callbacks = list(callbacks)
-    if "tensorboard" in cfg.train.report_to and args.process_index == 0:  # one writer: rank 0's events file
+    if "tensorboard" in cfg.train.report_to and args.process_index == 0:
         from torch.utils.tensorboard import SummaryWriter
 
         log_dir = Path(run_dir) / rundir.TENSORBOARD_DIR
         rundir.check_folder(log_dir)  # SummaryWriter creates and appends in place
         callbacks.append(TensorBoardCallback(SummaryWriter(log_dir=str(log_dir))))
-    trainer = FinetuneTrainer(
-        model=model,
-        args=args,
-        # flash-attn's variable-length kernel takes one row only (train/throughput.py)
-        data_collator=PackedCollator(
-            pad_token_id=tokenizer.pad_token_id, flatten=cfg.train.attention == "flash"
-        ),
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        callbacks=callbacks,
-        chunked_loss=plan.strategy.chunked_loss,
-        loss_chunk_size=cfg.train.loss_chunk_size,
-        monitor=monitor,
-    )
-    # Our rich progress bar replaces transformers' printed dicts and tqdm bars.
+    return callbacks
+
+
+def finish_trainer(trainer: Any, cfg: Config) -> Any:
+    """After any trainer's construction: our progress bar for transformers' printed dicts and tqdm bars,
+    the adapters in the planned dtype, the decoder layers compiled when asked."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
     for cb in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(cb)
     if cfg.method.uses_adapters:

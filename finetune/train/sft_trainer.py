@@ -1,0 +1,128 @@
+"""Supervised fine-tuning: TRL's `SFTTrainer` with an `SFTConfig` built from the typed config and the plan.
+
+The data arrive pre-tokenized and packed from the data stage (`prepare.conversations`), so TRL's own
+preparation is skipped and `PackedCollator` batches them. What every objective shares (arguments, engine,
+FSDP2 on CPU ranks, atomic checkpoints) is `base_trainer`'s.
+
+With `strategy.chunked_loss`, `compute_loss` asks the model for the project's
+chunked loss, computed inside its forward (`add_chunked_loss_head`: no logits,
+the head gathered under ZeRO-3/FSDP2), honouring `num_items_in_batch` so
+gradient accumulation weighs every token the same as one large batch. Without
+it, TRL's own loss runs (`SFTTrainer.compute_loss`: a fused LM head that never
+builds the full logits either).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from trl import SFTConfig, SFTTrainer
+
+from finetune.core.config import Config
+from finetune.modeling.chunked_loss import add_chunked_loss_head
+from finetune.modeling.collator import NUM_TOKENS_KEY, PackedCollator
+from finetune.planner import Plan
+from finetune.train import throughput
+from finetune.train.base_trainer import RunTrainerMixin, common_kwargs, finish_trainer, run_callbacks
+from finetune.train.callbacks import RunMonitor
+
+
+def build_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dtype) -> SFTConfig:
+    """Every knob of the run in one place: the shared arguments plus SFT's data and loss settings."""
+    kwargs = common_kwargs(cfg, plan, run_dir, compute_dtype)
+    kwargs.update(
+        # Data: pre-tokenized, packed, in the data stage's order (longest sample first).
+        dataset_kwargs={"skip_prepare_dataset": True},
+        packing=False,
+        padding_free=False,
+        max_length=None,
+        # The loss is the tokens' mean over the whole accumulated batch.
+        average_tokens_across_devices=True,
+    )
+    kwargs.update(throughput.sft_kwargs(cfg))  # Liger's kernels through TRL's switch
+    return SFTConfig(**kwargs)
+
+
+# The name the training stage and the tests have always called it by.
+build_sft_config = build_config
+
+
+class FinetuneTrainer(RunTrainerMixin, SFTTrainer):
+    """SFTTrainer plus token counting for throughput and, when planned, the exact chunked loss."""
+
+    def __init__(
+        self,
+        *args: Any,
+        chunked_loss: bool = False,
+        loss_chunk_size: int = 1024,
+        monitor: Optional[RunMonitor] = None,
+        **kwargs: Any,
+    ):
+        # the checked TRL deprecates use_liger_kernel for Hub kernels: see sft_kwargs
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=r"`use_liger_kernel=True` is deprecated", category=FutureWarning
+            )
+            super().__init__(*args, **kwargs)
+        self.chunked_loss = chunked_loss
+        self._init_run(monitor)
+        # After TRL's fused LM head (SFTTrainer.__init__): ours wraps it, and runs only when asked.
+        add_chunked_loss_head(self.model, loss_chunk_size, use_liger=self.args.use_liger_kernel)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs["use_cache"] = False  # a cache would also turn off the packed (block-diagonal) attention mask
+        # the Trainer's Liger hint for evaluation: both loss paths make no logits
+        inputs.pop("skip_logits", None)
+        num_tokens = inputs.pop(NUM_TOKENS_KEY, None)
+        if self.model.training and self.monitor is not None and num_tokens is not None:
+            self.monitor.add_tokens(int(num_tokens))
+        if not self.chunked_loss:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        # Through the wrapped model (DDP, DeepSpeed, FSDP2, accelerate's autocast): the loss is computed
+        # inside the model's forward, where every engine has the head whole.
+        outputs = model(**inputs, chunked_loss=True, num_items_in_batch=num_items_in_batch)
+        loss = outputs.loss
+        # As `Trainer.compute_loss`: `num_items_in_batch` counts every rank's tokens and DDP averages gradients.
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * self.accelerator.num_processes
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs.pop(NUM_TOKENS_KEY, None)
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+
+def build_trainer(
+    cfg: Config,
+    plan: Plan,
+    run_dir: Path,
+    model: Any,
+    tokenizer: Any,
+    train_dataset: Any,
+    eval_dataset: Any,
+    compute_dtype: torch.dtype,
+    callbacks: list[Any],
+    monitor: Optional[RunMonitor] = None,
+    args: Optional[SFTConfig] = None,
+) -> FinetuneTrainer:
+    """The trainer for `model`; `args` when built before loading the model (ZeRO-3: see load_for_training)."""
+    args = args or build_config(cfg, plan, run_dir, compute_dtype)
+    trainer = FinetuneTrainer(
+        model=model,
+        args=args,
+        # flash-attn's variable-length kernel takes one row only (train/throughput.py)
+        data_collator=PackedCollator(
+            pad_token_id=tokenizer.pad_token_id, flatten=cfg.train.attention == "flash"
+        ),
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        callbacks=run_callbacks(cfg, run_dir, args, callbacks),
+        chunked_loss=plan.strategy.chunked_loss,
+        loss_chunk_size=cfg.train.loss_chunk_size,
+        monitor=monitor,
+    )
+    return finish_trainer(trainer, cfg)
