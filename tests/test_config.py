@@ -21,7 +21,18 @@ def test_config_folders_are_walked_recursively():
     # The ConfigStore registers recipes/*.yaml; a nested file would be silently skipped.
     assert all(p.parent == ROOT / "recipes" for p in _yaml_files(ROOT / "recipes"))
     groups = {p.parent.name for p in _yaml_files(ROOT / "configs") if p.parent != ROOT / "configs"}
-    assert groups == {"model", "method", "hardware", "data", "train", "plan", "launch", "eval", "export", "objective"}
+    assert groups == {
+        "model",
+        "method",
+        "hardware",
+        "data",
+        "train",
+        "plan",
+        "launch",
+        "eval",
+        "export",
+        "objective",
+    }
 
 
 @pytest.mark.parametrize("recipe", recipe_names())

@@ -80,7 +80,7 @@ def _cache_entry(cfg: Config, tokenizer: Any, path: str, console) -> tuple[Path,
     entry = cache.lookup(cache_root, key)
     if entry is not None:
         return entry, key, True
-    prepared: Optional[prepare.Prepared | prepare.PreparedPairs] = None
+    prepared: Optional[prepare.Prepared | prepare.PreparedPairs | prepare.PreparedPrompts] = None
     try:
         with cache.building(cache_root, key) as tmp:
             loaded = preloaded if preloaded is not None else sources.load(path)[0]

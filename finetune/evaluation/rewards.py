@@ -20,24 +20,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from finetune.core import tasks
-from finetune.core.config.evaluation import REGEX_PREFIX, check_metric_name
+from finetune.core.config.evaluation import REGEX_PREFIX
+from finetune.core.config.grpo import FORMAT_PREFIX, check_reward_name
 from finetune.core.errors import ConfigError, RewardError
 from finetune.evaluation.metrics import import_function
 
-FORMAT_PREFIX = "format:"
-
 Score = Callable[[Sequence[str], Sequence[str], Sequence[str]], Sequence[Any]]
-
-
-def check_reward_name(name: str, key: str) -> None:
-    """A reward name is a metric name (`check_metric_name`) or `format:<pattern>`."""
-    if name.startswith(FORMAT_PREFIX):
-        try:
-            re.compile(name[len(FORMAT_PREFIX) :])
-        except re.error as exc:
-            raise ConfigError(f"{key}: {name!r} is not a valid regular expression ({exc})") from None
-        return
-    check_metric_name(name, key)
 
 
 def _exact_match(

@@ -19,6 +19,7 @@ from finetune.core.config.checks import check_all_finite, check_choices, choice
 from finetune.core.config.data import DataConfig
 from finetune.core.config.evaluation import EvalConfig
 from finetune.core.config.export import ExportConfig
+from finetune.core.config.grpo import GrpoConfig
 from finetune.core.config.hardware import HardwareConfig
 from finetune.core.config.launch import LaunchConfig
 from finetune.core.config.method import OPTIMIZERS, MethodConfig
@@ -44,6 +45,7 @@ __all__ = [
     "ModelConfig",
     "ObjectiveConfig",
     "DPOSettings",
+    "GrpoConfig",
     "PlanConfig",
     "SmokeConfig",
     "TrainConfig",
@@ -71,9 +73,10 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
-    # What the model is trained to do (sft, dpo), and each objective's own settings section.
+    # What the model is trained to do (sft, dpo, grpo), and each objective's own settings section.
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     dpo: DPOSettings = field(default_factory=DPOSettings)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
     # Start from an earlier run's output (RUN_DIR: its adapter or model folder) instead of the base: SFT, then DPO.
     init_from: Optional[str] = None
     # The recipe's name; names the default run directory.

@@ -9,13 +9,28 @@ each training process, sharing its GPU) or `server` (`trl vllm-serve` on GPUs of
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
 from finetune.core.config.checks import check_positive
+from finetune.core.config.evaluation import check_metric_name
 from finetune.core.errors import ConfigError
 
 GENERATION_MODES = ("auto", "transformers", "colocate", "server")
+# A format reward: the whole completion matches the pattern.
+FORMAT_PREFIX = "format:"
+
+
+def check_reward_name(name: str, key: str = "grpo.rewards") -> None:
+    """A reward name is a metric name (`check_metric_name`) or `format:<pattern>`."""
+    if name.startswith(FORMAT_PREFIX):
+        try:
+            re.compile(name[len(FORMAT_PREFIX) :])
+        except re.error as exc:
+            raise ConfigError(f"{key}: {name!r} is not a valid regular expression ({exc})") from None
+        return
+    check_metric_name(name, key)
 
 
 @dataclass
@@ -46,6 +61,8 @@ class GrpoConfig:
     def __post_init__(self) -> None:
         if not self.rewards:
             raise ConfigError("grpo.rewards: name at least one reward")
+        for name in self.rewards:
+            check_reward_name(name)
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
             raise ConfigError(
                 f"grpo.reward_weights: {len(self.reward_weights)} weights for {len(self.rewards)} rewards"
