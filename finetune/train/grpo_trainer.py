@@ -12,15 +12,22 @@ Data: rows of `prompt` (a string, or a list of chat messages) and `reference` (t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from trl import GRPOConfig, GRPOTrainer
 
+from finetune.core.config import Config
 from finetune.core.config.grpo import GrpoConfig
 from finetune.core.errors import ConfigError
+from finetune.evaluation import rewards as reward_fns
 from finetune.evaluation.rewards import Reward
+from finetune.planner import Plan
+from finetune.train.base_trainer import RunTrainerMixin, common_kwargs, finish_trainer, run_callbacks
+from finetune.train.callbacks import RunMonitor
 
 REFERENCE_COLUMN = "reference"
 
@@ -70,6 +77,45 @@ def uses_vllm(mode: str) -> bool:
     return mode in ("colocate", "server")
 
 
+def generation_mode(cfg: Config) -> str:
+    """Where this run samples: `grpo.generation`, with `auto` resolved as the rollout plan does on this
+    machine (vLLM only on CUDA with vLLM installed; colocate unless a server was set up by the launcher)."""
+    mode = cfg.grpo.generation
+    if mode != "auto":
+        return mode
+    if cfg.hardware.device != "cuda":
+        return "transformers"
+    import importlib.util
+
+    return "colocate" if importlib.util.find_spec("vllm") is not None else "transformers"
+
+
+def grpo_arguments(grpo: GrpoConfig, rewards: Sequence[Reward], generation: str) -> dict[str, Any]:
+    """GRPOConfig's own fields from ours; `generation` is the resolved mode (never `auto`)."""
+    if generation == "auto":
+        raise ConfigError("grpo.generation=auto must be resolved before training")
+    kwargs: dict[str, Any] = dict(
+        num_generations=grpo.num_generations,
+        max_completion_length=grpo.max_completion_length,
+        temperature=grpo.temperature,
+        beta=grpo.beta,
+        reward_weights=[r.weight for r in rewards],
+        # ZeRO-3: gather the sharded weights for transformers' generation (TRL's default, stated)
+        ds3_gather_for_generation=True,
+    )
+    if grpo.steps_per_generation is not None:
+        kwargs["steps_per_generation"] = grpo.steps_per_generation
+    if uses_vllm(generation):
+        kwargs.update(use_vllm=True, vllm_mode=generation)
+        if generation == "colocate":
+            kwargs["vllm_gpu_memory_utilization"] = grpo.vllm_gpu_memory_utilization
+        else:
+            kwargs.update(
+                vllm_server_port=grpo.vllm_server_port, vllm_server_timeout=grpo.vllm_server_timeout_s
+            )
+    return kwargs
+
+
 def build_grpo_config(
     grpo: GrpoConfig,
     rewards: Sequence[Reward],
@@ -79,36 +125,73 @@ def build_grpo_config(
     activation_checkpointing: bool = False,
     **training: Any,
 ) -> GRPOConfig:
-    """TRL's `GRPOConfig` from ours; `generation` is the resolved mode (never `auto`), `training` the
-    Trainer arguments shared with SFT (batch, schedule, precision, intervals, seed)."""
-    if generation == "auto":
-        raise ConfigError("grpo.generation=auto must be resolved by the planner before training")
-    vllm: dict[str, Any] = {}
-    if uses_vllm(generation):
-        vllm = dict(use_vllm=True, vllm_mode=generation)
-        if generation == "colocate":
-            vllm["vllm_gpu_memory_utilization"] = grpo.vllm_gpu_memory_utilization
-        else:
-            vllm.update(
-                vllm_server_port=grpo.vllm_server_port, vllm_server_timeout=grpo.vllm_server_timeout_s
-            )
-    extra: dict[str, Any] = {}
-    if grpo.steps_per_generation is not None:
-        extra["steps_per_generation"] = grpo.steps_per_generation
+    """TRL's `GRPOConfig` outside a run directory (tests, scripts): ours plus the Trainer arguments given."""
     return GRPOConfig(
         output_dir=str(output_dir),
-        num_generations=grpo.num_generations,
-        max_completion_length=grpo.max_completion_length,
-        temperature=grpo.temperature,
-        beta=grpo.beta,
-        reward_weights=[r.weight for r in rewards],
         # GRPOConfig defaults the deprecated `gradient_checkpointing` to True; the new name, set, wins silently
         activation_checkpointing=activation_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False} if activation_checkpointing else None,
-        **vllm,
-        **extra,
+        **grpo_arguments(grpo, rewards, generation),
         **training,
     )
+
+
+def build_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dtype) -> GRPOConfig:
+    """The shared arguments plus GRPO's. A batch (micro x accumulation x ranks) counts completions; it
+    must hold whole groups of `grpo.num_generations`."""
+    kwargs = common_kwargs(cfg, plan, run_dir, compute_dtype)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    completions = kwargs["per_device_train_batch_size"] * kwargs["gradient_accumulation_steps"] * world
+    if completions % cfg.grpo.num_generations:
+        raise ConfigError(
+            f"train.batch_size: {completions} completions a step is not a multiple of grpo.num_generations="
+            f"{cfg.grpo.num_generations}; make train.batch_size a multiple of it"
+        )
+    kwargs.update(
+        grpo_arguments(
+            cfg.grpo, reward_fns.resolve(cfg.grpo.rewards, cfg.grpo.reward_weights), generation_mode(cfg)
+        )
+    )
+    # The held-out prompts are scored by the evaluation (base, trained, merged under the same sampling),
+    # not by TRL's in-training evaluation, which would sample num_generations completions of each.
+    kwargs.update(eval_strategy="no", per_device_eval_batch_size=cfg.grpo.num_generations)
+    return GRPOConfig(**kwargs)
+
+
+class FinetuneGRPOTrainer(RunTrainerMixin, GRPOTrainer):
+    """GRPOTrainer on the data stage's prompts, with the run's checkpoints and state."""
+
+    def __init__(self, *args: Any, monitor: Optional[RunMonitor] = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._init_run(monitor)
+
+
+def build_trainer(
+    cfg: Config,
+    plan: Plan,
+    run_dir: Path,
+    model: Any,
+    tokenizer: Any,
+    train_dataset: Any,
+    eval_dataset: Any,
+    compute_dtype: torch.dtype,
+    callbacks: list[Any],
+    monitor: Optional[RunMonitor] = None,
+    args: Optional[GRPOConfig] = None,
+) -> FinetuneGRPOTrainer:
+    """The GRPO trainer for `model` (already wrapped with its adapter by the stage)."""
+    args = args or build_config(cfg, plan, run_dir, compute_dtype)
+    rewards = reward_fns.resolve(cfg.grpo.rewards, cfg.grpo.reward_weights)
+    trainer = FinetuneGRPOTrainer(
+        model=model,
+        reward_funcs=[trl_reward_function(r) for r in rewards],
+        args=args,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        callbacks=run_callbacks(cfg, run_dir, args, callbacks),
+        monitor=monitor,
+    )
+    return finish_trainer(trainer, cfg)
 
 
 def build_grpo_trainer(
@@ -120,7 +203,7 @@ def build_grpo_trainer(
     peft_config: Optional[Any] = None,
     callbacks: Optional[list[Any]] = None,
 ) -> GRPOTrainer:
-    """TRL's trainer on our rewards (weights already in `args.reward_weights`)."""
+    """TRL's trainer on our rewards outside a run directory (tests, scripts)."""
     return GRPOTrainer(
         model=model,
         reward_funcs=[trl_reward_function(r) for r in rewards],
