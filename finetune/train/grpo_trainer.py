@@ -158,6 +158,41 @@ def build_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dt
     return GRPOConfig(**kwargs)
 
 
+# TRL's logged keys summarised into metrics.json (train.grpo): first and last logged value, and the mean.
+_LOGGED = {
+    "reward": "reward",
+    "reward_std": "reward_std",
+    "completion_mean_length": "completions/mean_length",
+    "completion_clipped_ratio": "completions/clipped_ratio",
+    "kl": "kl",
+    "step_time": "step_time",
+}
+
+
+def objective_metrics(log_history: list[dict]) -> dict[str, Any]:
+    """Reward mean and spread, completion lengths, KL (beta > 0), per-reward means: first, last, mean over
+    the logged steps, so a run shows whether the reward rose."""
+    logged = [h for h in log_history if "reward" in h]
+
+    def summary(key: str) -> Optional[dict[str, float]]:
+        values = [float(h[key]) for h in logged if key in h]
+        if not values:
+            return None
+        return {"first": values[0], "last": values[-1], "mean": sum(values) / len(values)}
+
+    out: dict[str, Any] = {"logged_steps": len(logged)}
+    for name, key in _LOGGED.items():
+        if (value := summary(key)) is not None:
+            out[name] = value
+    names = [
+        k[len("rewards/") : -len("/mean")]
+        for k in (logged[0] if logged else {})
+        if k.startswith("rewards/") and k.endswith("/mean")
+    ]
+    out["rewards"] = {name: summary(f"rewards/{name}/mean") for name in names}
+    return out
+
+
 class FinetuneGRPOTrainer(RunTrainerMixin, GRPOTrainer):
     """GRPOTrainer on the data stage's prompts, with the run's checkpoints and state."""
 

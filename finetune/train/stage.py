@@ -203,6 +203,10 @@ def run(
         "train": _train_metrics(cfg, plan, session, loaded, trained, t0, mismatch),
         "eval": {"base": base, "trained": scores} if in_worker_eval else _eval_skipped(plan, rank0),
     }
+    # What an objective's trainer logs beyond the loss (GRPO's rewards and completions), when it says
+    objective_metrics = getattr(trainer_module(cfg), "objective_metrics", None)
+    if objective_metrics is not None:
+        metrics["train"][cfg.objective.name] = objective_metrics(session.trainer.state.log_history)
     _write_metrics(session.trainer, run_dir, metrics)
     return metrics
 

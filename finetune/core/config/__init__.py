@@ -105,6 +105,16 @@ class Config:
             )
         if self.mode == "compare" and len(self.runs) < 1:
             raise ConfigError("mode=compare needs runs=[RUN_DIR,...]: the runs to put side by side")
+        spec = self.objective.spec
+        if spec.sequences_setting is not None and spec.settings is not None:
+            # GRPO: a step's sequences are completions, in whole groups of num_generations
+            per_example = getattr(getattr(self, spec.settings), spec.sequences_setting)
+            if self.train.batch_size % per_example:
+                raise ConfigError(
+                    f"train.batch_size={self.train.batch_size} must be a multiple of "
+                    f"{spec.settings}.{spec.sequences_setting}={per_example} (objective={spec.name} counts a "
+                    "step's sequences in whole groups)"
+                )
         if self.method.optimizer == "paged_adamw_8bit" and self.hardware.device == "cpu":
             raise ConfigError(
                 "method.optimizer=paged_adamw_8bit needs CUDA (paged memory); use adamw on hardware=cpu"
