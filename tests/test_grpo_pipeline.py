@@ -110,3 +110,40 @@ def test_cli_runs_plan_data_train_eval_export(tiny_cache: Path, tmp_path: Path) 
     assert metrics["train"]["grpo"]["logged_steps"] == 2
     assert (run / "export" / "merged").is_dir() and (run / "eval" / "report.md").is_file()
     assert json.loads((run / "plan.json").read_text())["fits"] is True
+
+
+def test_rollout_is_planned_and_a_server_split_is_refused_at_launch(tmp_path: Path) -> None:
+    from finetune.core.composition import compose
+    from finetune.launch import stage as launch_stage
+    from finetune.pipeline.stages import plan_stage, resolve
+    from finetune.rundir import ROLLOUT_FILE
+
+    with pytest.raises(ConfigError, match=r"grpo.generation=server needs CUDA"):
+        tiny_cfg(*GRPO_RUN, "grpo.generation=server")
+    one = tmp_path / "one"
+    one.mkdir()
+    cfg = resolve(compose(["+recipe=llama8b_grpo", f"run_dir={one}"]))
+    plan = plan_stage(cfg, one, quiet=True)
+    colocate = json.loads((one / ROLLOUT_FILE).read_text())
+    assert colocate["mode"] == "colocate" and colocate["fits"]
+    # the training side re-planned on what vLLM leaves of the H100
+    assert plan.reasons[0].startswith(
+        f"GRPO colocate: training planned on {80 * (1 - colocate['vllm_gpu_memory_utilization']):.1f} GB"
+    )
+    assert colocate["train_peak_bytes"] == pytest.approx(plan.gpu_memory.total * 1e9)
+    assert colocate["train_peak_bytes"] <= colocate["train_budget_bytes"]
+    eight = tmp_path / "eight"
+    eight.mkdir()
+    cfg8 = resolve(compose(["+recipe=llama8b_grpo_8gpu", f"run_dir={eight}"]))
+    from finetune import rundir
+
+    rundir.save_config(cfg8, eight)
+    plan8 = plan_stage(cfg8, eight, quiet=True)
+    server = json.loads((eight / ROLLOUT_FILE).read_text())
+    assert (server["mode"], server["server_gpus"], server["train_gpus"]) == ("server", 1, 7)
+    from finetune.core.errors import LaunchError
+
+    with pytest.raises(
+        LaunchError, match=r"rollout is planned on a vLLM server, which launch.sh does not start yet"
+    ):
+        launch_stage.run(cfg8, eight, plan8)

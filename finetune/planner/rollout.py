@@ -119,12 +119,23 @@ def _per_step(job: RolloutJob, round_s: float) -> float:
     return round_s / job.steps_per_generation
 
 
+def colocate_bytes(job: RolloutJob, gpus: int) -> float:
+    """vLLM's need on each GPU in colocate mode: a whole weight copy, the KV cache of that rank's share of
+    the round, its overhead."""
+    return job.weight_bytes + job.kv_bytes(job.generation_batch_size / gpus) + VLLM_OVERHEAD_BYTES
+
+
+def colocate_share(job: RolloutJob, gpus: int, gpu_bytes: float) -> float:
+    """The share of each GPU given to vLLM (`vllm_gpu_memory_utilization`), rounded up to 5%."""
+    return round(math.ceil(colocate_bytes(job, gpus) / gpu_bytes / SHARE_STEP - 1e-9) * SHARE_STEP, 2)
+
+
 def _colocate(
     job: RolloutJob, gpus: int, gpu_bytes: float, hbm: Optional[float], train_peak: Callable[[int], float]
 ) -> RolloutPlan:
     sequences = job.generation_batch_size / gpus
-    need = job.weight_bytes + job.kv_bytes(sequences) + VLLM_OVERHEAD_BYTES
-    share = math.ceil(need / gpu_bytes / SHARE_STEP - 1e-9) * SHARE_STEP
+    need = colocate_bytes(job, gpus)
+    share = colocate_share(job, gpus, gpu_bytes)
     budget = (1 - share) * gpu_bytes
     peak = train_peak(gpus)
     fits = share < 1 and peak <= budget

@@ -120,6 +120,10 @@ class Config:
                 "method.optimizer=paged_adamw_8bit needs CUDA (paged memory); use adamw on hardware=cpu"
             )
         if self.hardware.device == "cpu":
+            if spec.generates and self.grpo.generation in ("colocate", "server"):
+                raise ConfigError(
+                    f"grpo.generation={self.grpo.generation} needs CUDA (vLLM); use transformers or auto on hardware=cpu"
+                )
             if self.train.attention in ("flex", "flash"):
                 why = {
                     "flex": "FlexAttention has no backward on the CPU",
