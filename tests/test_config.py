@@ -66,6 +66,7 @@ def test_stable_names():
     assert set(recipe_names()) == {
         "tiny", "llama8b_lora", "llama8b_qlora", "llama70b_qlora", "llama70b_lora",
         "llama70b_full", "qwen32b_lora", "qwen32b_full",
+        "tiny_grpo", "llama8b_grpo", "llama8b_grpo_8gpu",
     }  # fmt: skip
     assert set(group_choices("model")) == {
         "tiny",
