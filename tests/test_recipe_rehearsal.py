@@ -21,7 +21,8 @@ from finetune.core.composition import recipe_names
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-GPU_RECIPES = [name for name in recipe_names() if name != "tiny"]
+# The CPU recipes (tiny, tiny_dpo) are what the rehearsal runs on; the rest are GPU recipes.
+GPU_RECIPES = [name for name in recipe_names() if not name.startswith("tiny")]
 STEPS = 2
 TIMEOUT_S = 900
 WRAPPERS = {"none": None, "ddp": "DistributedDataParallel", "zero3": "DeepSpeedEngine", "fsdp": "FSDP"}
@@ -30,6 +31,9 @@ WRAPPERS = {"none": None, "ddp": "DistributedDataParallel", "zero3": "DeepSpeedE
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_recipe_strategy_runs_as_planned_on_the_tiny_model(recipe, tmp_path, tiny_cache):
     cfg, plan = planned(f"+recipe={recipe}")
+    if cfg.objective.spec.generates:
+        # a step's completions come in whole groups, which the rehearsal's shrunken batch does not keep
+        pytest.skip(f"{recipe}: GRPO's strategy rehearsal is not built (tests/test_grpo_pipeline.py plans it)")
     assert plan.fits, plan.reasons
     s = plan.strategy
     if s.optimizer == "paged_adamw_8bit":
@@ -43,6 +47,7 @@ def test_recipe_strategy_runs_as_planned_on_the_tiny_model(recipe, tmp_path, tin
         "hardware=cpu",
         f"hardware.gpus_per_node={ranks}",
         f"method={cfg.method.name}",
+        f"objective={cfg.objective.name}",
         "method.precision=bf16",
         f"method.optimizer={s.optimizer}",
         f"train.sharding={s.sharding}",
@@ -100,4 +105,9 @@ def test_recipe_strategy_runs_as_planned_on_the_tiny_model(recipe, tmp_path, tin
         scores = json.loads((run_dir / "eval" / "metrics.json").read_text())
     else:
         scores = json.loads((run_dir / "metrics.json").read_text())["eval"]
-    assert scores["trained"]["loss"] < scores["base"]["loss"] - 0.3, scores
+    if (
+        "preference_accuracy" in scores["base"]
+    ):  # DPO: the implicit reward against the base moved the right way
+        assert scores["trained"]["reward_margin"] > 0 and scores["base"]["reward_margin"] == 0, scores
+    else:
+        assert scores["trained"]["loss"] < scores["base"]["loss"] - 0.3, scores

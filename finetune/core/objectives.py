@@ -56,6 +56,9 @@ class ObjectiveSpec:
     settings: Optional[str] = None
     # The model generates inside the training step (rollouts): the planner adds the generation term.
     generates: bool = False
+    # Its loss is next-token cross-entropy over labelled tokens, which the project's chunked loss can compute
+    # (finetune/modeling/chunked_loss.py); otherwise TRL's own loss runs (DPO: its fused per-token log-probs).
+    chunked_loss: bool = False
     # The metrics the evaluation adds on the held-out split, beside the generation metrics and the regression set.
     eval_metrics: tuple[str, ...] = ()
     # What the exported model is, for people (the export itself is the method's merge, the same for every objective).
@@ -90,6 +93,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         record_kind="conversations",
         trl_trainer="SFTTrainer",
         trl_config="SFTConfig",
+        chunked_loss=True,
     ),
     "dpo": ObjectiveSpec(
         "dpo",

@@ -36,7 +36,7 @@ from finetune.core.config import Config
 from finetune.core.config.evaluation import EvalConfig
 from finetune.core.markup import console_text
 from finetune.data.stage import load_prepared
-from finetune.evaluation import curves, metrics, regression
+from finetune.evaluation import curves, metrics, preference, regression
 from finetune.evaluation.generate import generate, sampling_kwargs
 from finetune.evaluation.heldout import heldout_loss, split_prompt
 from finetune.evaluation.report import metric_names, write_report
@@ -292,6 +292,11 @@ def _evaluate_variants(
     """Each variant's scores, one model in memory at a time (an adapter goes onto the base just scored)."""
     result: dict[str, Any] = {}
     model = None
+    pairs = preference.applies(eval_dataset)
+    # Preference pairs: every model is scored against the base's log-probabilities (the reference).
+    reference = (
+        None if not pairs or "base" in todo else _base_log_probs(cfg, run_dir, eval_dataset, tokenizer)
+    )
     for v in todo:
         reuse = v == "trained" and cfg.method.uses_adapters and model is not None
         model = attach_adapter(model, trained_dir(cfg, run_dir)) if reuse else None
@@ -300,12 +305,27 @@ def _evaluate_variants(
             model = load_variant(cfg, run_dir, v)
         log.info("evaluating %s", v)
         result[v] = _score_variant(model, tokenizer, eval_dataset, prompts, cfg.eval, metric_fns, v)
+        if pairs:
+            mine = preference.log_probs(model, eval_dataset, tokenizer.pad_token_id)
+            reference = reference if reference is not None else mine
+            result[v].update(preference.scores(mine, reference, cfg.dpo.beta))
         if not (v == "base" and "trained" in todo and cfg.method.uses_adapters):
             model = None  # keep the base only to put the adapter on it next
 
     model = None
     gc.collect()
     return result
+
+
+def _base_log_probs(cfg: Config, run_dir: Path, eval_dataset: Any, tokenizer: Any) -> list[list[float]]:
+    """The base model's log-probabilities of the held-out pairs: the reference the preference metrics need
+    when the base itself is not scored in this call (export scores `merged` alone)."""
+    model = load_variant(cfg, run_dir, "base")
+    try:
+        return preference.log_probs(model, eval_dataset, tokenizer.pad_token_id)
+    finally:
+        del model
+        gc.collect()
 
 
 def _score_variant(

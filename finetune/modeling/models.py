@@ -456,12 +456,38 @@ def load_for_training(cfg: Config, sharded: bool = False) -> tuple[Any, torch.dt
         kwargs["device_map"] = _training_device_map(cfg, sharded)
     else:  # a frozen base in the compute dtype
         kwargs["dtype"] = compute_dtype
-    model = load_pretrained(cfg.model, model_source(cfg.model), **kwargs)
+    start_adapter, start_weights = initial_output(cfg)
+    model = load_pretrained(cfg.model, start_weights or model_source(cfg.model), **kwargs)
     if spec.quantized_base:
         model = prepare_kbit_model(model, quant_dtype)
-    if spec.adapters:
+    if start_adapter is not None:  # init_from's adapter trains on (and is DPO's reference)
+        with _peft_reading_deprecated_alias():
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
+        check_adapter_matches(model, start_adapter)
+    elif spec.adapters:
         model = add_adapters(model, method)
     return model, compute_dtype
+
+
+def initial_output(cfg: Config) -> tuple[Optional[Path], Optional[str]]:
+    """Where training starts under `init_from=RUN_DIR` (SFT, then DPO): (that run's adapter, to train on, when
+    this method has adapters and the run saved one; or None) and (the weights to load instead of the base: that
+    run's fully trained model or merged export; or None). Without init_from: (None, None)."""
+    if not cfg.init_from:
+        return None, None
+    run = Path(cfg.init_from)
+    adapter, model_dir, merged = run / "adapter", run / "model", run / "export" / "merged"
+    if cfg.method.spec.adapters and (adapter / "adapter_config.json").is_file():
+        return adapter, None
+    for folder in (model_dir, merged):
+        if (folder / "config.json").is_file():
+            return None, str(folder)
+    raise ConfigError(
+        f"init_from={cfg.init_from}: no adapter/ (for method={cfg.method.name}), model/ or export/merged/ "
+        "with a model in it; point it at a finished run directory"
+    )
 
 
 def trainable_parameters(model: Any) -> tuple[int, int]:

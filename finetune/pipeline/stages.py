@@ -53,6 +53,14 @@ def data_seq_len(run_dir: Path) -> Optional[int]:
     return int(value) if value else None
 
 
+def _precompute_reference(cfg: Config) -> Optional[bool]:
+    """The objective's `reference` setting (dpo.reference): precompute (True), a frozen copy (False), or the
+    planner's choice (None, `auto`, and every objective without the setting)."""
+    spec = cfg.objective.spec
+    source = getattr(getattr(cfg, spec.settings), "reference", "auto") if spec.settings else "auto"
+    return None if source == "auto" else source == "precompute"
+
+
 def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
     seq_len = None
     if cfg.train.seq_len == "auto":
@@ -60,7 +68,15 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
         if seq_len is None:
             raise PlanError("train.seq_len=auto needs the data stage: run mode=data (or mode=all) first")
     plan = make_plan(
-        cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles(), seq_len=seq_len
+        cfg.model,
+        cfg.method,
+        cfg.hardware,
+        cfg.train,
+        cfg.plan,
+        load_profiles(),
+        seq_len=seq_len,
+        objective=cfg.objective.spec,
+        precompute_reference=_precompute_reference(cfg),
     )
     if cfg.objective.spec.generates:
         plan = _colocated_training_plan(cfg, plan, seq_len)

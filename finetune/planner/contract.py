@@ -35,6 +35,9 @@ class Strategy:
     chunked_loss: bool = False
     micro_batch_size: int = 1
     grad_accum_steps: int = 1
+    # Objectives with a reference model under full fine-tuning (DPO): its log-probabilities computed once
+    # before training (TRL's precompute_ref_log_probs) instead of a frozen copy beside the policy.
+    precompute_reference: bool = False
 
     @property
     def engine(self) -> Engine:

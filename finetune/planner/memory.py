@@ -39,10 +39,11 @@ versions of ARCHITECTURE.md, "Checked against"; MEMORY_MODEL.md has the tables):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from finetune.core.config import HardwareConfig, MethodConfig, ModelConfig, PlanConfig, TrainConfig
+from finetune.core.objectives import OBJECTIVES, ObjectiveSpec
 from finetune.core.parallelism import Engine
 from finetune.planner.activations import (
     LayerRun,
@@ -83,6 +84,21 @@ class Job:
     adapter: int  # LoRA parameters (0 for full fine-tuning)
     cal: Calibration
     plan: PlanConfig = field(default_factory=PlanConfig)
+    # What the model is trained to do (finetune/core/objectives.py): sequences per example, the reference model.
+    objective: ObjectiveSpec = OBJECTIVES["sft"]
+    # Full fine-tuning's reference: precomputed log-probabilities (True), a frozen copy (False), or the
+    # planner's choice on memory and time (None; `dpo.reference=auto`).
+    precompute_reference: Optional[bool] = None
+
+    @property
+    def sequences(self) -> int:
+        """Sequences one example puts through the model (DPO: its chosen and its rejected answer)."""
+        return self.objective.sequences_per_example
+
+    @property
+    def reference_runs(self) -> bool:
+        """A frozen reference model runs a forward every step (DPO), unless its log-probabilities are precomputed."""
+        return self.objective.reference == "always"
 
     @property
     def trainable(self) -> int:
@@ -99,7 +115,8 @@ class Job:
             model=self.model, method=self.method, hw=self.hw, train=self.train, seq_len=self.seq_len
         )
         settings.update(changes)
-        return make_job(**settings, cal=self.cal, plan=self.plan)
+        job = make_job(**settings, cal=self.cal, plan=self.plan, objective=self.objective)
+        return replace(job, precompute_reference=self.precompute_reference)
 
 
 def make_job(
@@ -110,12 +127,54 @@ def make_job(
     seq_len: int,
     cal: Optional[Calibration] = None,
     plan: Optional[PlanConfig] = None,
+    objective: Optional[ObjectiveSpec] = None,
 ) -> Job:
     adapter = lora_params(model, method) if method.uses_adapters else 0
     return Job(
         model, method, hw, train, seq_len, count_params(model), adapter, cal or Calibration.default(),
-        plan or PlanConfig(),
+        plan or PlanConfig(), objective or OBJECTIVES["sft"],
     )  # fmt: skip
+
+
+def micro_batch_rows(job: Job, s: Strategy) -> int:
+    """Sequences in one micro-batch: `micro_batch_size` examples, each putting `job.sequences` through the model
+    (TRL's preference collator concatenates the chosen and the rejected rows into one batch)."""
+    return s.micro_batch_size * job.sequences
+
+
+def reference_copy(job: Job, s: Strategy) -> bool:
+    """Full fine-tuning with a per-step reference holds a frozen copy of the starting model; adapters use the
+    base with the adapter disabled, and precomputed log-probabilities need no model during training."""
+    return job.reference_runs and job.method.spec.trains_base_weights and not s.precompute_reference
+
+
+def reference_weights(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
+    """(on each GPU, offloaded per GPU) bytes of the frozen reference copy: in the policy's parameter dtype (TRL
+    builds it with `dtype=model.dtype`), sharded like the policy under ZeRO-3 and FSDP2 (`prepare_deepspeed` /
+    `prepare_fsdp` take the engine's settings, parameter offload included)."""
+    if not reference_copy(job, s):
+        return 0.0, 0.0
+    per = rt.compute if rt.engine.shards else rt.full_weights
+    held = per * job.counts.total / _shards(job, s)
+    return (0.0, held) if s.offload_params else (held, 0.0)
+
+
+def reference_forward_peak(job: Job, s: Strategy, rt: Runtime) -> float:
+    """The reference forward's transient peak (no saved activations: under no_grad each layer's tensors are
+    freed as the next is made): one layer's forward tensors for the micro-batch, the hidden states in and
+    out, and TRL's fused head's forward tile. It runs after the policy's forward, while the policy's
+    activations are held, and is over before the backward starts."""
+    if not job.reference_runs or s.precompute_reference:
+        return 0.0
+    tokens = micro_batch_rows(job, s) * job.seq_len
+    m = job.model
+    one_layer = _layer(job, rt, checkpointing=False) * tokens
+    hidden = 2 * rt.compute * tokens * m.hidden_size
+    tile = rt.compute * min(tokens, TRL_TILE_TOKENS) * TRL_TILE_VOCAB + 24 * tokens
+    gathered = (
+        2 * rt.compute * _one_layer_params(job.counts) if reference_copy(job, s) and rt.engine.shards else 0
+    )
+    return one_layer + hidden + tile + gathered
 
 
 @dataclass(frozen=True)
@@ -356,11 +415,11 @@ def activations(job: Job, s: Strategy, rt: Runtime) -> float:
     overhead's working set counts it (`working_set`). Without, every layer's saved tensors, its packed-mask
     bias, and autocast's bf16 copies of fp32 weights.
     """
-    m, tokens = job.model, s.micro_batch_size * job.seq_len
+    m, tokens = job.model, micro_batch_rows(job, s) * job.seq_len
     held = (_layer(job, rt, s.activation_checkpointing) * m.num_layers + _once_per_token(job, rt)) * tokens
     if s.activation_checkpointing:
         if rt.packed:
-            held += s.micro_batch_size * job.seq_len**2  # the boolean mask, one byte a pair
+            held += micro_batch_rows(job, s) * job.seq_len**2  # the boolean mask, one byte a pair
         return held
     if rt.packed:
         held += m.num_layers * _mask_bias(job, s, rt)
@@ -369,7 +428,7 @@ def activations(job: Job, s: Strategy, rt: Runtime) -> float:
 
 def _mask_bias(job: Job, s: Strategy, rt: Runtime) -> int:
     dtype = 2 if rt.fp32_residual else rt.compute  # the query's dtype: bf16 under autocast
-    return attention_mask_bytes(tokens=job.seq_len, rows=s.micro_batch_size, dtype_bytes=dtype)
+    return attention_mask_bytes(tokens=job.seq_len, rows=micro_batch_rows(job, s), dtype_bytes=dtype)
 
 
 def _head_dtype(job: Job, rt: Runtime) -> int:
@@ -394,7 +453,7 @@ def loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
     it in place. ZeRO-3 gathers the head whole for either.
     """
     m = job.model
-    h, vocab, tokens = m.hidden_size, m.vocab_size, s.micro_batch_size * job.seq_len
+    h, vocab, tokens = m.hidden_size, m.vocab_size, micro_batch_rows(job, s) * job.seq_len
     hidden = 4 if rt.fp32_residual or rt.compute == 4 else 2  # the backbone's output dtype
     head = _head_dtype(job, rt)
     c = rt.compute
@@ -432,7 +491,8 @@ def loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
         + (hidden * tokens * h if hidden != 4 else 0)
         + (head * vocab * h if trainable and head != 4 else 0)
     )
-    return gathered + kept + max(forward, backward, end)
+    # The reference forward (DPO) runs between the policy's forward and the backward, with `kept` held.
+    return gathered + kept + max(forward, backward, end, reference_forward_peak(job, s, rt))
 
 
 def working_set(job: Job, s: Strategy, rt: Runtime) -> float:
@@ -446,7 +506,7 @@ def working_set(job: Job, s: Strategy, rt: Runtime) -> float:
     coincides with the loss peak (the loss is done before the first layer's backward), so the overhead term
     adds only the part above it.
     """
-    tokens = s.micro_batch_size * job.seq_len
+    tokens = micro_batch_rows(job, s) * job.seq_len
     layer = _layer(job, rt, checkpointing=False) * tokens
     if rt.packed:
         layer += _mask_bias(job, s, rt)
@@ -495,6 +555,8 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
     """Per-GPU memory terms (GB) and host memory offloaded per GPU (bytes)."""
     rt = rt or runtime(job, s)
     weights_gpu, weights_host = weights(job, s, rt)
+    ref_gpu, ref_host = reference_weights(job, s, rt)
+    weights_gpu, weights_host = weights_gpu + ref_gpu, weights_host + ref_host
     state_gpu, state_host = trainable_state(job, s, rt)
     acts = activations(job, s, rt)
     loss = loss_peak(job, s, rt)

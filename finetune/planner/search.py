@@ -24,6 +24,7 @@ from typing import Any, Optional
 from finetune.core.architectures import ARCHITECTURES
 from finetune.core.config import HardwareConfig, MethodConfig, ModelConfig, PlanConfig, TrainConfig
 from finetune.core.errors import ConfigError, PlanError
+from finetune.core.objectives import ObjectiveSpec
 from finetune.core.parallelism import ENGINES, REPLICATED, SHARDED_ENGINES, SINGLE
 from finetune.planner.calibration import Calibration
 from finetune.planner.contract import GB, Alternative, Memory, Plan, Strategy
@@ -83,15 +84,21 @@ def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
         else (["adamw", "adamw_8bit"] if hw.device == "cuda" else ["adamw"])
     )
     chunked = DEFAULT_CHUNKED_LOSS if t.chunked_loss is None else t.chunked_loss
+    # An objective whose loss is not next-token cross-entropy runs TRL's own (DPO's fused log-probs).
+    chunked = chunked and job.objective.chunked_loss
+    # A reference copy or precomputed log-probabilities: only full fine-tuning with a per-step reference has the choice.
+    has_choice = job.reference_runs and job.method.spec.trains_base_weights
+    precompute = _choices(job.precompute_reference) if has_choice else [False]
     out: list[Strategy] = []
     refused: Optional[str] = None
-    for sharding, ckpt, mbs, optimizer, off_opt, off_params in itertools.product(
+    for sharding, ckpt, mbs, optimizer, off_opt, off_params, pre in itertools.product(
         shardings,
         _choices(t.activation_checkpointing),
         _micro_batches(job),
         optimizers,
         _choices(t.offload_optimizer),
         _choices(t.offload_params),
+        precompute,
     ):
         s = Strategy(
             sharding=sharding,
@@ -101,6 +108,7 @@ def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
             activation_checkpointing=ckpt,
             chunked_loss=chunked,
             micro_batch_size=mbs,
+            precompute_reference=pre,
         )
         reason = why_not(s, job.method.name, hw.total_gpus)
         if reason is None:
@@ -446,14 +454,19 @@ def make_plan(
     *,
     seq_len: Optional[int] = None,
     calibration: Optional[Calibration] = None,
+    objective: Optional[ObjectiveSpec] = None,
+    precompute_reference: Optional[bool] = None,
 ) -> Plan:
     """Plan the job. `profiles` are the hardware profiles to weigh as alternatives (and for `auto`).
 
     `seq_len` overrides `train.seq_len` (the data stage resolves `auto` to the longest kept sequence).
+    `objective` (default SFT) says how many sequences an example puts through the model and whether a
+    reference model runs; `precompute_reference` fixes full fine-tuning's reference (None: chosen here).
     """
     check_model(model)
     n = _resolve_seq_len(model, train, seq_len)
-    job = make_job(model, method, hardware, train, n, calibration, plan_cfg)
+    job = make_job(model, method, hardware, train, n, calibration, plan_cfg, objective)
+    job = replace(job, precompute_reference=precompute_reference)
     gpu_profiles = [p for p in profiles.values() if p.device == "cuda" and p.gpu_memory_gb is not None]
     notes: list[str] = []
     if hardware.is_auto:

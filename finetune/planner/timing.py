@@ -55,7 +55,20 @@ def executed_flops_per_token(job: Job, s: Strategy) -> float:
         flops += 2.0 * job.counts.linear + 2.0 * m.num_layers * job.seq_len * m.num_heads * m.head_dim
     if not s.chunked_loss:
         flops += job.device.trl_loss_extra_hv_flops * m.hidden_size * m.vocab_size
-    return flops
+    return flops + reference_flops_per_token(job, s)
+
+
+def reference_flops_per_token(job: Job, s: Strategy) -> float:
+    """The reference model's forward a trained token (DPO): 2 FLOPs a weight plus attention, every step; with
+    precomputed log-probabilities the same forward once over the data before training, spread over the run's
+    tokens (once per epoch of them: 1 / epochs)."""
+    if not job.reference_runs:
+        return 0.0
+    m = job.model
+    forward = 2.0 * job.counts.linear + 2.0 * m.num_layers * job.seq_len * m.num_heads * m.head_dim
+    if not s.precompute_reference:
+        return forward
+    return forward / max(1.0, float(job.train.epochs))
 
 
 def utilisation(job: Job, override: Optional[float]) -> Optional[float]:
@@ -73,7 +86,8 @@ def estimate(job: Job, s: Strategy, override: Optional[float] = None) -> tuple[E
         why = "no peak FLOP/s" if hw.peak_bf16_tflops is None else f"no fitted utilisation for {hw.device}"
         return Estimate(None, None, None, None), [f"no time estimate: profile {hw.name} has {why}"]
     tokens_per_second = util * hw.peak_bf16_tflops * 1e12 * hw.total_gpus / executed_flops_per_token(job, s)
-    step_tokens = s.micro_batch_size * s.grad_accum_steps * hw.total_gpus * job.seq_len
+    # Every example's sequences (DPO: chosen and rejected) go through the model.
+    step_tokens = s.micro_batch_size * job.sequences * s.grad_accum_steps * hw.total_gpus * job.seq_len
     step_seconds = step_tokens / tokens_per_second
     shards = s.mesh(hw.total_gpus).state_shards
     if s.offload_optimizer:

@@ -31,13 +31,9 @@ from finetune.train.callbacks import RunMonitor
 
 def precompute_reference(cfg: Config, plan: Plan) -> bool:
     """Full fine-tuning's reference as log-probabilities computed once before training, rather than a frozen
-    copy beside the policy: as `dpo.reference` says, or as the plan chose under `auto`. Adapters never need
-    it (the reference is the base with the adapter disabled)."""
-    if not cfg.method.spec.trains_base_weights:
-        return False
-    if cfg.dpo.reference != "auto":
-        return cfg.dpo.reference == "precompute"
-    return bool(getattr(plan.strategy, "precompute_reference", False))
+    copy beside the policy: the plan's choice (`dpo.reference`, or the planner's under `auto`). Adapters never
+    need it (the reference is the base with the adapter disabled)."""
+    return cfg.method.spec.trains_base_weights and plan.strategy.precompute_reference
 
 
 def build_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dtype) -> DPOConfig:

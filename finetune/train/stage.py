@@ -40,7 +40,7 @@ from finetune.core.config import Config
 from finetune.core.errors import INTERRUPTED_EXIT_CODE, ConfigError, FinetuneError, is_disk_full
 from finetune.core.secrets import install_log_filter
 from finetune.data.stage import load_prepared
-from finetune.evaluation import heldout
+from finetune.evaluation import heldout, preference
 from finetune.modeling import models, outputs
 from finetune.planner import Plan
 from finetune.rundir import checkpoints, preflight
@@ -134,6 +134,8 @@ class _Model:
     trainable: int
     total: int
     loaded_partitioned: bool
+    # Preference pairs: the held-out log-probabilities of the model training started from (the reference).
+    reference_log_probs: Optional[list] = None
 
 
 @dataclass
@@ -192,12 +194,12 @@ def run(
         resumed_from, complete = _agreed_resume_point(session.trainer, cfg, run_dir, rank0)
         if complete:
             return _already_trained(run_dir, resumed_from, rank0)
-        base = _base_evaluation(loaded, eval_ds, max_generate) if in_worker_eval else None
+        base = _base_evaluation(cfg, loaded, eval_ds, max_generate) if in_worker_eval else None
         seconds = _train(session, resumed_from, run_dir)
     finally:
         session.preemption.uninstall()
     out_dir, engine, identity = _save_trained(cfg, run_dir, session.trainer, loaded, run_id, rank0)
-    scores = _final_evaluation(loaded, eval_ds, max_generate, in_worker_eval)
+    scores = _final_evaluation(cfg, loaded, eval_ds, max_generate, in_worker_eval)
     trained = _Trained(resumed_from, seconds, out_dir, engine, identity, run_id)
     metrics = {
         "train": _train_metrics(cfg, plan, session, loaded, trained, t0, mismatch),
@@ -293,13 +295,26 @@ def _build_session(
     return _Session(trainer, monitor, early, preemption, profiler)
 
 
-def _base_evaluation(loaded: _Model, eval_ds: Any, max_generate: Optional[int]) -> dict:
+def _base_evaluation(cfg: Config, loaded: _Model, eval_ds: Any, max_generate: Optional[int]) -> dict:
     global phase
     # A signal here stops at once (the process's own handler): evaluation saves nothing.
     phase = "the base evaluation"
-    base = heldout.evaluate(loaded.model, loaded.tokenizer, eval_ds, max_generate=max_generate)
+    base = _evaluate(cfg, loaded, eval_ds, max_generate=max_generate)
     release_memory()
     return base
+
+
+def _evaluate(cfg: Config, loaded: _Model, eval_ds: Any, **generation: Any) -> dict:
+    """The held-out scores of the model as it is now. Preference pairs add the preference metrics against
+    the model training started from (`preference`): its log-probabilities, taken at the base evaluation."""
+    if not preference.applies(eval_ds):
+        return heldout.evaluate(loaded.model, loaded.tokenizer, eval_ds, **generation)
+    result, mine = preference.evaluate(
+        loaded.model, loaded.tokenizer, eval_ds, cfg.dpo.beta, loaded.reference_log_probs, **generation
+    )
+    if loaded.reference_log_probs is None:
+        loaded.reference_log_probs = mine
+    return result
 
 
 def _train(session: _Session, resumed_from: Optional[str], run_dir: Path) -> float:
@@ -375,14 +390,14 @@ def _output_bytes(model: Any) -> int:
 
 
 def _final_evaluation(
-    loaded: _Model, eval_ds: Any, max_generate: Optional[int], in_worker_eval: bool
+    cfg: Config, loaded: _Model, eval_ds: Any, max_generate: Optional[int], in_worker_eval: bool
 ) -> Optional[dict]:
     """The trained model's scores, where this rank evaluates (None elsewhere)."""
     global phase
     phase = "the final evaluation"
     if not in_worker_eval:
         return None
-    return heldout.evaluate(loaded.model, loaded.tokenizer, eval_ds, max_generate=max_generate, examples=5)
+    return _evaluate(cfg, loaded, eval_ds, max_generate=max_generate, examples=5)
 
 
 def _train_metrics(

@@ -103,6 +103,11 @@ class Config:
                 f"run_dir={self.run_dir!r}: empty or holds control characters (a newline would end a line of "
                 "launch.sh or slurm.sbatch)"
             )
+        if self.init_from is not None and not Path(self.init_from).is_dir():
+            raise ConfigError(
+                f"init_from={self.init_from}: no such run directory (init_from starts from an earlier run's "
+                "adapter/, model/ or export/merged/)"
+            )
         if self.mode == "compare" and len(self.runs) < 1:
             raise ConfigError("mode=compare needs runs=[RUN_DIR,...]: the runs to put side by side")
         spec = self.objective.spec
