@@ -28,7 +28,7 @@ def test_objective_group_and_settings_compose():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("objective=ppo", "objective=ppo: unknown objective; choose from dpo, sft"),
+        ("objective=ppo", "objective=ppo: unknown objective; choose from dpo, grpo, sft"),
         ("dpo.loss_type=bogus", "dpo.loss_type='bogus' is not one of sigmoid"),
         ("dpo.beta=0", "dpo.beta=0.0 must be > 0"),
     ],

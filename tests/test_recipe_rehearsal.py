@@ -31,6 +31,11 @@ WRAPPERS = {"none": None, "ddp": "DistributedDataParallel", "zero3": "DeepSpeedE
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_recipe_strategy_runs_as_planned_on_the_tiny_model(recipe, tmp_path, tiny_cache):
     cfg, plan = planned(f"+recipe={recipe}")
+    if cfg.objective.spec.generates:
+        # a step's completions come in whole groups, which the rehearsal's shrunken batch does not keep
+        pytest.skip(
+            f"{recipe}: GRPO's strategy rehearsal is not built (tests/test_grpo_pipeline.py plans it)"
+        )
     assert plan.fits, plan.reasons
     s = plan.strategy
     if s.optimizer == "paged_adamw_8bit":

@@ -34,6 +34,10 @@ class LaunchError(FinetuneError):
     """A launch, rendezvous or run-directory problem."""
 
 
+class RewardError(FinetuneError):
+    """A reward function raised or returned something that is not one number per completion."""
+
+
 class DiskFullError(FinetuneError):
     """No space left where a file had to be written: names the path, the bytes needed and the bytes free."""
 

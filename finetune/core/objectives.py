@@ -107,4 +107,18 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         eval_metrics=("preference_accuracy", "reward_margin"),
         export="the preference-tuned policy, merged per the method (the reference is not exported)",
     ),
+    "grpo": ObjectiveSpec(
+        "grpo",
+        "group relative policy optimisation: completions sampled per prompt, scored by verifiable rewards, "
+        "the better ones of each group made more likely",
+        record_kind="prompts",
+        trl_trainer="GRPOTrainer",
+        trl_config="GRPOConfig",
+        sequences_setting="num_generations",
+        reference="when_kl",
+        settings="grpo",
+        generates=True,
+        eval_metrics=("mean_reward", "pass_rate"),
+        export="the RL-tuned policy, merged per the method (the reference, when beta > 0, is not exported)",
+    ),
 }

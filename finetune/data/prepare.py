@@ -31,7 +31,7 @@ from finetune.core.config.data import DataConfig
 from finetune.core.errors import DataError
 from finetune.data import clean, limits, pack, pairs, samples, sources, stats
 from finetune.data.control import ControlTokens, special_tokens, template_markers
-from finetune.data.formats import RecordError
+from finetune.data.formats import Messages, RecordError
 from finetune.data.limits import Rows
 from finetune.data.render import Renderer
 from finetune.data.tokens import Tokens, tokenize_splits
@@ -442,8 +442,113 @@ def _pair_stats(
     }
 
 
-# The preparation of each record kind (finetune/core/objectives.py's RECORD_KINDS; `prompts` is not built yet).
-RECORD_KINDS: dict[str, Callable[..., Prepared | PreparedPairs]] = {
+# ---------------------------------------------------------------------------------------------------------------
+# Prompts with reference answers (GRPO)
+
+
+@dataclass
+class PreparedPrompts:
+    """Prompts prepared for GRPO, not yet saved: the conversation up to the answer, and the answer the
+    rewards check; eval rows also carry the whole conversation (`messages`, JSON) for generation."""
+
+    stats: dict  # data_stats.json's content
+    train: list[dict]  # {prompt: messages, reference: str, prompt_tokens: int}
+    evals: list[dict]  # the same, plus `messages`
+
+
+def prompts(cfg: Config, tokenizer: Any, inp: sources.Input, path: str, console) -> PreparedPrompts:
+    """Conversation records as GRPO prompts: cleaned, deduplicated and split as SFT's conversations are (so no
+    eval prompt is trained on); the last assistant turn is the reference answer; a prompt whose rendering plus
+    grpo.max_completion_length cannot fit train.seq_len is dropped (`too_long`)."""
+    dc = cfg.data
+    t0 = time.perf_counter()
+    tally = samples.Tally()
+    renderer = Renderer(tokenizer, "assistant")
+    control = ControlTokens(special_tokens(tokenizer) | template_markers(renderer.template_texts()))
+    hard = limits.hard_limit(cfg)
+    char_limit = limits.max_chars(tokenizer, hard)
+    loaded = sources.Loaded()
+    with progress(console) as bar:
+        task = bar.add_task("read" if inp.dataset is None else "read (rows)", total=inp.size)
+        records = sources.records(inp, loaded, lambda n: bar.advance(task, n))
+        kept = samples.collect(records, loaded, dc, control, char_limit, tally)
+        samples.check_input(loaded, dc, path, tally)
+        kept = samples.near_deduplicate(kept, dc, tally, bar)
+        train_texts, eval_texts = samples.split(kept, dc, tally)
+        del kept
+    train_convs = [json.loads(t) for t in train_texts]
+    eval_convs = [json.loads(t) for t in eval_texts]
+    seq_len = hard if cfg.train.seq_len == "auto" else int(cfg.train.seq_len)
+    budget = seq_len - cfg.grpo.max_completion_length
+    if budget <= 0:
+        raise DataError(
+            f"train.seq_len={seq_len} leaves no room for a prompt beside grpo.max_completion_length="
+            f"{cfg.grpo.max_completion_length}"
+        )
+    train = _prompt_rows(train_convs, tokenizer, budget, tally, keep_text=False)
+    evals = _prompt_rows(eval_convs, tokenizer, budget, tally, keep_text=True)
+    if not train:
+        raise DataError(f"data.path={path}: no prompts with a reference answer left ({dict(tally.dropped)})")
+    longest = max(r["prompt_tokens"] for r in train + evals)
+    result = {
+        "record_kind": "prompts",
+        "num_input": tally.num_input,
+        "num_train": len(train),
+        "num_eval": len(evals),
+        "dropped": {k: v for k, v in sorted(tally.dropped.items()) if v},
+        "max_chars": char_limit,
+        "control_tokens": {"mode": dc.control_tokens, "samples": tally.with_control},
+        "pii": dict(sorted(tally.pii.items())),
+        "skipped_files": loaded.empty_files,
+        "bad_input_examples": list(sources.iter_where(loaded)),
+        # prompt tokens as the chat template renders them with the generation prompt: the rollout's prefill
+        "splits": {
+            "train": stats.summary([r["prompt_tokens"] for r in train]),
+            "eval": stats.summary([r["prompt_tokens"] for r in evals]),
+        },
+        "tokens": {
+            "train_total": sum(r["prompt_tokens"] for r in train),
+            "eval_total": sum(r["prompt_tokens"] for r in evals),
+        },
+        "seq_len": min(seq_len, longest + cfg.grpo.max_completion_length)
+        if cfg.train.seq_len == "auto"
+        else seq_len,
+        "seq_len_source": "auto: the longest prompt + grpo.max_completion_length"
+        if cfg.train.seq_len == "auto"
+        else "train.seq_len",
+        "input": {"path": path, "fingerprint": None},
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+    return PreparedPrompts(result, train, evals)
+
+
+def _prompt_rows(
+    convs: list[Messages], tokenizer: Any, budget: int, tally: samples.Tally, keep_text: bool
+) -> list[dict]:
+    out = []
+    for messages in convs:
+        if not messages or messages[-1]["role"] != "assistant" or not messages[-1]["content"].strip():
+            tally.dropped["no_reference"] += 1
+            continue
+        prompt = [{"role": m["role"], "content": m["content"]} for m in messages[:-1]]
+        n = len(
+            tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        if n > budget:
+            tally.dropped["too_long"] += 1
+            continue
+        row = {"prompt": prompt, "reference": messages[-1]["content"], "prompt_tokens": n}
+        if keep_text:
+            row["messages"] = json.dumps([*prompt, {"role": "assistant", "content": messages[-1]["content"]}])
+        out.append(row)
+    return out
+
+
+# The preparation of each record kind (finetune/core/objectives.py's RECORD_KINDS).
+RECORD_KINDS: dict[str, Callable[..., Prepared | PreparedPairs | PreparedPrompts]] = {
     "conversations": conversations,
     "preferences": preferences,
+    "prompts": prompts,
 }

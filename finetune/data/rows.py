@@ -17,13 +17,15 @@ from typing import Optional
 
 from finetune import rundir
 from finetune.data import pack, stats
-from finetune.data.prepare import Prepared, PreparedPairs
+from finetune.data.prepare import Prepared, PreparedPairs, PreparedPrompts
 
 
-def save(prepared: Prepared | PreparedPairs, out: Path) -> None:
+def save(prepared: Prepared | PreparedPairs | PreparedPrompts, out: Path) -> None:
     """The rows and the histogram into the folder `out` (a cache entry being built)."""
     with _quiet_datasets():
-        if isinstance(prepared, PreparedPairs):
+        if isinstance(prepared, PreparedPrompts):
+            _save_prompts(prepared, out)
+        elif isinstance(prepared, PreparedPairs):
             _save_pairs(prepared, out)
         else:
             _save_rows(prepared, out)
@@ -57,7 +59,28 @@ def _save_pairs(prepared: PreparedPairs, out: Path) -> None:
     )
 
 
-def approx_bytes(prepared: Optional[Prepared | PreparedPairs]) -> Optional[int]:
+def _save_prompts(prepared: PreparedPrompts, out: Path) -> None:
+    """GRPO's prompts, one a row: `prompt` (messages), `reference`, `prompt_tokens`; eval rows also carry the
+    whole conversation (`messages`, JSON) for the held-out generation."""
+    from datasets import Dataset
+
+    columns = ("prompt", "reference", "prompt_tokens")
+    Dataset.from_dict({c: [r[c] for r in prepared.train] for c in columns}).save_to_disk(
+        str(out / rundir.DATA_TRAIN_DIR)
+    )
+    evals = {c: [r[c] for r in prepared.evals] for c in (*columns, "messages")}
+    Dataset.from_dict(evals).save_to_disk(str(out / rundir.DATA_EVAL_DIR), num_shards=1)
+    stats.histogram(
+        out / rundir.DATA_HISTOGRAM_FILE,
+        {
+            "train": [r["prompt_tokens"] for r in prepared.train],
+            "eval": [r["prompt_tokens"] for r in prepared.evals],
+        },
+        int(prepared.stats["seq_len"]),
+    )
+
+
+def approx_bytes(prepared: Optional[Prepared | PreparedPairs | PreparedPrompts]) -> Optional[int]:
     """About what the saved rows take: three 8-byte columns a training token, two an eval token."""
     tokens = (prepared.stats if prepared is not None else {}).get("tokens")
     if not tokens:

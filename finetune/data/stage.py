@@ -142,7 +142,7 @@ def _build(
     console,
 ) -> Path:
     """Prepare the data and save it as the cache entry `key` (its manifest written last)."""
-    prepared: Optional[prepare.Prepared | prepare.PreparedPairs] = None
+    prepared: Optional[prepare.Prepared | prepare.PreparedPairs | prepare.PreparedPrompts] = None
     try:
         with cache.building(cache_root, key) as tmp:
             inp = inp if inp is not None else sources.open_input(path, input_fp)[0]

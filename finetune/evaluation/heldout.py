@@ -28,7 +28,8 @@ EXTRA_NEW_TOKENS = 4
 def heldout_loss(model: Any, dataset: Any, pad_token_id: int, batch_size: int = 16) -> Optional[float]:
     """Mean next-token loss over all labelled tokens of `dataset` (rows with input_ids and labels); None when
     there is none (data.eval_fraction=0): no loss, rather than a NaN in metrics.json."""
-    if "labels" not in dataset.column_names:  # preference pairs: scored by `preference`, not by a loss
+    # preference pairs (scored by `preference`) and GRPO's prompts: no labelled tokens to score a loss on
+    if "labels" not in dataset.column_names:
         return None
     collate = PackedCollator(pad_token_id=pad_token_id)
     device = next(model.parameters()).device

@@ -55,14 +55,21 @@ def regex_metric(pattern: str, name: str) -> Metric:
     return metric
 
 
-def _user_function(path: str) -> Metric:
+def import_function(path: str, key: str) -> Callable[..., Any]:
+    """The function at a dotted path (`package.module.function`), or a one-line error naming `key`."""
     module_name, _, attr = path.rpartition(".")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"eval.metrics: cannot import {path!r} ({exc})") from None
+        raise ConfigError(f"{key}: cannot import {path!r} ({exc})") from None
     if not callable(fn):
-        raise ConfigError(f"eval.metrics: {path!r} is not a function")
+        raise ConfigError(f"{key}: {path!r} is not a function")
+    return fn
+
+
+def _user_function(path: str) -> Metric:
+    attr = path.rpartition(".")[2]
+    fn = import_function(path, "eval.metrics")
 
     def metric(
         prompts: Sequence[str], predictions: Sequence[str], references: Sequence[str]

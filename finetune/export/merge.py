@@ -12,6 +12,7 @@ Everything runs on the CPU, in host RAM (the plan's `merge_host_memory_gb`).
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from pathlib import Path
@@ -57,9 +58,15 @@ def check_inputs(
 ) -> list[torch.Tensor]:
     """Token ids of held-out conversations (the data stage's eval split), or of `fallback` conversations."""
     rows: list[list[int]] = []
-    if eval_dataset is not None and len(eval_dataset):
+    columns = eval_dataset.column_names if eval_dataset is not None and len(eval_dataset) else []
+    if "input_ids" in columns:
         rows = [list(eval_dataset[i]["input_ids"]) for i in range(min(samples, len(eval_dataset)))]
     else:
+        # GRPO's held-out rows are prompts with the conversation as JSON text, not token ids
+        if "messages" in columns:
+            fallback = [
+                json.loads(eval_dataset[i]["messages"]) for i in range(min(samples, len(eval_dataset)))
+            ]
         for messages in fallback[:samples]:
             rows.append(
                 list(

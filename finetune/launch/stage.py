@@ -9,6 +9,7 @@ Ranks run `python -m finetune.train RUN_DIR` and read config.yaml and plan.json 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -78,6 +79,7 @@ def run(
     run_dir = Path(run_dir).resolve()
     _check_run_dir(run_dir, plan, launch)
     lay = layout(plan, launch)
+    _check_rollout(run_dir, launch)
     here = _check_this_machine(cfg, plan, launch, lay, read_machine)
     hand_down = precheck and not launch.dry_run and launch.scheduler == "none" and not launch.detach
     if hand_down:
@@ -106,6 +108,20 @@ def run(
         return _detach(cfg.name, launch, script, run_dir, runner, which)
     # Not in launch.sh: a script run later, elsewhere or by hand, has its ranks check for themselves.
     return _run_ranks(cmd, handoff(here) if hand_down else {}, runner)
+
+
+def _check_rollout(run_dir: Path, launch: LaunchConfig) -> None:
+    """GRPO's server split (rollout.json) is planned and its server lifecycle built
+    (finetune/launch/vllm_server.py), but launch.sh does not start it yet: refused before anything starts,
+    rather than ranks waiting for a server no one started."""
+    path = run_dir / rundir.ROLLOUT_FILE
+    if launch.dry_run or not path.is_file():
+        return
+    if json.loads(rundir.read_own_text(path)).get("mode") == "server":
+        raise LaunchError(
+            f"{path}: the rollout is planned on a vLLM server, which launch.sh does not start yet; "
+            "use grpo.generation=colocate (one vLLM per training GPU) or grpo.generation=transformers"
+        )
 
 
 def _check_run_dir(run_dir: Path, plan: Plan, launch: LaunchConfig) -> None:

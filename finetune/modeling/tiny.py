@@ -56,7 +56,8 @@ CHAT_TEMPLATE = (
 
 
 # The bundled data set of each record kind (finetune/core/objectives.py), shipped inside the package.
-_BUNDLED = {"conversations": "chat.jsonl", "preferences": "preferences.jsonl"}
+# GRPO's prompts are the bundled conversations: their answers are checkable (finetune/core/tasks.py).
+_BUNDLED = {"conversations": "chat.jsonl", "preferences": "preferences.jsonl", "prompts": "chat.jsonl"}
 
 
 def bundled_data_path(record_kind: str = "conversations") -> Path:

@@ -45,7 +45,7 @@ from finetune.modeling import models, outputs
 from finetune.planner import Plan
 from finetune.rundir import checkpoints, preflight
 from finetune.train import callbacks as cb
-from finetune.train import dpo_trainer, sft_trainer, throughput
+from finetune.train import dpo_trainer, grpo_trainer, sft_trainer, throughput
 from finetune.train.base_trainer import engine_record, save_output
 from finetune.train.profiling import StepProfiler
 
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 # The module that builds each TRL trainer and its config (`ObjectiveSpec.trl_trainer`): `build_config`,
 # `build_trainer`. An objective with a new trainer adds its module here.
-TRAINERS = {"SFTTrainer": sft_trainer, "DPOTrainer": dpo_trainer}
+TRAINERS = {"SFTTrainer": sft_trainer, "DPOTrainer": dpo_trainer, "GRPOTrainer": grpo_trainer}
 
 
 def trainer_module(cfg: Config) -> Any:
@@ -205,6 +205,10 @@ def run(
         "train": _train_metrics(cfg, plan, session, loaded, trained, t0, mismatch),
         "eval": {"base": base, "trained": scores} if in_worker_eval else _eval_skipped(plan, rank0),
     }
+    # What an objective's trainer logs beyond the loss (GRPO's rewards and completions), when it says
+    objective_metrics = getattr(trainer_module(cfg), "objective_metrics", None)
+    if objective_metrics is not None:
+        metrics["train"][cfg.objective.name] = objective_metrics(session.trainer.state.log_history)
     _write_metrics(session.trainer, run_dir, metrics)
     return metrics
 

@@ -19,6 +19,7 @@ from finetune.core.config.checks import check_all_finite, check_choices, choice
 from finetune.core.config.data import DataConfig
 from finetune.core.config.evaluation import EvalConfig
 from finetune.core.config.export import ExportConfig
+from finetune.core.config.grpo import GrpoConfig
 from finetune.core.config.hardware import HardwareConfig
 from finetune.core.config.launch import LaunchConfig
 from finetune.core.config.method import OPTIMIZERS, MethodConfig
@@ -44,6 +45,7 @@ __all__ = [
     "ModelConfig",
     "ObjectiveConfig",
     "DPOSettings",
+    "GrpoConfig",
     "PlanConfig",
     "SmokeConfig",
     "TrainConfig",
@@ -71,9 +73,10 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
-    # What the model is trained to do (sft, dpo), and each objective's own settings section.
+    # What the model is trained to do (sft, dpo, grpo), and each objective's own settings section.
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     dpo: DPOSettings = field(default_factory=DPOSettings)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
     # Start from an earlier run's output (RUN_DIR: its adapter or model folder) instead of the base: SFT, then DPO.
     init_from: Optional[str] = None
     # The recipe's name; names the default run directory.
@@ -107,11 +110,25 @@ class Config:
             )
         if self.mode == "compare" and len(self.runs) < 1:
             raise ConfigError("mode=compare needs runs=[RUN_DIR,...]: the runs to put side by side")
+        spec = self.objective.spec
+        if spec.sequences_setting is not None and spec.settings is not None:
+            # GRPO: a step's sequences are completions, in whole groups of num_generations
+            per_example = getattr(getattr(self, spec.settings), spec.sequences_setting)
+            if self.train.batch_size % per_example:
+                raise ConfigError(
+                    f"train.batch_size={self.train.batch_size} must be a multiple of "
+                    f"{spec.settings}.{spec.sequences_setting}={per_example} (objective={spec.name} counts a "
+                    "step's sequences in whole groups)"
+                )
         if self.method.optimizer == "paged_adamw_8bit" and self.hardware.device == "cpu":
             raise ConfigError(
                 "method.optimizer=paged_adamw_8bit needs CUDA (paged memory); use adamw on hardware=cpu"
             )
         if self.hardware.device == "cpu":
+            if spec.generates and self.grpo.generation in ("colocate", "server"):
+                raise ConfigError(
+                    f"grpo.generation={self.grpo.generation} needs CUDA (vLLM); use transformers or auto on hardware=cpu"
+                )
             if self.train.attention in ("flex", "flash"):
                 why = {
                     "flex": "FlexAttention has no backward on the CPU",

@@ -1,0 +1,86 @@
+"""Schema of GRPO's settings: the rewards, the shape of the rollout, and where generation runs.
+
+The names follow TRL's `GRPOConfig` (`num_generations`, `max_completion_length`, `beta`, ...), so a
+user who knows TRL reads them as they are. `generation` says where completions are sampled:
+`transformers` (inside the trainer, every device, what the CPU tests run), `colocate` (vLLM inside
+each training process, sharing its GPU) or `server` (`trl vllm-serve` on GPUs of its own);
+`auto` lets the planner choose (`finetune/planner/rollout.py`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from finetune.core.config.checks import check_positive
+from finetune.core.config.evaluation import check_metric_name
+from finetune.core.errors import ConfigError
+
+GENERATION_MODES = ("auto", "transformers", "colocate", "server")
+# A format reward: the whole completion matches the pattern.
+FORMAT_PREFIX = "format:"
+
+
+def check_reward_name(name: str, key: str = "grpo.rewards") -> None:
+    """A reward name is a metric name (`check_metric_name`) or `format:<pattern>`."""
+    if name.startswith(FORMAT_PREFIX):
+        try:
+            re.compile(name[len(FORMAT_PREFIX) :])
+        except re.error as exc:
+            raise ConfigError(f"{key}: {name!r} is not a valid regular expression ({exc})") from None
+        return
+    check_metric_name(name, key)
+
+
+@dataclass
+class GrpoConfig:
+    rewards: list[str] = field(default_factory=lambda: ["exact_match"])
+    """exact_match | contains | regex:<pattern> | format:<pattern> | package.module.function (one value a completion)."""
+    reward_weights: Optional[list[float]] = None
+    """One weight per reward in the sum GRPO ranks by; None: all 1."""
+    num_generations: int = 8
+    """Completions sampled per prompt; their rewards are compared within the group."""
+    max_completion_length: int = 64
+    """Tokens generated per completion at most."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollout (and of the evaluation's pass rate)."""
+    beta: float = 0.0
+    """KL coefficient; above 0 the reference model (with adapters: the base, adapter disabled) is used."""
+    steps_per_generation: Optional[int] = None
+    """Optimizer steps trained on one generation batch; None: TRL's default (the accumulation steps)."""
+    generation: str = "auto"
+    """auto | transformers | colocate | server (see the module docstring)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """colocate: the share of each GPU vLLM reserves (its weights and KV cache)."""
+    vllm_server_port: int = 8000
+    """server: the port `trl vllm-serve` listens on."""
+    vllm_server_timeout_s: float = 240.0
+    """server: how long the launcher waits for the server to answer before giving up (exit 2)."""
+
+    def __post_init__(self) -> None:
+        if not self.rewards:
+            raise ConfigError("grpo.rewards: name at least one reward")
+        for name in self.rewards:
+            check_reward_name(name)
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+            raise ConfigError(
+                f"grpo.reward_weights: {len(self.reward_weights)} weights for {len(self.rewards)} rewards"
+            )
+        if self.num_generations < 2:
+            raise ConfigError(
+                f"grpo.num_generations={self.num_generations}: GRPO compares at least 2 completions of a prompt"
+            )
+        check_positive("grpo.max_completion_length", self.max_completion_length)
+        if not self.temperature > 0:
+            raise ConfigError(f"grpo.temperature={self.temperature} must be > 0 (the rollout samples)")
+        if self.beta < 0:
+            raise ConfigError(f"grpo.beta={self.beta} must be >= 0")
+        if self.generation not in GENERATION_MODES:
+            raise ConfigError(
+                f"grpo.generation={self.generation!r} must be one of {', '.join(GENERATION_MODES)}"
+            )
+        if not 0 < self.vllm_gpu_memory_utilization < 1:
+            raise ConfigError(
+                f"grpo.vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be between 0 and 1"
+            )

@@ -1,0 +1,250 @@
+"""GRPO through TRL's `GRPOTrainer`: the project's rewards, its settings, generation where the plan says.
+
+TRL samples `num_generations` completions per prompt, scores each with the reward functions, and
+trains on the advantages within each group. What is ours: the rewards (`finetune/evaluation/rewards.py`,
+one finite number per completion or a one-line `RewardError`), the mapping of `GrpoConfig` onto
+`GRPOConfig`, and the generation mode (`transformers` inside the trainer on the CPU and wherever vLLM is
+absent; vLLM `colocate` or `server` on CUDA).
+
+Data: rows of `prompt` (a string, or a list of chat messages) and `reference` (the checkable answer);
+`prompt_rows` turns the bundled conversations into them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+from finetune.core.config import Config
+from finetune.core.config.grpo import GrpoConfig
+from finetune.core.errors import ConfigError
+from finetune.evaluation import rewards as reward_fns
+from finetune.evaluation.rewards import Reward
+from finetune.planner import Plan
+from finetune.train.base_trainer import RunTrainerMixin, common_kwargs, finish_trainer, run_callbacks
+from finetune.train.callbacks import RunMonitor
+
+REFERENCE_COLUMN = "reference"
+
+
+def _text(item: Any) -> str:
+    """A completion or prompt as text: TRL hands conversational ones as message lists."""
+    if isinstance(item, str):
+        return item
+    if isinstance(item, list) and item and isinstance(item[-1], dict):
+        return str(item[-1].get("content", ""))
+    return str(item)
+
+
+def prompt_rows(conversations: Sequence[dict]) -> list[dict]:
+    """Chat records (`messages` ending with the assistant's answer) as GRPO rows: the conversation up to
+    the answer is the prompt, the answer is the reference the rewards check."""
+    rows = []
+    for i, record in enumerate(conversations):
+        messages = record.get("messages")
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ConfigError(
+                f"GRPO prompts: record {i} does not end with an assistant answer to check against"
+            )
+        rows.append({"prompt": list(messages[:-1]), REFERENCE_COLUMN: str(messages[-1]["content"])})
+    return rows
+
+
+def trl_reward_function(reward: Reward) -> Any:
+    """`reward` in TRL's calling convention: (prompts, completions, **dataset columns) -> list of floats."""
+
+    def reward_fn(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+        references = columns.get(REFERENCE_COLUMN)
+        if references is None:
+            raise ConfigError(
+                f"GRPO data: no {REFERENCE_COLUMN!r} column for reward {reward.name!r} to check"
+            )
+        return reward.score([_text(p) for p in prompts], [_text(c) for c in completions], list(references))
+
+    # TRL logs each reward as rewards/<__name__>/mean: the configured name, not "reward_fn"
+    reward_fn.__name__ = reward.name
+    reward_fn.__qualname__ = reward.name
+    return reward_fn
+
+
+def uses_vllm(mode: str) -> bool:
+    """`colocate` and `server` sample through vLLM; `transformers` inside the trainer."""
+    return mode in ("colocate", "server")
+
+
+def generation_mode(cfg: Config) -> str:
+    """Where this run samples: `grpo.generation`, with `auto` resolved as the rollout plan does on this
+    machine (vLLM only on CUDA with vLLM installed; colocate unless a server was set up by the launcher)."""
+    mode = cfg.grpo.generation
+    if mode != "auto":
+        return mode
+    if cfg.hardware.device != "cuda":
+        return "transformers"
+    import importlib.util
+
+    return "colocate" if importlib.util.find_spec("vllm") is not None else "transformers"
+
+
+def grpo_arguments(grpo: GrpoConfig, rewards: Sequence[Reward], generation: str) -> dict[str, Any]:
+    """GRPOConfig's own fields from ours; `generation` is the resolved mode (never `auto`)."""
+    if generation == "auto":
+        raise ConfigError("grpo.generation=auto must be resolved before training")
+    kwargs: dict[str, Any] = dict(
+        num_generations=grpo.num_generations,
+        max_completion_length=grpo.max_completion_length,
+        temperature=grpo.temperature,
+        beta=grpo.beta,
+        reward_weights=[r.weight for r in rewards],
+        # ZeRO-3: gather the sharded weights for transformers' generation (TRL's default, stated)
+        ds3_gather_for_generation=True,
+    )
+    if grpo.steps_per_generation is not None:
+        kwargs["steps_per_generation"] = grpo.steps_per_generation
+    if uses_vllm(generation):
+        kwargs.update(use_vllm=True, vllm_mode=generation)
+        if generation == "colocate":
+            kwargs["vllm_gpu_memory_utilization"] = grpo.vllm_gpu_memory_utilization
+        else:
+            kwargs.update(
+                vllm_server_port=grpo.vllm_server_port, vllm_server_timeout=grpo.vllm_server_timeout_s
+            )
+    return kwargs
+
+
+def build_grpo_config(
+    grpo: GrpoConfig,
+    rewards: Sequence[Reward],
+    output_dir: Path,
+    *,
+    generation: str,
+    activation_checkpointing: bool = False,
+    **training: Any,
+) -> GRPOConfig:
+    """TRL's `GRPOConfig` outside a run directory (tests, scripts): ours plus the Trainer arguments given."""
+    return GRPOConfig(
+        output_dir=str(output_dir),
+        # GRPOConfig defaults the deprecated `gradient_checkpointing` to True; the new name, set, wins silently
+        activation_checkpointing=activation_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if activation_checkpointing else None,
+        **grpo_arguments(grpo, rewards, generation),
+        **training,
+    )
+
+
+def build_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dtype) -> GRPOConfig:
+    """The shared arguments plus GRPO's. A batch (micro x accumulation x ranks) counts completions; it
+    must hold whole groups of `grpo.num_generations`."""
+    kwargs = common_kwargs(cfg, plan, run_dir, compute_dtype)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    completions = kwargs["per_device_train_batch_size"] * kwargs["gradient_accumulation_steps"] * world
+    if completions % cfg.grpo.num_generations:
+        raise ConfigError(
+            f"train.batch_size: {completions} completions a step is not a multiple of grpo.num_generations="
+            f"{cfg.grpo.num_generations}; make train.batch_size a multiple of it"
+        )
+    kwargs.update(
+        grpo_arguments(
+            cfg.grpo, reward_fns.resolve(cfg.grpo.rewards, cfg.grpo.reward_weights), generation_mode(cfg)
+        )
+    )
+    # The held-out prompts are scored by the evaluation (base, trained, merged under the same sampling),
+    # not by TRL's in-training evaluation, which would sample num_generations completions of each.
+    kwargs.update(eval_strategy="no", per_device_eval_batch_size=cfg.grpo.num_generations)
+    return GRPOConfig(**kwargs)
+
+
+# TRL's logged keys summarised into metrics.json (train.grpo): first and last logged value, and the mean.
+_LOGGED = {
+    "reward": "reward",
+    "reward_std": "reward_std",
+    "completion_mean_length": "completions/mean_length",
+    "completion_clipped_ratio": "completions/clipped_ratio",
+    "kl": "kl",
+    "step_time": "step_time",
+}
+
+
+def objective_metrics(log_history: list[dict]) -> dict[str, Any]:
+    """Reward mean and spread, completion lengths, KL (beta > 0), per-reward means: first, last, mean over
+    the logged steps, so a run shows whether the reward rose."""
+    logged = [h for h in log_history if "reward" in h]
+
+    def summary(key: str) -> Optional[dict[str, float]]:
+        values = [float(h[key]) for h in logged if key in h]
+        if not values:
+            return None
+        return {"first": values[0], "last": values[-1], "mean": sum(values) / len(values)}
+
+    out: dict[str, Any] = {"logged_steps": len(logged)}
+    for name, key in _LOGGED.items():
+        if (value := summary(key)) is not None:
+            out[name] = value
+    names = [
+        k[len("rewards/") : -len("/mean")]
+        for k in (logged[0] if logged else {})
+        if k.startswith("rewards/") and k.endswith("/mean")
+    ]
+    out["rewards"] = {name: summary(f"rewards/{name}/mean") for name in names}
+    return out
+
+
+class FinetuneGRPOTrainer(RunTrainerMixin, GRPOTrainer):
+    """GRPOTrainer on the data stage's prompts, with the run's checkpoints and state."""
+
+    def __init__(self, *args: Any, monitor: Optional[RunMonitor] = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._init_run(monitor)
+
+
+def build_trainer(
+    cfg: Config,
+    plan: Plan,
+    run_dir: Path,
+    model: Any,
+    tokenizer: Any,
+    train_dataset: Any,
+    eval_dataset: Any,
+    compute_dtype: torch.dtype,
+    callbacks: list[Any],
+    monitor: Optional[RunMonitor] = None,
+    args: Optional[GRPOConfig] = None,
+) -> FinetuneGRPOTrainer:
+    """The GRPO trainer for `model` (already wrapped with its adapter by the stage)."""
+    args = args or build_config(cfg, plan, run_dir, compute_dtype)
+    rewards = reward_fns.resolve(cfg.grpo.rewards, cfg.grpo.reward_weights)
+    trainer = FinetuneGRPOTrainer(
+        model=model,
+        reward_funcs=[trl_reward_function(r) for r in rewards],
+        args=args,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        callbacks=run_callbacks(cfg, run_dir, args, callbacks),
+        monitor=monitor,
+    )
+    return finish_trainer(trainer, cfg)
+
+
+def build_grpo_trainer(
+    model: Any,
+    tokenizer: Any,
+    train_dataset: Any,
+    rewards: Sequence[Reward],
+    args: GRPOConfig,
+    peft_config: Optional[Any] = None,
+    callbacks: Optional[list[Any]] = None,
+) -> GRPOTrainer:
+    """TRL's trainer on our rewards outside a run directory (tests, scripts)."""
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=[trl_reward_function(r) for r in rewards],
+        args=args,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=callbacks,
+    )
