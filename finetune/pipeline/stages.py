@@ -59,8 +59,9 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
         if seq_len is None:
             raise PlanError("train.seq_len=auto needs the data stage: run mode=data (or mode=all) first")
     plan = make_plan(
-        cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles(), seq_len=seq_len
-    )
+        cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles(), seq_len=seq_len,
+        packing=cfg.data.packing,
+    )  # fmt: skip
     plan = replace(plan, reasons=(*cfg.hardware.notes, *plan.reasons))  # hardware=local: what was detected
     plan = plan.with_processes(cfg.launch.nproc_per_node, cfg.launch.nnodes)  # the layout the launcher starts
     payload = plan.to_dict()

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from accelerate.parallelism_config import ParallelismConfig
+from accelerate.utils import DeepSpeedSequenceParallelConfig
 from trl import SFTConfig, SFTTrainer
 
 from finetune import rundir
@@ -34,6 +36,7 @@ from finetune.core.config import Config
 from finetune.core.errors import LaunchError
 from finetune.modeling.chunked_loss import add_chunked_loss_head
 from finetune.modeling.collator import NUM_TOKENS_KEY, PackedCollator
+from finetune.modeling.models import ATTN_IMPLEMENTATIONS
 from finetune.planner import Plan
 from finetune.rundir import checkpoints
 from finetune.train import quantized, throughput
@@ -126,10 +129,26 @@ def engine_trainer_kwargs(run_dir: Path) -> dict[str, Any]:
             "(launch.nproc_per_node, launch.nnodes) and launch again"
         )
     kwargs = dict(engine["trainer_kwargs"])
+    split = engine.get("parallelism")
+    if split:
+        kwargs["parallelism_config"] = parallelism_config(split)
     if kwargs.get("deepspeed") and os.environ.pop("ACCELERATE_USE_CPU", None) is not None:
         # accelerate would quietly replace DeepSpeed by DDP; use_cpu=True already selects gloo on the CPU.
         log.warning("ACCELERATE_USE_CPU unset for this DeepSpeed run (accelerate drops DeepSpeed under it)")
     return kwargs
+
+
+def parallelism_config(split: dict[str, Any]) -> ParallelismConfig:
+    """accelerate's ParallelismConfig from engine.json's `parallelism` (finetune/launch/engines.py): the size
+    and backend, and for Ulysses the handler naming the attention it wraps."""
+    kwargs = dict(split["kwargs"])
+    if kwargs.get("sp_size", 1) > 1:
+        kwargs["sp_handler"] = DeepSpeedSequenceParallelConfig(
+            sp_seq_length=split.get("seq_len"),
+            sp_seq_length_is_variable=True,
+            sp_attn_implementation=ATTN_IMPLEMENTATIONS[split["attention"]],
+        )
+    return ParallelismConfig(**kwargs)
 
 
 class FinetuneTrainer(SFTTrainer):
