@@ -59,7 +59,9 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=1, help="timed forward+backward passes after the first")
+    ap.add_argument("--kv-heads", type=int, default=SHAPE["num_key_value_heads"])
     args = ap.parse_args()
+    SHAPE["num_key_value_heads"] = args.kv_heads
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -99,7 +101,10 @@ def main() -> None:
         out = model(input_ids=ids[:, mine], position_ids=positions[:, mine])
         target = shift_labels[:, mine]
         loss_sum = torch.nn.functional.cross_entropy(
-            out.logits.float().view(-1, SHAPE["vocab_size"]), target.reshape(-1), ignore_index=IGNORE, reduction="sum"
+            out.logits.float().view(-1, SHAPE["vocab_size"]),
+            target.reshape(-1),
+            ignore_index=IGNORE,
+            reduction="sum",
         )
         loss_sum.backward()
         return loss_sum.detach(), (target != IGNORE).sum()

@@ -163,6 +163,10 @@ class SequenceSplit:
     # How it exchanges a layer's attention tensors: `all_to_all` (queries, keys, values and the output, each
     # once a pass) or `ring` (each peer's keys and values, passed round the ring).
     exchange: str
+    # Query-wide tensors (heads x head_dim a token, compute dtype) each layer saves for backward beyond the
+    # unsplit layer's. Measured for Ulysses (scripts/sequence_parallel_worker.py, BENCHMARKS.md): 1; the ring
+    # cannot be measured here (0: what its buffers add is the working set's).
+    extra_saved_queries: int
     # What it needs, as one clause naming the way out (the refusal's words).
     engine_note: str
 
@@ -183,7 +187,7 @@ SEQUENCE_SPLITS: dict[str, SequenceSplit] = {
     "ulysses": SequenceSplit(
         "ulysses", "DeepSpeed Ulysses (ALST)", size_field="sp_size", backend="deepspeed",
         engine_needs="deepspeed", divides_heads=True, packed_attentions=("flash",), runs_on_cpu=True,
-        exchange="all_to_all", engine_note="Ulysses runs under DeepSpeed (train.sharding=zero3)",
+        exchange="all_to_all", extra_saved_queries=1, engine_note="Ulysses runs under DeepSpeed (train.sharding=zero3)",
     ),
     # torch.distributed.tensor.experimental.context_parallel via accelerate's cp_size: FSDP2 only, SDPA with
     # no mask or a causal one (a packed row's block mask is refused). Measured here: does not run on the CPU
@@ -191,6 +195,6 @@ SEQUENCE_SPLITS: dict[str, SequenceSplit] = {
     "ring": SequenceSplit(
         "ring", "torch ring context parallelism", size_field="cp_size", backend="torch",
         engine_needs="fsdp2", divides_heads=False, packed_attentions=(), runs_on_cpu=False,
-        exchange="ring", engine_note="ring context parallelism runs under FSDP2 (train.sharding=fsdp)",
+        exchange="ring", extra_saved_queries=0, engine_note="ring context parallelism runs under FSDP2 (train.sharding=fsdp)",
     ),
 }  # fmt: skip

@@ -377,6 +377,7 @@ def activations(job: Job, s: Strategy, rt: Runtime) -> float:
         return held
     if rt.packed:
         held += m.num_layers * _mask_bias(job, s, rt)
+    held += m.num_layers * split_saved_per_token(job, s, rt) * tokens
     return held + m.num_layers * _adapter_copies(job, rt)
 
 
@@ -396,6 +397,14 @@ def offloaded_layers(job: Job, s: Strategy) -> int:
 def offloaded_activation_bytes(job: Job, s: Strategy, rt: Runtime) -> float:
     """Host bytes per GPU of the offloaded layer inputs (the PCIe traffic of a micro-batch, each way)."""
     return float(_layer(job, rt, True) * offloaded_layers(job, s) * rank_tokens(job, s))
+
+
+def split_saved_per_token(job: Job, s: Strategy, rt: Runtime) -> int:
+    """Bytes a decoder layer saves per local token beyond the unsplit layer's (`SequenceSplit.extra_saved_queries`)."""
+    split = s.split
+    if split is None:
+        return 0
+    return split.extra_saved_queries * rt.compute * job.model.num_heads * job.model.head_dim
 
 
 def exchange_bytes(job: Job, s: Strategy, rt: Runtime) -> float:
@@ -491,7 +500,8 @@ def working_set(job: Job, s: Strategy, rt: Runtime) -> float:
     adds only the part above it.
     """
     tokens = rank_tokens(job, s)
-    layer = _layer(job, rt, checkpointing=False) * tokens + exchange_bytes(job, s, rt)
+    layer = (_layer(job, rt, checkpointing=False) + split_saved_per_token(job, s, rt)) * tokens
+    layer += exchange_bytes(job, s, rt)
     if rt.packed:
         layer += _mask_bias(job, s, rt)
     working = job.device.backward_working_set_layers * (layer + _once_per_token(job, rt) * tokens)

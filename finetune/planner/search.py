@@ -125,6 +125,9 @@ def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
             sequence_split=split,
             activation_offloading=off_acts,
         )
+        split = s.split
+        if split is not None and not getattr(s.engine, split.engine_needs) and t.sharding is None:
+            continue  # the split's engine is another one: not a refusal, the search weighs that one too
         reason = why_not(s, job.method.name, hw.total_gpus) or why_not_split(
             s, job.model, t.attention, job.packing, hw.device
         )
@@ -306,7 +309,10 @@ def _plan_on(job: Job) -> Plan:
             if why_not(without, method.name, hw.total_gpus) is None:
                 other, _ = memory(job, _with_accumulation(job, without))
                 line = f"{what}: {other.total:,.1f} -> {mem.total:,.1f} GB per GPU"
-                if without.sequence_parallel != s.sequence_parallel or without.activation_offloading:
+                if (without.sequence_parallel, without.activation_offloading) != (
+                    s.sequence_parallel,
+                    s.activation_offloading,
+                ):
                     fits = "fits" if other.total <= usable else f"does not fit in {usable:,.1f} GB"
                     line += f" (without it {fits}; the term it divides: {_forcing_term(other, mem)})"
                 reasons.append(line)
