@@ -71,22 +71,33 @@ def _choices(fixed: Optional[bool]) -> list[bool]:
     return [fixed] if fixed is not None else [False, True]
 
 
+# From this length on the search weighs the long-context levers by itself (a sequence split, activation
+# offloading; the issue's "long context": 32k to 128k); below it they run when set. Their time terms (the
+# exchanges, the PCIe round trip) are not measured on a GPU yet, so they do not displace the measured
+# strategies of shorter jobs.
+LONG_CONTEXT = 32768
+
+
 def _sequence_splits(job: Job) -> list[tuple[int, str]]:
-    """(degree, split) pairs to weigh: the user's, or no split and every split over every degree > 1 that
-    divides the GPUs (the heads are checked with the model, `why_not_split`)."""
+    """(degree, split) pairs to weigh: the user's, or no split and, from LONG_CONTEXT on, every split over
+    every degree > 1 that divides the GPUs (the heads are checked with the model, `why_not_split`)."""
     t, gpus = job.train, job.hw.total_gpus
     splits = [t.sequence_split] if t.sequence_split is not None else list(SEQUENCE_SPLITS)
     if t.sequence_parallel is not None:
         return [(t.sequence_parallel, split) for split in splits]
-    return [(1, splits[0])] + [(n, split) for n in range(2, gpus + 1) if gpus % n == 0 for split in splits]
+    unsplit = [(1, splits[0])]
+    if job.seq_len < LONG_CONTEXT:
+        return unsplit
+    return unsplit + [(n, split) for n in range(2, gpus + 1) if gpus % n == 0 for split in splits]
 
 
 def _offloading_choices(job: Job) -> list[bool]:
-    """Activation offloading: the user's; else weighed on a GPU (on the CPU it moves nothing anywhere)."""
+    """Activation offloading: the user's; else weighed on a GPU from LONG_CONTEXT on (on the CPU it moves
+    nothing anywhere)."""
     fixed = job.train.activation_offloading
     if fixed is not None:
         return [fixed]
-    return [False, True] if job.hw.device == "cuda" else [False]
+    return [False, True] if job.hw.device == "cuda" and job.seq_len >= LONG_CONTEXT else [False]
 
 
 def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
@@ -258,10 +269,6 @@ def _describe(s: Strategy, gpus: int) -> list[tuple[str, Strategy]]:
     if s.activation_offloading:
         out.append(("activation offloading to host memory", replace(s, activation_offloading=False)))
     return out
-
-
-# From this length on the plan says whether it splits each sequence (the issue's "long context": 32k to 128k).
-LONG_CONTEXT = 32768
 
 
 def _forcing_term(before: Memory, after: Memory) -> str:

@@ -114,13 +114,15 @@ def estimate(job: Job, s: Strategy, override: Optional[float] = None) -> tuple[E
     if s.split is not None:
         step_seconds += micro_batches * exchange_seconds(job, s)
         notes.append(
-            f"sequence split: {s.split.label} over {s.sequence_parallel} GPUs; its exchanges are counted "
-            "as not overlapped with compute"
+            f"time: the sequence split's exchanges ({s.split.exchange.replace('_', '-')}) are counted as not "
+            "overlapped with compute"
         )
     offloaded = offloaded_activation_bytes(job, s, runtime(job, s))
     if offloaded:
         step_seconds += micro_batches * 2.0 * offloaded / (job.cal.offload_pcie_gb_per_s * GB)
-        notes.append("activation offloading: the layer inputs' PCIe round trip is counted as not overlapped")
+        notes.append(
+            "time: activation offloading's PCIe round trip of the layer inputs is counted as not overlapped"
+        )
     tokens_per_second = step_tokens / step_seconds
     t = job.train
     run_tokens: Optional[float] = None
