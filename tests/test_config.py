@@ -53,7 +53,7 @@ def test_every_group_option_composes(group: str, option: str):
 
 def test_stable_names():
     assert set(recipe_names()) == {
-        "tiny", "llama8b_lora", "llama8b_qlora", "llama70b_qlora", "llama70b_lora",
+        "tiny", "llama8b_lora", "llama8b_lora_128k", "llama8b_qlora", "llama70b_qlora", "llama70b_lora",
         "llama70b_full", "qwen32b_lora", "qwen32b_full",
     }  # fmt: skip
     assert set(group_choices("model")) == {
