@@ -67,26 +67,24 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
-    rows = []
+    print(
+        "| seq | dtype | 1 rank s/step | 2 ranks s/step | ratio | layer bytes, 1 rank | per rank of 2 | "
+        "planned per rank of 2 | error |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for seq in (int(v) for v in args.seq_lens.split(",")):
             for dtype in args.dtypes.split(","):
                 one = run(1, dtype, seq, args.steps, Path(tmp) / "one.json")
                 two = run(2, dtype, seq, args.steps, Path(tmp) / "two.json")
-                rows.append((seq, dtype, one, two))
-    print(
-        "| seq | dtype | 1 rank s/step | 2 ranks s/step | ratio | layer bytes, 1 rank | per rank of 2 | "
-        "planned per rank of 2 | error |"
-    )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-    for seq, dtype, one, two in rows:
-        share = two["layer_saved_bytes"][0]
-        plan = planned(two, 2)
-        print(
-            f"| {seq} | {dtype} | {one['step_seconds']:.4f} | {two['step_seconds']:.4f} | "
-            f"{two['step_seconds'] / one['step_seconds']:.2f} | {one['layer_saved_bytes'][0]:,} | {share:,} | "
-            f"{plan:,.0f} | {100 * (plan - share) / share:+.1f}% |"
-        )
+                share = two["layer_saved_bytes"][0]
+                plan = planned(two, 2)
+                print(
+                    f"| {seq} | {dtype} | {one['step_seconds']:.4f} | {two['step_seconds']:.4f} | "
+                    f"{two['step_seconds'] / one['step_seconds']:.2f} | {one['layer_saved_bytes'][0]:,} | "
+                    f"{share:,} | {plan:,.0f} | {100 * (plan - share) / share:+.1f}% |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

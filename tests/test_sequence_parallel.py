@@ -303,3 +303,24 @@ def test_ulysses_on_two_cpu_ranks_matches_one_rank_with_half_the_activations(
 
 def _job(cfg: Config, plan: Plan):
     return make_job(cfg.model, cfg.method, plan.hardware, cfg.train, plan.seq_len, None, cfg.plan)
+
+
+def test_metrics_record_the_split_as_accelerate_ran_it():
+    from types import SimpleNamespace
+
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from finetune.train.throughput import sequence_split_record
+
+    base = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+
+    def trainer(pc, index):
+        return SimpleNamespace(accelerator=SimpleNamespace(parallelism_config=pc, process_index=index))
+
+    ulysses = ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+    assert sequence_split_record(trainer(ulysses, 3), base) == {
+        "sp_size": 2, "backend": "deepspeed", "attention": "flash_attention_2", "rank_in_split": 1,
+        "share_of_each_sequence": "tokens [1/2, 2/2) of each sequence",
+    }  # fmt: skip
+    assert sequence_split_record(trainer(None, 0), base) is None
+    assert sequence_split_record(trainer(ParallelismConfig(dp_shard_size=2), 0), base) is None
