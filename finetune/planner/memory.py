@@ -500,7 +500,7 @@ def working_set(job: Job, s: Strategy, rt: Runtime) -> float:
     adds only the part above it.
     """
     tokens = rank_tokens(job, s)
-    layer = (_layer(job, rt, checkpointing=False) + split_saved_per_token(job, s, rt)) * tokens
+    layer = float((_layer(job, rt, checkpointing=False) + split_saved_per_token(job, s, rt)) * tokens)
     layer += exchange_bytes(job, s, rt)
     if rt.packed:
         layer += _mask_bias(job, s, rt)

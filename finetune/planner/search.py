@@ -136,8 +136,8 @@ def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
             sequence_split=split,
             activation_offloading=off_acts,
         )
-        split = s.split
-        if split is not None and not getattr(s.engine, split.engine_needs) and t.sharding is None:
+        how = s.split
+        if how is not None and not getattr(s.engine, how.engine_needs) and t.sharding is None:
             continue  # the split's engine is another one: not a refusal, the search weighs that one too
         reason = why_not(s, job.method.name, hw.total_gpus) or why_not_split(
             s, job.model, t.attention, job.packing, hw.device
