@@ -324,3 +324,25 @@ def test_metrics_record_the_split_as_accelerate_ran_it():
     }  # fmt: skip
     assert sequence_split_record(trainer(None, 0), base) is None
     assert sequence_split_record(trainer(ParallelismConfig(dp_shard_size=2), 0), base) is None
+
+
+def test_a_rank_refuses_to_train_a_split_plan_in_one_line(tmp_path, monkeypatch):
+    """Training with a split is not built (README, "Long context"): the rank says so before anything loads."""
+    import torch
+
+    from finetune import rundir
+    from finetune.core.errors import LaunchError
+    from finetune.train.trainer import build_sft_config
+
+    cfg, plan = planned(
+        "hardware.gpus_per_node=2", "train.sharding=zero3", "train.sequence_parallel=2",
+        "train.sequence_split=ulysses", "data.packing=false", "train.seq_len=128",
+    )  # fmt: skip
+    run = tmp_path / "run"
+    run.mkdir()
+    rundir.save_config(cfg, run)
+    write_engine_files(cfg, plan, run)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(LaunchError) as err:
+        build_sft_config(cfg, plan, run, torch.float32)
+    assert "training with a sequence split is not built yet" in str(err.value) and "\n" not in str(err.value)

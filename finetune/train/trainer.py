@@ -112,6 +112,15 @@ def build_sft_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torc
     # The engine (DeepSpeed JSON or FSDP2 settings, use_cpu, collective timeout), as the launcher wrote it
     # for the plan's layout: DeepSpeed asserts its batch = micro x accumulation x world size.
     kwargs.update(engine_trainer_kwargs(run_dir))
+    if "parallelism_config" in kwargs:
+        # Not built: the chunked loss takes `labels`, which accelerate's UlyssesSPDataLoaderAdapter replaces by
+        # pre-shifted `shift_labels`, and it would not sum over the split's ranks; TRL's path under a split
+        # makes the model's whole logits (transformers' deepspeed_sp_compute_loss), which the plan does not count.
+        raise LaunchError(
+            f"plan.json: strategy.sequence_split={s.sequence_split} over {s.sequence_parallel} ranks is planned "
+            "and its engine files written, but training with a sequence split is not built yet "
+            "(train.sequence_parallel=1 trains without one)"
+        )
     kwargs.update(throughput.sft_kwargs(cfg))  # Liger's kernels through TRL's switch
     return SFTConfig(**kwargs)
 
