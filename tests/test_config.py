@@ -64,7 +64,7 @@ def test_every_group_option_composes(group: str, option: str):
 
 def test_stable_names():
     assert set(recipe_names()) == {
-        "tiny", "llama8b_lora", "llama8b_qlora", "llama70b_qlora", "llama70b_lora",
+        "tiny", "llama8b_lora", "llama8b_lora_128k", "llama8b_qlora", "llama70b_qlora", "llama70b_lora",
         "llama70b_full", "qwen32b_lora", "qwen32b_full", "tiny_dpo", "llama8b_dpo", "llama70b_qlora_dpo",
         "tiny_grpo", "llama8b_grpo", "llama8b_grpo_8gpu",
     }  # fmt: skip

@@ -720,6 +720,7 @@ def test_plan_contract_fields():
     assert set(d["strategy"]) == {
         "sharding", "offload_optimizer", "offload_params", "optimizer", "activation_checkpointing",
         "chunked_loss", "micro_batch_size", "grad_accum_steps",
+        "precompute_reference", "sequence_parallel", "sequence_split", "activation_offloading",
     }  # fmt: skip
     assert set(d["gpu_memory_gb"]) == {
         "weights",

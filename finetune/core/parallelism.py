@@ -11,7 +11,12 @@ A `Mesh` says how many ranks each way of dividing the work takes (torchtune's Pa
 accelerate's ParallelismConfig): world = replicate x shard x sequence x expert. Sharding divides the
 training state over shard x sequence ranks (FSDP2 and ZeRO-3 shard over the sequence ranks too);
 sequence parallelism divides each sequence's activations; replicas and shards each take their own
-batches. Sequence and expert parallelism are not built yet: their degrees are 1.
+batches. Expert parallelism is not built yet: its degree is 1.
+
+A sequence split (`SEQUENCE_SPLITS`, the plan's `strategy.sequence_split`) divides each sequence over
+`strategy.sequence_parallel` ranks: DeepSpeed's Ulysses (an all-to-all trades the sequence split for a head
+split around attention) or torch's ring context parallelism (keys and values passed round a ring). Each is
+one description here; the planner, the launcher and the record of the run read its fields.
 """
 
 from __future__ import annotations
@@ -113,7 +118,7 @@ class Mesh:
 
     replicate: int = 1  # replicas of the whole training state (DDP)
     shard: int = 1  # ranks one replica's state is divided over (FSDP2, ZeRO-3)
-    sequence: int = 1  # ranks each sequence is split over (not built yet)
+    sequence: int = 1  # ranks each sequence is split over (a sequence split's degree)
     expert: int = 1  # ranks the experts are split over (not built yet)
 
     @property
@@ -131,6 +136,65 @@ class Mesh:
         return self.replicate * self.shard
 
     @classmethod
-    def of(cls, engine: Engine, world: int) -> Mesh:
-        """The mesh an engine makes of `world` ranks."""
-        return cls(shard=world) if engine.shards else cls(replicate=world)
+    def of(cls, engine: Engine, world: int, sequence: int = 1) -> Mesh:
+        """The mesh an engine makes of `world` ranks, each sequence split over `sequence` of them."""
+        rest = max(1, world // sequence)
+        return cls(shard=rest, sequence=sequence) if engine.shards else cls(replicate=rest, sequence=sequence)
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """One way of splitting a sequence across ranks. `SEQUENCE_SPLITS[strategy.sequence_split]`."""
+
+    key: str  # the plan's word: ulysses | ring (train.sequence_split)
+    label: str  # for people
+    # accelerate's ParallelismConfig field that carries the degree (sp_size | cp_size), and its backend.
+    size_field: str
+    backend: str
+    # The engine that runs it must have this property true (an `Engine` field name).
+    engine_needs: str
+    # The attention heads are divided over the ranks: the degree divides the query heads, and divides or is
+    # divided by the key/value heads (DeepSpeed's UlyssesSPAttentionHF checks both).
+    divides_heads: bool
+    # The attentions (train.attention) under which rows packed from several samples keep their boundaries.
+    packed_attentions: tuple[str, ...]
+    # Runs on the CPU (gloo): what the tests can prove here.
+    runs_on_cpu: bool
+    # How it exchanges a layer's attention tensors: `all_to_all` (queries, keys, values and the output, each
+    # once a pass) or `ring` (each peer's keys and values, passed round the ring).
+    exchange: str
+    # Query-wide tensors (heads x head_dim a token, compute dtype) each layer saves for backward beyond the
+    # unsplit layer's. Measured for Ulysses (scripts/sequence_parallel_worker.py, BENCHMARKS.md): 1; the ring
+    # cannot be measured here (0: what its buffers add is the working set's).
+    extra_saved_queries: int
+    # What it needs, as one clause naming the way out (the refusal's words).
+    engine_note: str
+
+    def exchanged_per_token(self, query_width: int, kv_width: int, degree: int) -> float:
+        """Values each rank sends per local token and decoder layer in one forward pass (query_width: heads x
+        head_dim; kv_width: key/value heads x head_dim)."""
+        if self.exchange == "all_to_all":  # (N-1)/N of q, k, v there and of the output back
+            return (2 * query_width + 2 * kv_width) * (degree - 1) / degree
+        return 2 * kv_width * (degree - 1)  # its keys and values to every peer in turn
+
+
+SEQUENCE_SPLITS: dict[str, SequenceSplit] = {
+    # deepspeed/runtime/sequence_parallel/ulysses_sp.py (UlyssesSPAttentionHF): an all-to-all before attention
+    # turns [seq/N, all heads] into [seq, heads/N], one after turns it back. Masks are dropped: causality comes
+    # from position_ids, so packed rows need an attention that reads them (accelerate's docs: SDPA attends
+    # across packed samples, flash attention keeps them apart). Measured here: runs over gloo on two CPU ranks
+    # (tests/test_sequence_parallel.py).
+    "ulysses": SequenceSplit(
+        "ulysses", "DeepSpeed Ulysses (ALST)", size_field="sp_size", backend="deepspeed",
+        engine_needs="deepspeed", divides_heads=True, packed_attentions=("flash",), runs_on_cpu=True,
+        exchange="all_to_all", extra_saved_queries=1, engine_note="Ulysses runs under DeepSpeed (train.sharding=zero3)",
+    ),
+    # torch.distributed.tensor.experimental.context_parallel via accelerate's cp_size: FSDP2 only, SDPA with
+    # no mask or a causal one (a packed row's block mask is refused). Measured here: does not run on the CPU
+    # (aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy).
+    "ring": SequenceSplit(
+        "ring", "torch ring context parallelism", size_field="cp_size", backend="torch",
+        engine_needs="fsdp2", divides_heads=False, packed_attentions=(), runs_on_cpu=False,
+        exchange="ring", extra_saved_queries=0, engine_note="ring context parallelism runs under FSDP2 (train.sharding=fsdp)",
+    ),
+}  # fmt: skip

@@ -30,7 +30,7 @@ from finetune.core.architectures import ARCHITECTURES
 from finetune.core.config import Config
 from finetune.core.config.launch import LaunchConfig
 from finetune.core.errors import LaunchError
-from finetune.planner import Layout, Plan, Strategy, why_not
+from finetune.planner import Layout, Plan, Strategy, why_not, why_not_split
 
 # TrainingArguments' AdamW defaults, written into the DeepSpeed optimizer block and returned
 # in trainer_kwargs so both sides agree.
@@ -89,7 +89,8 @@ def deepspeed_config(cfg: Config, lay: Layout) -> dict[str, Any]:
     if s.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     ds: dict[str, Any] = {
-        "train_batch_size": s.micro_batch_size * s.grad_accum_steps * lay.world_size,
+        # the ranks of a sequence split share each batch (accelerate writes the same before deepspeed.initialize)
+        "train_batch_size": s.micro_batch_size * s.grad_accum_steps * lay.mesh.data_parallel,
         "train_micro_batch_size_per_gpu": s.micro_batch_size,
         "gradient_accumulation_steps": s.grad_accum_steps,
         "gradient_clipping": cfg.train.max_grad_norm,
@@ -133,7 +134,10 @@ def _fsdp_offload(s: Strategy) -> bool:
 
 def check_runnable(cfg: Config, lay: Layout) -> None:
     """Refuse a strategy the engine would not run as planned (finetune/planner/engines.py's table)."""
-    reason = why_not(lay.strategy, cfg.method.name)
+    reason = why_not(lay.strategy, cfg.method.name, lay.world_size if lay.strategy.split else None)
+    reason = reason or why_not_split(
+        lay.strategy, cfg.model, cfg.train.attention, cfg.data.packing, lay.device
+    )
     if reason is not None:
         raise LaunchError(
             f"plan.json asks for what {lay.engine.runs_as} cannot run: {reason}; re-run mode=plan"
@@ -206,6 +210,32 @@ def fsdp_trainer_config(cfg: Config, lay: Layout) -> dict[str, Any]:
     }
 
 
+def parallelism(cfg: Config, lay: Layout) -> Optional[dict[str, Any]]:
+    """accelerate's `ParallelismConfig` for the plan's sequence split, as keyword arguments (engine.json's
+    `parallelism`; the rank builds the object, TrainingArguments' `parallelism_config`), or None unsplit.
+
+    Ulysses: `sp_size` with DeepSpeed's backend and its handler (the attention it wraps, the sequence length
+    variable per batch since packed rows vary). Ring: `cp_size` with torch's backend, FSDP2 sharding the rest.
+    `attention` is `train.attention`, which the rank maps to transformers' implementation.
+    """
+    s = lay.strategy
+    split = s.split
+    if split is None:
+        return None
+    out: dict[str, Any] = {
+        split.size_field: s.sequence_parallel,
+        split.size_field[:2] + "_backend": split.backend,
+    }
+    if split.engine_needs == "fsdp2":
+        out["dp_shard_size"] = lay.mesh.shard
+    return {
+        "kwargs": out,
+        "split": split.key,
+        "attention": cfg.train.attention,
+        "seq_len": cfg.train.seq_len if isinstance(cfg.train.seq_len, int) else None,
+    }
+
+
 # ---------------------------------------------------------------- what the trainer reads
 
 
@@ -219,11 +249,13 @@ class EngineFiles:
     accelerate_config: Optional[Path] = None
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    parallelism: Optional[dict[str, Any]] = None  # the sequence split's ParallelismConfig (`parallelism`)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "engine": self.engine,
             "world_size": self.world_size,
+            "parallelism": self.parallelism,
             "deepspeed": None if self.deepspeed is None else str(self.deepspeed),
             "accelerate_config": None if self.accelerate_config is None else str(self.accelerate_config),
             "trainer_kwargs": dict(self.trainer_kwargs),
@@ -262,6 +294,8 @@ def write_engine_files(
         "use_cpu": lay.device == "cpu",
         "ddp_timeout": launch.nccl_timeout_s,
         "activation_checkpointing": s.activation_checkpointing,
+        # TRL's: the checkpointed layer inputs go to host memory (on the CPU a no-op: they are there already)
+        "activation_offloading": s.activation_offloading,
     }
     ds_path: Optional[Path] = None
     acc_path: Optional[Path] = None
@@ -287,6 +321,7 @@ def write_engine_files(
         deepspeed=ds_path,
         accelerate_config=acc_path,
         trainer_kwargs=kwargs,
+        parallelism=parallelism(cfg, lay),
     )
     _write_if_changed(run_dir / rundir.ENGINE_FILE, json.dumps(files.to_dict(), indent=2) + "\n")
     return files

@@ -43,6 +43,13 @@ def print_plan(plan: Plan, title: str, console: Console | None = None) -> None:
     strategy.add_row("optimizer", s.optimizer)
     strategy.add_row("offload optimizer / params", f"{s.offload_optimizer} / {s.offload_params}")
     strategy.add_row("activation checkpointing", str(s.activation_checkpointing))
+    if s.activation_offloading:
+        strategy.add_row("activation offloading", "True (layer inputs in host RAM)")
+    split = s.split
+    strategy.add_row(
+        "sequence split",
+        "none" if split is None else f"{split.key} over {s.sequence_parallel} GPUs ({split.label})",
+    )
     strategy.add_row("chunked loss", str(s.chunked_loss))
     strategy.add_row("micro-batch x accumulation", f"{s.micro_batch_size} x {s.grad_accum_steps}")
     console.print(terms, strategy)

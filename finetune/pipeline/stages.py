@@ -11,7 +11,7 @@ import signal
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from finetune import rundir
 from finetune.core.composition import load_profiles
@@ -66,23 +66,29 @@ def _precompute_reference(cfg: Config) -> Optional[bool]:
     return None if source == "auto" else source == "precompute"
 
 
-def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
-    seq_len = None
-    if cfg.train.seq_len == "auto":
-        seq_len = data_seq_len(run_dir)
-        if seq_len is None:
-            raise PlanError("train.seq_len=auto needs the data stage: run mode=data (or mode=all) first")
-    plan = make_plan(
+def _make_plan(cfg: Config, hardware: Any, seq_len: Optional[int]) -> Plan:
+    """The planner on this config's model, method, training and objective, on `hardware`."""
+    return make_plan(
         cfg.model,
         cfg.method,
-        cfg.hardware,
+        hardware,
         cfg.train,
         cfg.plan,
         load_profiles(),
         seq_len=seq_len,
         objective=cfg.objective.spec,
         precompute_reference=_precompute_reference(cfg),
+        packing=cfg.data.packing,
     )
+
+
+def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
+    seq_len = None
+    if cfg.train.seq_len == "auto":
+        seq_len = data_seq_len(run_dir)
+        if seq_len is None:
+            raise PlanError("train.seq_len=auto needs the data stage: run mode=data (or mode=all) first")
+    plan = _make_plan(cfg, cfg.hardware, seq_len)
     if cfg.objective.spec.generates:
         plan = _colocated_training_plan(cfg, plan, seq_len)
     plan = replace(plan, reasons=(*cfg.hardware.notes, *plan.reasons))  # hardware=local: what was detected
@@ -137,7 +143,7 @@ def _colocated_training_plan(cfg: Config, plan: Plan, seq_len: Optional[int]) ->
     if share >= 1:
         return plan
     budget = replace(hw, gpu_memory_gb=hw.gpu_memory_gb * (1 - share))
-    beside = make_plan(cfg.model, cfg.method, budget, cfg.train, cfg.plan, load_profiles(), seq_len=seq_len)
+    beside = _make_plan(cfg, budget, seq_len)
     if not beside.fits:
         return plan
     why = f"GRPO colocate: training planned on {budget.gpu_memory_gb:.1f} GB a GPU, vLLM takes {share:.2f} of it"

@@ -8,7 +8,7 @@ calibration (per-device constants). Scripts and tests use these modules' public 
 
 from finetune.planner.calibration import Calibration, DeviceCalibration
 from finetune.planner.contract import Alternative, Estimate, Layout, Memory, Plan, Strategy
-from finetune.planner.engines import ENGINES, why_not
+from finetune.planner.engines import ENGINES, why_not, why_not_split
 from finetune.planner.memory import Job, Runtime, make_job, memory, runtime, tensors_gb
 from finetune.planner.params import ParamCounts, count_params, lora_params
 from finetune.planner.search import DEFAULT_CHUNKED_LOSS, candidates, make_plan
@@ -40,4 +40,5 @@ __all__ = [
     "runtime",
     "tensors_gb",
     "why_not",
+    "why_not_split",
 ]

@@ -15,7 +15,15 @@ from typing import Any, Optional
 
 from finetune.core.config import HardwareConfig
 from finetune.core.errors import PlanError
-from finetune.core.parallelism import ENGINES, REPLICATED, SINGLE, Engine, Mesh
+from finetune.core.parallelism import (
+    ENGINES,
+    REPLICATED,
+    SEQUENCE_SPLITS,
+    SINGLE,
+    Engine,
+    Mesh,
+    SequenceSplit,
+)
 
 # plan.json's hardware block: the contract's five fields first, then the rest of the profile.
 CONTRACT_HARDWARE = ("name", "gpus", "gpu_memory_gb", "host_memory_gb", "usd_per_month")
@@ -38,14 +46,24 @@ class Strategy:
     # Objectives with a reference model under full fine-tuning (DPO): its log-probabilities computed once
     # before training (TRL's precompute_ref_log_probs) instead of a frozen copy beside the policy.
     precompute_reference: bool = False
+    # Ranks each sequence is split over, and how (a key of SEQUENCE_SPLITS; read only when the degree is > 1).
+    sequence_parallel: int = 1
+    sequence_split: str = "ulysses"
+    # The checkpointed layer inputs kept in host memory (TRL's activation_offloading).
+    activation_offloading: bool = False
 
     @property
     def engine(self) -> Engine:
         return ENGINES[self.sharding]
 
+    @property
+    def split(self) -> Optional[SequenceSplit]:
+        """The sequence split, or None when each sequence stays on one rank."""
+        return SEQUENCE_SPLITS[self.sequence_split] if self.sequence_parallel > 1 else None
+
     def mesh(self, world: int) -> Mesh:
         """How the engine divides `world` ranks."""
-        return Mesh.of(self.engine, world)
+        return Mesh.of(self.engine, world, self.sequence_parallel)
 
 
 @dataclass(frozen=True)
@@ -72,7 +90,7 @@ class Layout:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh.of(self.engine, self.world_size)
+        return Mesh.of(self.engine, self.world_size, self.strategy.sequence_parallel)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -39,6 +39,7 @@ versions of ARCHITECTURE.md, "Checked against"; MEMORY_MODEL.md has the tables):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -89,6 +90,8 @@ class Job:
     # Full fine-tuning's reference: precomputed log-probabilities (True), a frozen copy (False), or the
     # planner's choice on memory and time (None; `dpo.reference=auto`).
     precompute_reference: Optional[bool] = None
+    # data.packing: rows packed from several samples (a sequence split must keep them apart)
+    packing: bool = True
 
     @property
     def sequences(self) -> int:
@@ -115,7 +118,9 @@ class Job:
             model=self.model, method=self.method, hw=self.hw, train=self.train, seq_len=self.seq_len
         )
         settings.update(changes)
-        job = make_job(**settings, cal=self.cal, plan=self.plan, objective=self.objective)
+        job = make_job(
+            **settings, cal=self.cal, plan=self.plan, objective=self.objective, packing=self.packing
+        )
         return replace(job, precompute_reference=self.precompute_reference)
 
 
@@ -128,11 +133,12 @@ def make_job(
     cal: Optional[Calibration] = None,
     plan: Optional[PlanConfig] = None,
     objective: Optional[ObjectiveSpec] = None,
+    packing: bool = True,
 ) -> Job:
     adapter = lora_params(model, method) if method.uses_adapters else 0
     return Job(
         model, method, hw, train, seq_len, count_params(model), adapter, cal or Calibration.default(),
-        plan or PlanConfig(), objective or OBJECTIVES["sft"],
+        plan or PlanConfig(), objective or OBJECTIVES["sft"], packing=packing,
     )  # fmt: skip
 
 
@@ -211,8 +217,16 @@ def runtime(job: Job, s: Strategy) -> Runtime:
         job.method.spec.trains_base_weights and full_weights == 4 and autocast and not engine.shards
     )
     return Runtime(
-        engine, job.hw.device, compute, autocast, full_weights, stored, adapter_compute, fp32_residual
-    )
+        engine, job.hw.device, compute, autocast, full_weights, stored, adapter_compute, fp32_residual,
+        # a split drops the attention mask (Ulysses: causality from position_ids; ring: no packed rows)
+        packed=s.split is None,
+    )  # fmt: skip
+
+
+def rank_tokens(job: Job, s: Strategy) -> int:
+    """Tokens of one micro-batch that each rank holds (every sequence of its examples: DPO's chosen and
+    rejected): the sequences' share under a split."""
+    return math.ceil(micro_batch_rows(job, s) * job.seq_len / s.sequence_parallel)
 
 
 def _shards(job: Job, s: Strategy) -> int:
@@ -415,15 +429,56 @@ def activations(job: Job, s: Strategy, rt: Runtime) -> float:
     overhead's working set counts it (`working_set`). Without, every layer's saved tensors, its packed-mask
     bias, and autocast's bf16 copies of fp32 weights.
     """
-    m, tokens = job.model, micro_batch_rows(job, s) * job.seq_len
-    held = (_layer(job, rt, s.activation_checkpointing) * m.num_layers + _once_per_token(job, rt)) * tokens
+    m, tokens = job.model, rank_tokens(job, s)
+    layers = m.num_layers - offloaded_layers(job, s)
+    held = (_layer(job, rt, s.activation_checkpointing) * layers + _once_per_token(job, rt)) * tokens
     if s.activation_checkpointing:
         if rt.packed:
             held += micro_batch_rows(job, s) * job.seq_len**2  # the boolean mask, one byte a pair
         return held
     if rt.packed:
         held += m.num_layers * _mask_bias(job, s, rt)
+    held += m.num_layers * split_saved_per_token(job, s, rt) * tokens
     return held + m.num_layers * _adapter_copies(job, rt)
+
+
+# TRL's activation offloading (trl/models/activation_offloading.py) copies each saved tensor to pinned host
+# memory as the forward makes it and back before its backward; the layer being copied and the one being
+# brought back stay on the GPU.
+OFFLOAD_LAYERS_ON_GPU = 2
+
+
+def offloaded_layers(job: Job, s: Strategy) -> int:
+    """Decoder layers whose checkpointed inputs activation offloading keeps in host memory."""
+    if not (s.activation_offloading and s.activation_checkpointing):
+        return 0
+    return max(0, job.model.num_layers - OFFLOAD_LAYERS_ON_GPU)
+
+
+def offloaded_activation_bytes(job: Job, s: Strategy, rt: Runtime) -> float:
+    """Host bytes per GPU of the offloaded layer inputs (the PCIe traffic of a micro-batch, each way)."""
+    return float(_layer(job, rt, True) * offloaded_layers(job, s) * rank_tokens(job, s))
+
+
+def split_saved_per_token(job: Job, s: Strategy, rt: Runtime) -> int:
+    """Bytes a decoder layer saves per local token beyond the unsplit layer's (`SequenceSplit.extra_saved_queries`)."""
+    split = s.split
+    if split is None:
+        return 0
+    return split.extra_saved_queries * rt.compute * job.model.num_heads * job.model.head_dim
+
+
+def exchange_bytes(job: Job, s: Strategy, rt: Runtime) -> float:
+    """The sequence split's transient buffers in one layer's attention: Ulysses' all-to-all inputs and outputs
+    (queries, keys, values before attention, the output after), the ring's send and receive buffers of one
+    peer's keys and values (`SequenceSplit.exchanged_per_token` gives the traffic)."""
+    split = s.split
+    if split is None:
+        return 0.0
+    m, tokens = job.model, rank_tokens(job, s)
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    width = 2 * (q + 2 * kv) if split.exchange == "all_to_all" else 2 * 2 * kv
+    return float(rt.compute * tokens * width)
 
 
 def _mask_bias(job: Job, s: Strategy, rt: Runtime) -> int:
@@ -453,7 +508,7 @@ def loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
     it in place. ZeRO-3 gathers the head whole for either.
     """
     m = job.model
-    h, vocab, tokens = m.hidden_size, m.vocab_size, micro_batch_rows(job, s) * job.seq_len
+    h, vocab, tokens = m.hidden_size, m.vocab_size, rank_tokens(job, s)
     hidden = 4 if rt.fp32_residual or rt.compute == 4 else 2  # the backbone's output dtype
     head = _head_dtype(job, rt)
     c = rt.compute
@@ -506,8 +561,9 @@ def working_set(job: Job, s: Strategy, rt: Runtime) -> float:
     coincides with the loss peak (the loss is done before the first layer's backward), so the overhead term
     adds only the part above it.
     """
-    tokens = micro_batch_rows(job, s) * job.seq_len
-    layer = _layer(job, rt, checkpointing=False) * tokens
+    tokens = rank_tokens(job, s)
+    layer = float((_layer(job, rt, checkpointing=False) + split_saved_per_token(job, s, rt)) * tokens)
+    layer += exchange_bytes(job, s, rt)
     if rt.packed:
         layer += _mask_bias(job, s, rt)
     working = job.device.backward_working_set_layers * (layer + _once_per_token(job, rt) * tokens)
@@ -572,7 +628,7 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
         logits=loss / GB,
         overhead=overhead / GB,
     )
-    return mem, weights_host + state_host
+    return mem, weights_host + state_host + offloaded_activation_bytes(job, s, rt)
 
 
 def tensors_gb(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> float:

@@ -25,10 +25,10 @@ from finetune.core.architectures import ARCHITECTURES
 from finetune.core.config import HardwareConfig, MethodConfig, ModelConfig, PlanConfig, TrainConfig
 from finetune.core.errors import ConfigError, PlanError
 from finetune.core.objectives import ObjectiveSpec
-from finetune.core.parallelism import ENGINES, REPLICATED, SHARDED_ENGINES, SINGLE
+from finetune.core.parallelism import ENGINES, REPLICATED, SEQUENCE_SPLITS, SHARDED_ENGINES, SINGLE
 from finetune.planner.calibration import Calibration
 from finetune.planner.contract import GB, Alternative, Memory, Plan, Strategy
-from finetune.planner.engines import why_not
+from finetune.planner.engines import why_not, why_not_split
 from finetune.planner.memory import Job, load_gpu_bytes, load_host_bytes, make_job, memory
 from finetune.planner.params import count_params
 from finetune.planner.timing import HOURS_PER_MONTH, disk, estimate, executed_flops_per_token
@@ -72,6 +72,35 @@ def _choices(fixed: Optional[bool]) -> list[bool]:
     return [fixed] if fixed is not None else [False, True]
 
 
+# From this length on the search weighs the long-context levers by itself (a sequence split, activation
+# offloading; the issue's "long context": 32k to 128k); below it they run when set. Their time terms (the
+# exchanges, the PCIe round trip) are not measured on a GPU yet, so they do not displace the measured
+# strategies of shorter jobs.
+LONG_CONTEXT = 32768
+
+
+def _sequence_splits(job: Job) -> list[tuple[int, str]]:
+    """(degree, split) pairs to weigh: the user's, or no split and, from LONG_CONTEXT on, every split over
+    every degree > 1 that divides the GPUs (the heads are checked with the model, `why_not_split`)."""
+    t, gpus = job.train, job.hw.total_gpus
+    splits = [t.sequence_split] if t.sequence_split is not None else list(SEQUENCE_SPLITS)
+    if t.sequence_parallel is not None:
+        return [(t.sequence_parallel, split) for split in splits]
+    unsplit = [(1, splits[0])]
+    if job.seq_len < LONG_CONTEXT:
+        return unsplit
+    return unsplit + [(n, split) for n in range(2, gpus + 1) if gpus % n == 0 for split in splits]
+
+
+def _offloading_choices(job: Job) -> list[bool]:
+    """Activation offloading: the user's; else weighed on a GPU from LONG_CONTEXT on (on the CPU it moves
+    nothing anywhere)."""
+    fixed = job.train.activation_offloading
+    if fixed is not None:
+        return [fixed]
+    return [False, True] if job.hw.device == "cuda" and job.seq_len >= LONG_CONTEXT else [False]
+
+
 def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
     """Every strategy the user's open settings allow and the engine runs; and, when none does, why."""
     t, hw = job.train, job.hw
@@ -91,7 +120,10 @@ def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
     precompute = _choices(job.precompute_reference) if has_choice else [False]
     out: list[Strategy] = []
     refused: Optional[str] = None
-    for sharding, ckpt, mbs, optimizer, off_opt, off_params, pre in itertools.product(
+    for sharding, ckpt, mbs, optimizer, off_opt, off_params, pre, (
+        degree,
+        split,
+    ), off_acts in itertools.product(
         shardings,
         _choices(t.activation_checkpointing),
         _micro_batches(job),
@@ -99,6 +131,8 @@ def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
         _choices(t.offload_optimizer),
         _choices(t.offload_params),
         precompute,
+        _sequence_splits(job),
+        _offloading_choices(job),
     ):
         s = Strategy(
             sharding=sharding,
@@ -109,8 +143,16 @@ def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
             chunked_loss=chunked,
             micro_batch_size=mbs,
             precompute_reference=pre,
+            sequence_parallel=degree,
+            sequence_split=split,
+            activation_offloading=off_acts,
         )
-        reason = why_not(s, job.method.name, hw.total_gpus)
+        how = s.split
+        if how is not None and not getattr(s.engine, how.engine_needs) and t.sharding is None:
+            continue  # the split's engine is another one: not a refusal, the search weighs that one too
+        reason = why_not(s, job.method.name, hw.total_gpus) or why_not_split(
+            s, job.model, t.attention, job.packing, hw.device
+        )
         if reason is None:
             out.append(_with_accumulation(job, s))
         elif refused is None:
@@ -121,7 +163,7 @@ def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
 def _with_accumulation(job: Job, s: Strategy) -> Strategy:
     if job.train.grad_accum_steps is not None:
         return replace(s, grad_accum_steps=job.train.grad_accum_steps)
-    ranks = job.hw.total_gpus
+    ranks = s.mesh(job.hw.total_gpus).data_parallel  # the ranks of a sequence split share their sequences
     return replace(s, grad_accum_steps=max(1, math.ceil(job.train.batch_size / (s.micro_batch_size * ranks))))
 
 
@@ -162,6 +204,8 @@ def _seconds_per_token(job: Job, s: Strategy, mfu: Optional[float]) -> float:
 def _preference(job: Job, s: Strategy, mfu: Optional[float]) -> tuple[Any, ...]:
     return (
         _seconds_per_token(job, s, mfu),
+        s.sequence_parallel,  # without a time estimate a split's exchanges are not counted: the smallest wins
+        s.activation_offloading,
         s.engine.shards,
         # the estimate does not tell the sharded engines apart: the table's order decides
         list(ENGINES).index(s.sharding),
@@ -226,7 +270,23 @@ def _describe(s: Strategy, gpus: int) -> list[tuple[str, Strategy]]:
         alone = e.offloads_optimizer_alone
         what = "parameter offload" if alone else "parameter, gradient and optimizer offload to CPU"
         out.append((what, replace(s, offload_params=False, offload_optimizer=alone)))
+    if s.split is not None:
+        out.append(
+            (
+                f"sequence split: {s.split.label} over {s.sequence_parallel} GPUs",
+                replace(s, sequence_parallel=1),
+            )
+        )
+    if s.activation_offloading:
+        out.append(("activation offloading to host memory", replace(s, activation_offloading=False)))
     return out
+
+
+def _forcing_term(before: Memory, after: Memory) -> str:
+    """The memory term a saving shrank the most, with its two figures."""
+    b, a = before.as_dict(), after.as_dict()
+    name = max((k for k in b if k != "total"), key=lambda k: b[k] - a[k])
+    return f"{name} {b[name]:,.1f} -> {a[name]:,.1f} GB"
 
 
 def _plan_on(job: Job) -> Plan:
@@ -266,7 +326,19 @@ def _plan_on(job: Job) -> Plan:
         for what, without in savings:
             if why_not(without, method.name, hw.total_gpus) is None:
                 other, _ = memory(job, _with_accumulation(job, without))
-                reasons.append(f"{what}: {other.total:,.1f} -> {mem.total:,.1f} GB per GPU")
+                line = f"{what}: {other.total:,.1f} -> {mem.total:,.1f} GB per GPU"
+                if (without.sequence_parallel, without.activation_offloading) != (
+                    s.sequence_parallel,
+                    s.activation_offloading,
+                ):
+                    fits = "fits" if other.total <= usable else f"does not fit in {usable:,.1f} GB"
+                    line += f" (without it {fits}; the term it divides: {_forcing_term(other, mem)})"
+                reasons.append(line)
+        if s.split is None and job.seq_len >= LONG_CONTEXT:
+            reasons.append(
+                f"sequence split: none needed, each {job.seq_len:,}-token sequence fits on one GPU "
+                f"(activations {mem.activations:,.1f} GB, overhead {mem.overhead:,.1f} GB)"
+            )
         if s.micro_batch_size < start:
             bigger, _ = memory(job, _with_accumulation(job, replace(s, micro_batch_size=start)))
             reasons.append(
@@ -295,7 +367,7 @@ def _plan_on(job: Job) -> Plan:
             f"host RAM of {hw.name} is not published: the {host_gb:,.0f} GB per node this needs "
             "(loading the model, offload) is not checked"
         )
-    effective = s.micro_batch_size * s.grad_accum_steps * hw.total_gpus
+    effective = s.micro_batch_size * s.grad_accum_steps * s.mesh(hw.total_gpus).data_parallel
     if effective != train.batch_size:
         reasons.append(f"effective batch {effective} sequences (train.batch_size={train.batch_size})")
     est, notes = estimate(job, s, plan_cfg.mfu)
@@ -373,6 +445,7 @@ def _suggestions(plan: Plan, job: Job, alts: list[Plan]) -> list[str]:
                 out.append(
                     f"train.engine={other} fits on {hw.name} ({ENGINES[other].short} runs {method.optimizer})"
                 )
+    out.extend(_split_suggestions(job))
     seq = plan.seq_len // 2
     while seq >= 256:
         shorter = _try(job, seq_len=seq)
@@ -381,6 +454,27 @@ def _suggestions(plan: Plan, job: Job, alts: list[Plan]) -> list[str]:
             break
         seq //= 2
     return out
+
+
+def _split_suggestions(job: Job) -> list[str]:
+    """A job that fits only with a sequence split its packed rows or attention refuse: the settings that let it."""
+    if job.hw.total_gpus < 2 or job.train.sequence_parallel == 1:
+        return []
+    variants = [("train.attention=flash", replace(job, train=replace(job.train, attention="flash")))]
+    if job.packing:
+        variants.append(("data.packing=false", replace(job, packing=False)))
+    for words, variant in variants:
+        try:
+            plan = _plan_on(variant)
+        except (PlanError, ConfigError):
+            continue
+        split = plan.strategy.split
+        if plan.fits and split is not None:
+            return [
+                f"{words} fits: {split.label} over {plan.strategy.sequence_parallel} GPUs, "
+                f"{plan.gpu_memory.total:.1f} GB per GPU"
+            ]
+    return []
 
 
 def _offload_words(s: Strategy) -> str:
@@ -456,6 +550,7 @@ def make_plan(
     calibration: Optional[Calibration] = None,
     objective: Optional[ObjectiveSpec] = None,
     precompute_reference: Optional[bool] = None,
+    packing: bool = True,
 ) -> Plan:
     """Plan the job. `profiles` are the hardware profiles to weigh as alternatives (and for `auto`).
 
@@ -465,7 +560,7 @@ def make_plan(
     """
     check_model(model)
     n = _resolve_seq_len(model, train, seq_len)
-    job = make_job(model, method, hardware, train, n, calibration, plan_cfg, objective)
+    job = make_job(model, method, hardware, train, n, calibration, plan_cfg, objective, packing)
     job = replace(job, precompute_reference=precompute_reference)
     gpu_profiles = [p for p in profiles.values() if p.device == "cuda" and p.gpu_memory_gb is not None]
     notes: list[str] = []

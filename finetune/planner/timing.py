@@ -7,7 +7,9 @@ matmul a token runs (2 a weight forward, 2 for the input gradient, 2 more for
 a trained weight's gradient), causal attention, the forward again of every
 layer under recomputation, and TRL's fused head's extra time (its backward
 recomputes each tile; fitted as h x V FLOPs). Offload adds the CPU optimizer
-and PCIe traffic.
+and PCIe traffic. A sequence split adds its exchanges (Ulysses' all-to-alls, the ring's key/value passes)
+over the GPUs' link, counted as not overlapped with compute; activation offloading adds the layer inputs'
+PCIe round trip, counted likewise.
 """
 
 from __future__ import annotations
@@ -17,10 +19,30 @@ from typing import Optional
 from finetune.core.config import ModelConfig
 from finetune.core.methods import METHODS
 from finetune.planner.contract import GB, Estimate, Strategy
-from finetune.planner.memory import Job, runtime
+from finetune.planner.memory import Job, offloaded_activation_bytes, rank_tokens, runtime
 from finetune.planner.params import count_params
 
 HOURS_PER_MONTH = 730.0
+# Bandwidth a GPU's exchange with its peers gets, GB/s each way. Not measured here (no GPU): NVLink 4's
+# 450 GB/s a direction on an H100/H200 at the about one third all-to-alls reach in nccl-tests' alltoall_perf
+# on 8 GPUs; PCIe Gen5 x16's 64 GB/s at a half. A setting a GPU check should replace with a measurement.
+LINK_GB_PER_S = {"nvlink": 150.0, "pcie": 32.0}
+
+
+def exchange_seconds(job: Job, s: Strategy) -> float:
+    """A micro-batch's sequence-split exchanges on one rank: every layer's attention tensors in the forward,
+    the backward (their gradients) and, under checkpointing, the recomputed forward."""
+    split = s.split
+    if split is None:
+        return 0.0
+    m = job.model
+    passes = 3 if s.activation_checkpointing else 2
+    per_token = split.exchanged_per_token(
+        m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, s.sequence_parallel
+    )
+    values = per_token * rank_tokens(job, s) * m.num_layers * passes
+    link = LINK_GB_PER_S.get(job.hw.interconnect or "pcie", LINK_GB_PER_S["pcie"])
+    return runtime(job, s).compute * values / (link * GB)
 
 
 def model_flops_per_token(model: ModelConfig, method: str, seq_len: int) -> float:
@@ -86,8 +108,15 @@ def estimate(job: Job, s: Strategy, override: Optional[float] = None) -> tuple[E
         why = "no peak FLOP/s" if hw.peak_bf16_tflops is None else f"no fitted utilisation for {hw.device}"
         return Estimate(None, None, None, None), [f"no time estimate: profile {hw.name} has {why}"]
     tokens_per_second = util * hw.peak_bf16_tflops * 1e12 * hw.total_gpus / executed_flops_per_token(job, s)
-    # Every example's sequences (DPO: chosen and rejected) go through the model.
-    step_tokens = s.micro_batch_size * job.sequences * s.grad_accum_steps * hw.total_gpus * job.seq_len
+    # Every example's sequences (DPO: chosen and rejected) go through the model; the ranks of a sequence
+    # split share each sequence, data-parallel ranks each take their own.
+    step_tokens = (
+        s.micro_batch_size
+        * job.sequences
+        * s.grad_accum_steps
+        * s.mesh(hw.total_gpus).data_parallel
+        * job.seq_len
+    )
     step_seconds = step_tokens / tokens_per_second
     shards = s.mesh(hw.total_gpus).state_shards
     if s.offload_optimizer:
@@ -101,6 +130,19 @@ def estimate(job: Job, s: Strategy, override: Optional[float] = None) -> tuple[E
         )
     if s.offload_params:
         step_seconds += 3 * 2.0 * job.counts.total / shards / (job.cal.offload_pcie_gb_per_s * GB)
+    micro_batches = s.grad_accum_steps
+    if s.split is not None:
+        step_seconds += micro_batches * exchange_seconds(job, s)
+        notes.append(
+            f"time: the sequence split's exchanges ({s.split.exchange.replace('_', '-')}) are counted as not "
+            "overlapped with compute"
+        )
+    offloaded = offloaded_activation_bytes(job, s, runtime(job, s))
+    if offloaded:
+        step_seconds += micro_batches * 2.0 * offloaded / (job.cal.offload_pcie_gb_per_s * GB)
+        notes.append(
+            "time: activation offloading's PCIe round trip of the layer inputs is counted as not overlapped"
+        )
     tokens_per_second = step_tokens / step_seconds
     t = job.train
     run_tokens: Optional[float] = None

@@ -20,10 +20,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from accelerate.parallelism_config import ParallelismConfig
+from accelerate.utils import DeepSpeedSequenceParallelConfig
 
 from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.errors import LaunchError
+from finetune.modeling.models import ATTN_IMPLEMENTATIONS
 from finetune.planner import Plan
 from finetune.rundir import checkpoints
 from finetune.train import quantized, throughput
@@ -93,6 +96,15 @@ def common_kwargs(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.d
     # The engine (DeepSpeed JSON or FSDP2 settings, use_cpu, collective timeout), as the launcher wrote it
     # for the plan's layout: DeepSpeed asserts its batch = micro x accumulation x world size.
     kwargs.update(engine_trainer_kwargs(run_dir))
+    if "parallelism_config" in kwargs:
+        # Not built: the chunked loss takes `labels`, which accelerate's UlyssesSPDataLoaderAdapter replaces by
+        # pre-shifted `shift_labels`, and it would not sum over the split's ranks; TRL's path under a split
+        # makes the model's whole logits (transformers' deepspeed_sp_compute_loss), which the plan does not count.
+        raise LaunchError(
+            f"plan.json: strategy.sequence_split={s.sequence_split} over {s.sequence_parallel} ranks is planned "
+            "and its engine files written, but training with a sequence split is not built yet "
+            "(train.sequence_parallel=1 trains without one)"
+        )
     return kwargs
 
 
@@ -109,10 +121,26 @@ def engine_trainer_kwargs(run_dir: Path) -> dict[str, Any]:
             "(launch.nproc_per_node, launch.nnodes) and launch again"
         )
     kwargs = dict(engine["trainer_kwargs"])
+    split = engine.get("parallelism")
+    if split:
+        kwargs["parallelism_config"] = parallelism_config(split)
     if kwargs.get("deepspeed") and os.environ.pop("ACCELERATE_USE_CPU", None) is not None:
         # accelerate would quietly replace DeepSpeed by DDP; use_cpu=True already selects gloo on the CPU.
         log.warning("ACCELERATE_USE_CPU unset for this DeepSpeed run (accelerate drops DeepSpeed under it)")
     return kwargs
+
+
+def parallelism_config(split: dict[str, Any]) -> ParallelismConfig:
+    """accelerate's ParallelismConfig from engine.json's `parallelism` (finetune/launch/engines.py): the size
+    and backend, and for Ulysses the handler naming the attention it wraps."""
+    kwargs = dict(split["kwargs"])
+    if kwargs.get("sp_size", 1) > 1:
+        kwargs["sp_handler"] = DeepSpeedSequenceParallelConfig(
+            sp_seq_length=split.get("seq_len"),
+            sp_seq_length_is_variable=True,
+            sp_attn_implementation=ATTN_IMPLEMENTATIONS[split["attention"]],
+        )
+    return ParallelismConfig(**kwargs)
 
 
 class RunTrainerMixin:

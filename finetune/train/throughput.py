@@ -154,4 +154,29 @@ def record(trainer: Any) -> dict[str, Any]:
         "attention": getattr(base.config, "_attn_implementation", None),
         "compiled_layers": compiled,
         "liger": bool(trainer.args.use_liger_kernel),
+        "activation_offloading": bool(getattr(trainer.args, "activation_offloading", False)),
+        "sequence_split": sequence_split_record(trainer, base),
+    }
+
+
+def sequence_split_record(trainer: Any, base: Any) -> Optional[dict[str, Any]]:
+    """The sequence split as accelerate ran it (its ParallelismConfig), or None: the size and backend, the
+    attention kernel the split wraps, this rank's place in the split and its contiguous share of each
+    sequence (accelerate's UlyssesSPDataLoaderAdapter and torch's context_parallel both cut equal shares)."""
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    if pc is None:
+        return None
+    if (pc.sp_size or 1) > 1:
+        size, backend, field = pc.sp_size, pc.sp_backend, "sp_size"
+    elif (pc.cp_size or 1) > 1:
+        size, backend, field = pc.cp_size, pc.cp_backend, "cp_size"
+    else:
+        return None
+    rank = trainer.accelerator.process_index % size
+    return {
+        field: size,
+        "backend": backend,
+        "attention": getattr(base.config, "_attn_implementation", None),
+        "rank_in_split": rank,
+        "share_of_each_sequence": f"tokens [{rank}/{size}, {rank + 1}/{size}) of each sequence",
     }

@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 from finetune.core.config.checks import check_choices, check_positive, choice
 from finetune.core.errors import ConfigError
-from finetune.core.parallelism import ENGINES, SHARDED_ENGINES
+from finetune.core.parallelism import ENGINES, SEQUENCE_SPLITS, SHARDED_ENGINES
 
 SHARDINGS = tuple(ENGINES)
 # train.attention: transformers' attention implementations (finetune/train/throughput.py maps the names).
@@ -63,12 +63,21 @@ class TrainStrategy:
     """Keep the optimizer states in host memory."""
     offload_params: Optional[bool] = None
     """Keep the sharded weights in host memory (fsdp or zero3 only)."""
+    sequence_parallel: Optional[int] = None
+    """Ranks each sequence is split over (divides the GPUs, and the heads under Ulysses); 1: no split; None:
+    the planner splits when a sequence's activations do not fit otherwise."""
+    sequence_split: Optional[str] = choice(None, tuple(SEQUENCE_SPLITS))
+    """How a sequence is split (a key of finetune/core/parallelism.py's SEQUENCE_SPLITS): ulysses (DeepSpeed,
+    zero3) or ring (torch context parallelism, fsdp); None: the planner weighs both."""
+    activation_offloading: Optional[bool] = None
+    """Move the checkpointed layer inputs to host memory (TRL's activation_offloading); None: the planner's."""
 
     def _check_strategy(self) -> None:
         if self.engine == "deepspeed":
             raise ConfigError("train.engine=deepspeed is now train.engine=zero3 (DeepSpeed ZeRO-3)")
         check_choices(self, "train", TrainStrategy)
         check_positive("train.loss_chunk_size", self.loss_chunk_size)
+        check_positive("train.sequence_parallel", self.sequence_parallel, allow_none=True)
 
 
 @dataclass
