@@ -214,9 +214,8 @@ def test_ring_plan_writes_cp_size_with_fsdp2(tmp_path):
 def test_activation_offloading_is_counted_and_reaches_the_trainer(tmp_path):
     """On the CPU TRL's activation offloading moves nothing (the tensors are in host memory already): the plan
     counts it (host memory up, activations down on a GPU profile) and SFTConfig gets the argument."""
-    from finetune.train.sft_trainer import build_config as build_sft_config
-
     from finetune import rundir
+    from finetune.train.sft_trainer import build_config as build_sft_config
 
     cfg, on = plan_for(
         "+recipe=llama8b_lora", "hardware=h200", "train.seq_len=65536", "train.activation_checkpointing=true",
@@ -330,10 +329,10 @@ def test_metrics_record_the_split_as_accelerate_ran_it():
 def test_a_rank_refuses_to_train_a_split_plan_in_one_line(tmp_path, monkeypatch):
     """Training with a split is not built (README, "Long context"): the rank says so before anything loads."""
     import torch
-    from finetune.train.sft_trainer import build_config as build_sft_config
 
     from finetune import rundir
     from finetune.core.errors import LaunchError
+    from finetune.train.sft_trainer import build_config as build_sft_config
 
     cfg, plan = planned(
         "hardware.gpus_per_node=2", "train.sharding=zero3", "train.sequence_parallel=2",
