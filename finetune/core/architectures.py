@@ -51,8 +51,13 @@ ARCHITECTURES: dict[str, Architecture] = {
     # Gemma 3's text decoder (the multimodal `gemma3` config's text_config): four norms a layer, q/k norms,
     # (1 + weight) in fp32, sliding-window attention on 5 of 6 layers (the mask's content, not its size)
     "gemma3_text": Architecture(
-        "gemma3_text", "Gemma3DecoderLayer", LLAMA_PROJECTIONS, False,
-        fp32_norm_product=True, qk_norm=True, sandwich_norms=True,
+        "gemma3_text",
+        "Gemma3DecoderLayer",
+        LLAMA_PROJECTIONS,
+        False,
+        fp32_norm_product=True,
+        qk_norm=True,
+        sandwich_norms=True,
     ),  # fmt: skip
     # Phi-3 and Phi-4: fused qkv_proj and gate_up_proj
     "phi3": Architecture("phi3", "Phi3DecoderLayer", FUSED_PROJECTIONS, False, fused_projections=True),
@@ -72,6 +77,25 @@ REFUSED: dict[str, str] = {
     "deepseek_v2": "is a mixture of experts with latent attention, which the planner does not model",
     "gemma2": "has four norms a layer and logit soft-capping, which the activation formulas do not model",
 }
+
+
+# Config options whose other values change what a layer computes in ways nothing here measured: a config
+# with any of them set otherwise is refused, naming the option (key: (the value the formulas assume, what
+# it does)).
+UNMODELLED_OPTIONS: dict[str, tuple[object, str]] = {
+    "partial_rotary_factor": (1.0, "rotary embeddings on part of each head (Phi-3.5-mini, Phi-4-mini)"),
+    "attn_logit_softcapping": (None, "soft-capped attention logits (SDPA cannot run them)"),
+    "final_logit_softcapping": (None, "soft-capped output logits"),
+}
+
+
+def unmodelled_option(config: object) -> Optional[str]:
+    """The first option of a transformers config set to a value the formulas do not model, as a phrase."""
+    for key, (assumed, what) in UNMODELLED_OPTIONS.items():
+        value = getattr(config, key, assumed)
+        if value != assumed:
+            return f"{key}={value!r} ({what}) is not modelled; the planner assumes {assumed!r}"
+    return None
 
 
 def refusal(model_type: str) -> Optional[str]:

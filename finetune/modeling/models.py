@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from finetune import rundir
-from finetune.core.architectures import ARCHITECTURES, refusal
+from finetune.core.architectures import ARCHITECTURES, refusal, unmodelled_option
 from finetune.core.config import Config, MethodConfig, ModelConfig
 from finetune.core.errors import ConfigError, DataError, LaunchError
 from finetune.modeling import tiny
@@ -145,7 +145,7 @@ def model_from_hf_config(model: ModelConfig, hf: Any, path: Path) -> ModelConfig
     """The ModelConfig of a transformers config object (its class defaults included)."""
     model_type = hf.model_type
     experts = int(getattr(hf, "num_local_experts", 0) or getattr(hf, "num_experts", 0) or 0)
-    why = refusal(model_type)
+    why = refusal(model_type) or unmodelled_option(hf)
     if why is not None:
         raise ConfigError(f"model.config_path={path}: {why}")
     arch = ARCHITECTURES[model_type]

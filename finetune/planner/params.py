@@ -16,7 +16,7 @@ class ParamCounts:
     linear_per_layer: (
         int  # the linear weights of one decoder layer (a MoE layer: every expert and the router)
     )
-    other_per_layer: int  # norms and biases of one decoder layer
+    other_per_layer: int  # norms (q/k norms: head_dim each) and biases of one decoder layer
     final_norm: int
     num_layers: int
 
@@ -45,12 +45,21 @@ class ParamCounts:
 
 
 def projection_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(d_in, d_out) of each Llama-style projection of one decoder layer (one expert's for a MoE MLP)."""
+    """(d_in, d_out) of each projection of one decoder layer (one expert's for a MoE MLP), by the names the
+    architecture's layers use: Phi's fused qkv_proj (out q + 2 kv) and gate_up_proj (out 2 x intermediate),
+    whose LoRA adapters are r x (h + q + 2kv) and r x (h + 2I), not the sum of the separate ones."""
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     h = m.hidden_size
     i = m.intermediate_size
     if m.num_experts and m.moe_intermediate_size:
         i = m.moe_intermediate_size
+    if ARCHITECTURES[m.architecture].fused_projections:
+        return {
+            "qkv_proj": (h, q + 2 * kv),
+            "o_proj": (q, h),
+            "gate_up_proj": (h, 2 * i),
+            "down_proj": (i, h),
+        }
     return {
         "q_proj": (h, q),
         "k_proj": (h, kv),
@@ -68,13 +77,16 @@ def count_params(m: ModelConfig) -> ParamCounts:
     mlp = sum(d_in * d_out for name, (d_in, d_out) in shapes.items() if name[0] not in "qkvo")
     if m.num_experts:
         mlp = m.num_experts * mlp + m.hidden_size * m.num_experts  # every expert, and the router
-    bias = (shapes["q_proj"][1] + shapes["k_proj"][1] + shapes["v_proj"][1]) if m.attention_bias else 0
+    arch = ARCHITECTURES[m.architecture]
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    bias = q + 2 * kv if m.attention_bias else 0
+    norms = (4 if arch.sandwich_norms else 2) * m.hidden_size + (2 * m.head_dim if arch.qk_norm else 0)
     embedding = m.vocab_size * m.hidden_size
     return ParamCounts(
         embedding=embedding,
         lm_head=0 if m.tie_embeddings else embedding,
         linear_per_layer=attention + mlp,
-        other_per_layer=2 * m.hidden_size + bias,
+        other_per_layer=norms + bias,
         final_norm=m.hidden_size,
         num_layers=m.num_layers,
     )

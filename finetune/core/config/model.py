@@ -57,6 +57,12 @@ class ModelConfig:
             raise ConfigError(
                 f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}"
             )
+        fused = ARCHITECTURES[self.architecture].fused_projections
+        if fused and self.num_heads * self.head_dim != self.hidden_size:
+            raise ConfigError(
+                f"model.head_dim={self.head_dim} x model.num_heads={self.num_heads} must equal "
+                f"model.hidden_size={self.hidden_size} for {self.architecture} (its head_dim is hidden / heads)"
+            )
         if self.num_experts and not 0 < self.num_experts_per_token <= self.num_experts:
             raise ConfigError(
                 f"model.num_experts_per_token={self.num_experts_per_token} must be in 1..{self.num_experts} "
