@@ -66,13 +66,25 @@ ARCHITECTURES: dict[str, Architecture] = {
     "mixtral": Architecture(
         "mixtral", "MixtralDecoderLayer", ("q_proj", "k_proj", "v_proj", "o_proj"), False, True
     ),
+    # Counted exactly, refused with total and active counts: Qwen3's attention (q/k norms), a router and
+    # fused experts in each sparse layer, dense MLPs where `mlp_only_layers` / `decoder_sparse_step` say
+    "qwen3_moe": Architecture(
+        "qwen3_moe",
+        "Qwen3MoeDecoderLayer",
+        ("q_proj", "k_proj", "v_proj", "o_proj"),
+        False,
+        True,
+        qk_norm=True,
+    ),  # fmt: skip
+    # Qwen2's attention (q/k/v biases) and, besides the routed experts, a shared expert with a sigmoid gate
+    "qwen2_moe": Architecture(
+        "qwen2_moe", "Qwen2MoeDecoderLayer", ("q_proj", "k_proj", "v_proj", "o_proj"), True, True
+    ),
 }
 PLANNED = tuple(name for name, a in ARCHITECTURES.items() if not a.mixture_of_experts)
 
 # Families a config.json may name that the planner refuses, and why (one line each).
 REFUSED: dict[str, str] = {
-    "qwen2_moe": "is a mixture of experts with shared experts, which the planner does not model",
-    "qwen3_moe": "is a mixture of experts, which the planner does not model",
     "deepseek_v3": "is a mixture of experts with latent attention, which the planner does not model",
     "deepseek_v2": "is a mixture of experts with latent attention, which the planner does not model",
     "gemma2": "has four norms a layer and logit soft-capping, which the activation formulas do not model",

@@ -36,6 +36,11 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_token: int = 0
     moe_intermediate_size: int = 0
+    # Layers whose MLP is dense (intermediate_size wide) among a mixture of experts' layers (Qwen-MoE's
+    # `mlp_only_layers` and `decoder_sparse_step`, as its layers read them), and a shared expert's width
+    # (Qwen2-MoE's always-on expert, with its sigmoid gate; 0: none).
+    dense_layers: int = 0
+    shared_expert_intermediate_size: int = 0
     # Weights: safetensors only unless this is set (pickle files can run code).
     allow_pickle_weights: bool = False
     trust_remote_code: bool = False
