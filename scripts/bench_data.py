@@ -55,9 +55,10 @@ def run_ours(n: int, seq_len: int, num_proc: int, seed: int, markers: bool) -> d
 
     convs, tok = _setup(n, seed, synthetic.LLAMA3_MARKERS if markers else synthetic.LLAMA3)
     renderer = Renderer(tok, "assistant")
-    tokenize(convs[:2], renderer, 1)  # warm-up: imports and template compilation, as for TRL below
+    texts = [json.dumps(c, ensure_ascii=False) for c in convs]  # what the stage keeps of each sample
+    tokenize(texts[:2], renderer, 1)  # warm-up: imports and template compilation, as for TRL below
     t0 = time.perf_counter()
-    ds = tokenize(convs, renderer, num_proc)
+    ds = tokenize(texts, renderer, num_proc)
     # What the stage does next: flat numpy views of the Arrow columns, BFD, vectorised row gathering.
     ids_col = ds.data.column("input_ids").combine_chunks()
     labels_col = ds.data.column("labels").combine_chunks()
@@ -67,11 +68,12 @@ def run_ours(n: int, seq_len: int, num_proc: int, seed: int, markers: bool) -> d
     kept_lengths = lengths[keep].tolist()
     bins = pack.order_bins(pack.best_fit_decreasing(kept_lengths, seq_len), kept_lengths, seed)
     groups = [[int(keep[i]) for i in b] for b in bins]
-    rows = pack.gather_rows(ids_col.values.to_numpy(), starts, lengths, groups)
-    labels = pack.gather_rows(labels_col.values.to_numpy(), starts, lengths, groups)
+    rows = pack.gather_rows(
+        {"tokens": ids_col.values.to_numpy(), "labels": labels_col.values.to_numpy()}, starts, lengths, groups
+    )
     elapsed = time.perf_counter() - t0
     tokens = int(sum(kept_lengths))
-    trainable = int((labels["tokens"].values.to_numpy() != IGNORE_INDEX).sum())
+    trainable = int((rows["labels"].combine_chunks().values.to_numpy() != IGNORE_INDEX).sum())
     first_row = rows["seq_lengths"][0].as_py()
     return {
         "pipeline": "finetune" + (" (markers)" if markers else " (prefix masks)"),

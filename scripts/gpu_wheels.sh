@@ -22,7 +22,7 @@ PY=${PYTHON:-python3}
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
     --platform any -d .whl -q \
     trl==1.16.0 transformers==5.24.0 peft==0.21.2 datasets==5.2.0 dill multiprocess \
-    hydra-core==1.3.8 omegaconf==2.3.0 bitsandbytes==0.50.2 datasketch
+    hydra-core==1.3.8 omegaconf==2.3.0 bitsandbytes==0.50.2 datasketch xxhash
 site=$("$PY" -c "import antlr4, os; print(os.path.dirname(antlr4.__file__))")
 rm -rf .whl/src/antlr4 && cp -r "$site" .whl/src/antlr4
 du -sh .whl

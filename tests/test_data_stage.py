@@ -165,8 +165,8 @@ def test_split_is_deterministic_and_leak_free(tmp_path, tokenizer):
     eval_keys = [clean.conversation_key(m) for m in eval_msgs]
     all_keys = [clean.conversation_key(r["messages"]) for r in rows]
     train_keys = [k for k in all_keys if k not in set(eval_keys)]
-    eh, th = clean.minhashes(eval_keys), clean.minhashes(train_keys)
-    surviving = [k for k, h in zip(train_keys, th) if not any(e.jaccard(h) >= 0.85 for e in eh)]
+    eh, th = clean.signatures(eval_keys), clean.signatures(train_keys)
+    surviving = [k for k, h in zip(train_keys, th) if not any(clean.jaccard(e, h) >= 0.85 for e in eh)]
     assert s["num_train"] == len(surviving)  # every train-side twin of an eval sample was removed
 
     again = _prepare(cfg, tmp_path, tokenizer, "b")
@@ -327,7 +327,7 @@ def test_bundled_data_through_the_command_line(tmp_path, monkeypatch):
 def test_tokenize_with_worker_processes_matches_one_process(tokenizer):
     from finetune.data.render import Renderer
 
-    convs = synthetic.conversations(1100, seed=2, median_words=4, sigma=0.3)
+    convs = [json.dumps(c) for c in synthetic.conversations(1100, seed=2, median_words=4, sigma=0.3)]
     renderer = Renderer(tokenizer)
     one = tokens.tokenize(convs, renderer, num_proc=1)[:]
     two = tokens.tokenize(convs, renderer, num_proc=2)[:]

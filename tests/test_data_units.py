@@ -222,15 +222,22 @@ def test_data_config_validation_names_the_key():
 # --- reading -------------------------------------------------------------------------------------------------
 
 
+def _read(path):
+    """Every record the input at `path` holds, read as the stage reads it: (good records, what reading counted)."""
+    loaded = sources.Loaded()
+    inp, _ = sources.open_input(str(path))
+    return list(sources.records(inp, loaded)), loaded
+
+
 def test_jsonl_bad_lines_are_located(tmp_path):
     p = tmp_path / "d.jsonl"
     good = json.dumps({"prompt": "a", "completion": "b"})
     p.write_bytes(
         b"\n".join([good.encode(), b"{not json", good.encode(), b"", b'{"prompt": "\xff\xfe"}', b"[1, 2]"])
     )
-    loaded = sources.load_files(p)
-    assert [r.line for r in loaded.records] == [1, 3]
-    assert [(b.line, b.reason) for b in loaded.bad] == [
+    records, loaded = _read(p)
+    assert [r.line for r in records] == [1, 3]
+    assert [(b.line, b.reason) for b in loaded.first_bad] == [
         (2, "malformed_json"),
         (5, "invalid_utf8"),
         (6, "not_an_object"),
@@ -248,8 +255,8 @@ def test_json_csv_parquet_and_empty(tmp_path):
     (tmp_path / "b.csv").write_text('prompt,completion\n"multi\nline",x\ny,z\n')
     pq.write_table(pa.table({"prompt": ["p"], "completion": ["q"]}), tmp_path / "c.parquet")
     (tmp_path / "d.jsonl").write_text("")
-    loaded = sources.load_files(tmp_path)
-    lines = {(r.source.rsplit("/", 1)[-1], r.line) for r in loaded.records}
+    records, loaded = _read(tmp_path)
+    lines = {(r.source.rsplit("/", 1)[-1], r.line) for r in records}
     assert lines == {("a.json", 2), ("a.json", 3), ("b.csv", 2), ("b.csv", 4), ("c.parquet", 1)}
     assert loaded.empty_files == [str(tmp_path / "d.jsonl")]
 
@@ -257,8 +264,9 @@ def test_json_csv_parquet_and_empty(tmp_path):
 def test_json_malformed_reports_line(tmp_path):
     p = tmp_path / "a.json"
     p.write_text('[\n {"prompt": "a", "completion": "b"},\n {"prompt": oops}\n]')
-    loaded = sources.load_files(p)
-    assert loaded.bad[0].line == 3 and loaded.bad[0].reason == "malformed_json"
+    records, loaded = _read(p)
+    assert loaded.first_bad[0].line == 3 and loaded.first_bad[0].reason == "malformed_json"
+    assert [r.line for r in records] == [2]  # the item before it is read
 
 
 # --- cleaning ------------------------------------------------------------------------------------------------
@@ -315,7 +323,7 @@ def test_near_duplicates_found_and_distinct_kept():
     base = [" ".join(rng.choices(words, k=80)) for _ in range(30)]
     near = [b.replace(b.split()[10], "changed", 1) for b in base[:10]]
     keys = base + near
-    dup = clean.near_duplicates(clean.minhashes(keys), 0.8)
+    dup = clean.near_duplicates(clean.signatures(keys), 0.8).tolist()
     assert dup[:30] == [False] * 30
     assert sum(dup[30:]) >= 9
 

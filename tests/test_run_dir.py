@@ -88,18 +88,19 @@ def test_publish_replaces_a_data_folder_published_before_the_marker(tmp_path):
     for sub in ("train", "eval"):
         (entry / sub).mkdir(parents=True)
         (entry / sub / "rows").write_text(sub)
-    (entry / cache.COMPLETE).write_text("{}")
+    (entry / cache.STATS_FILE).write_text("{}")
+    cache.write_manifest(entry)
     old = tmp_path / "run" / "data"
     (old / "train").mkdir(parents=True)
     (old / "eval").mkdir()
-    (old / cache.COMPLETE).write_text('{"old": 1}')
-    cache.publish_copy(entry, old)
-    assert (old / cache.COMPLETE).read_text() == "{}" and (old / "train" / "rows").read_text() == "train"
+    (old / cache.STATS_FILE).write_text('{"old": 1}')
+    cache.publish(entry, old)
+    assert (old / cache.STATS_FILE).read_text() == "{}" and (old / "train" / "rows").read_text() == "train"
     foreign = tmp_path / "run2" / "data"
     foreign.mkdir(parents=True)
     (foreign / "x.jsonl").write_text("{}\n")
     with pytest.raises(Exception, match="not written by finetune"):
-        cache.publish_copy(entry, foreign)
+        cache.publish(entry, foreign)
     assert sorted(p.name for p in foreign.iterdir()) == ["x.jsonl"]
     assert not [p for p in foreign.parent.iterdir() if p.name.startswith(".data.tmp")]  # no leftover copy
 

@@ -14,6 +14,9 @@ import re
 import unicodedata
 from collections import Counter
 from collections.abc import Sequence
+from typing import Optional
+
+import numpy as np
 
 from finetune.data.formats import Messages
 
@@ -88,8 +91,9 @@ def conversation_key(msgs: Messages) -> str:
     return "\n".join(f"{m['role']}: {normalize(m['content'])}" for m in msgs)
 
 
-def exact_hash(key: str) -> str:
-    return hashlib.sha1(key.encode()).hexdigest()
+def exact_digest(key: str) -> bytes:
+    """The SHA-1 of a conversation's key: equal for exact duplicates (20 bytes a sample, kept while reading)."""
+    return hashlib.sha1(key.encode()).digest()
 
 
 def _shingles(key: str) -> list[bytes]:
@@ -99,46 +103,108 @@ def _shingles(key: str) -> list[bytes]:
     return list({" ".join(words[i : i + 3]).encode() for i in range(len(words) - 2)})
 
 
-def minhashes(keys: Sequence[str]) -> list:
+def signatures(keys: Sequence[str]) -> np.ndarray:
+    """datasketch's MinHash of each key's shingles, one row of NUM_PERM uint32 values a key (its hash values
+    are 32-bit): 512 bytes a sample instead of a MinHash object's 1.2 kB. One MinHash is cleared and
+    refilled for every key, which gives the same values in half the time of `MinHash.bulk` (scripts/
+    bench_data_memory.py)."""
     from datasketch import MinHash
 
-    return MinHash.bulk((_shingles(k) for k in keys), num_perm=NUM_PERM)
+    out = np.empty((len(keys), NUM_PERM), dtype=np.uint32)
+    m = MinHash(num_perm=NUM_PERM)
+    for i, key in enumerate(keys):
+        m.clear()
+        m.update_batch(_shingles(key))
+        out[i] = m.hashvalues
+    return out
 
 
-def _lsh(threshold: float):
+def jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """The Jaccard similarity two signatures estimate (as `MinHash.jaccard` computes it)."""
+    return float(np.count_nonzero(a == b)) / float(len(a))
+
+
+def _bands(threshold: float) -> list[tuple[int, int]]:
+    """datasketch's LSH bands for this threshold: the (start, end) columns of each of its b bands of r rows."""
     from datasketch import MinHashLSH
 
-    return MinHashLSH(threshold=threshold, num_perm=NUM_PERM)
+    return MinHashLSH(threshold=threshold, num_perm=NUM_PERM).hashranges
 
 
-def near_duplicates(hashes: list, threshold: float) -> list[bool]:
-    """True for every item that is a near duplicate of an earlier kept item (first occurrence wins)."""
-    lsh = _lsh(threshold)
-    dup = []
-    for i, mh in enumerate(hashes):
-        hit = any(hashes[j].jaccard(mh) >= threshold for j in lsh.query(mh))
-        dup.append(hit)
+# Odd multipliers that fold a band of 32-bit values into one 64-bit bucket key (fixed: results never depend on them).
+_FOLD = np.random.default_rng(0x5EED).integers(1, 2**63, size=NUM_PERM, dtype=np.uint64) | np.uint64(1)
+
+
+def _bucket_keys(sig: np.ndarray, rows: np.ndarray, start: int, end: int) -> np.ndarray:
+    """One 64-bit key for each of `rows` for a band: rows with equal bands get equal keys (a rare equal key
+    for unequal bands only adds a candidate, which is checked band for band)."""
+    band = sig[rows, start:end].astype(np.uint64)
+    keys = (band * _FOLD[start:end]).sum(axis=1, dtype=np.uint64)
+    return keys ^ (keys >> np.uint64(29))
+
+
+def _shared(keys: np.ndarray) -> np.ndarray:
+    """True for every row whose key another row has too."""
+    ordered = np.sort(keys)
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    return np.isin(keys, repeated)
+
+
+def _similar(sig: np.ndarray, a: int, b: int, threshold: float, j: int, i: int) -> bool:
+    """Rows j and i of `sig` share band [a, b) and their estimated Jaccard similarity reaches `threshold`."""
+    return bool(np.array_equal(sig[j, a:b], sig[i, a:b])) and jaccard(sig[j], sig[i]) >= threshold
+
+
+# Ours beside datasketch's MinHashLSH, with its bands and the same answers: its in-memory index holds a
+# bytes key and a set per band and sample (measured in scripts/bench_data_memory.py: BENCHMARKS.md),
+# where these bucket keys take 8 bytes a band; only samples sharing a bucket are compared one by one.
+def near_duplicates(sig: np.ndarray, threshold: float, rows: Optional[np.ndarray] = None) -> np.ndarray:
+    """For each of `rows` of `sig` (default: all), in order: True when it is a near duplicate of an earlier
+    kept one (the first occurrence wins): it shares a whole LSH band with it, and their estimated Jaccard
+    similarity reaches the threshold."""
+    rows = np.arange(len(sig)) if rows is None else np.asarray(rows)
+    bands = _bands(threshold)
+    keys = [_bucket_keys(sig, rows, a, b) for a, b in bands]
+    candidates = np.zeros(len(rows), dtype=bool)
+    for k in keys:
+        candidates |= _shared(k)
+    dup = np.zeros(len(rows), dtype=bool)
+    kept: list[dict[int, list[int]]] = [{} for _ in bands]
+    for i in np.flatnonzero(candidates).tolist():
+        hit = any(
+            _similar(sig, a, b, threshold, int(rows[j]), int(rows[i]))
+            for (a, b), k, table in zip(bands, keys, kept)
+            for j in table.get(int(k[i]), ())
+        )
+        dup[i] = hit
         if not hit:
-            lsh.insert(i, mh)
+            for k, table in zip(keys, kept):
+                table.setdefault(int(k[i]), []).append(i)
     return dup
 
 
 def leaks(
-    train_keys: Sequence[str],
-    train_hashes: list | None,
-    eval_keys: Sequence[str],
-    eval_hashes: list | None,
+    train_exact: Sequence[bytes],
+    eval_exact: Sequence[bytes],
+    sig: Optional[np.ndarray],
+    train_rows: np.ndarray,
+    eval_rows: np.ndarray,
     threshold: float,
-) -> list[bool]:
-    """True for every train item that is an exact or near duplicate of some eval item."""
-    eval_exact = {exact_hash(k) for k in eval_keys}
-    out = [exact_hash(k) in eval_exact for k in train_keys]
-    if train_hashes is None or eval_hashes is None or not eval_hashes:
+) -> np.ndarray:
+    """For each train item: True when it is an exact (same digest) or near duplicate of some eval item
+    (their signatures are rows `train_rows` and `eval_rows` of `sig`)."""
+    in_eval = set(eval_exact)
+    out = np.fromiter((d in in_eval for d in train_exact), dtype=bool, count=len(train_exact))
+    if sig is None or not len(eval_rows):
         return out
-    lsh = _lsh(threshold)
-    for j, mh in enumerate(eval_hashes):
-        lsh.insert(j, mh)
-    for i, mh in enumerate(train_hashes):
-        if not out[i]:
-            out[i] = any(eval_hashes[j].jaccard(mh) >= threshold for j in lsh.query(mh))
+    for a, b in _bands(threshold):
+        eval_keys = _bucket_keys(sig, eval_rows, a, b)
+        train_keys = _bucket_keys(sig, train_rows, a, b)
+        table: dict[int, list[int]] = {}
+        for j, key in enumerate(eval_keys.tolist()):
+            table.setdefault(key, []).append(int(eval_rows[j]))
+        for i in np.flatnonzero(~out & np.isin(train_keys, eval_keys)).tolist():
+            out[i] = any(
+                _similar(sig, a, b, threshold, j, int(train_rows[i])) for j in table[int(train_keys[i])]
+            )
     return out

@@ -100,6 +100,11 @@ def _messages(value: Any, what: str) -> Messages:
             value = json.loads(value)
         except json.JSONDecodeError:
             raise RecordError("bad_messages", f"'{what}' is neither a list nor JSON text of a list") from None
+        except RecursionError:
+            raise RecordError(
+                "too_deep",
+                f"'{what}' holds JSON nested too deeply to read (RecursionError near 1,000 levels)",
+            ) from None
     if not isinstance(value, list):
         raise RecordError("bad_messages", f"'{what}' must be a list of messages, got {type(value).__name__}")
     return [_message(m, i) for i, m in enumerate(value)]

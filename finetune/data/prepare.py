@@ -1,8 +1,9 @@
-"""What a cache miss runs: loaded records in, kept samples, packed bins and data_stats.json's content out.
+"""What a cache miss runs: the input's records in, kept samples, packed bins and data_stats.json's content out.
 
-    messages -> clean -> deduplicate -> split -> tokenize -> length limits -> pack -> stats
+    read -> messages -> clean -> exact duplicates     (one streamed pass: `samples.collect`)
+         -> near duplicates -> split -> tokenize -> length limits -> pack -> stats
 
-Pure of the run directory and the cache: it reads only the loaded records, the
+Pure of the run directory and the cache: it reads only the input, the
 tokenizer and the config, and writes nothing (`rows.save` writes the result),
 so the stage's fingerprint of those inputs names the result exactly.
 
@@ -24,7 +25,6 @@ from finetune.core.config import Config
 from finetune.core.config.data import DataConfig
 from finetune.data import limits, pack, samples, sources, stats
 from finetune.data.control import ControlTokens, special_tokens, template_markers
-from finetune.data.formats import Messages
 from finetune.data.limits import Rows
 from finetune.data.render import Renderer
 from finetune.data.tokens import Tokens, tokenize_splits
@@ -38,24 +38,29 @@ class Prepared:
     tokens: Tokens
     rows: Rows
     bins: list[list[int]]  # training rows packed: each bin lists positions in `rows.train`, longest bin first
-    eval_messages: list[Messages]  # the conversation of each eval row, for generation from its prompt
+    eval_messages: list[str]  # the conversation of each eval row (JSON text), for generation from its prompt
 
 
-def conversations(cfg: Config, tokenizer: Any, loaded: sources.Loaded, path: str, console) -> Prepared:
+def conversations(cfg: Config, tokenizer: Any, inp: sources.Input, path: str, console) -> Prepared:
     """Conversation records prepared for SFT: cleaned, split, tokenized with masked labels, limited, packed."""
     dc = cfg.data
     t0 = time.perf_counter()
     tally = samples.Tally()
+    loaded = sources.Loaded()
     renderer = Renderer(tokenizer, dc.train_on)
     control = ControlTokens(special_tokens(tokenizer) | template_markers(renderer.template_texts()))
     hard = limits.hard_limit(cfg)
     char_limit = limits.max_chars(tokenizer, hard)
-    with _progress(console) as progress:
-        convs = samples.read(loaded, dc, path, tally, progress)
-        kept = samples.cleaned(convs, dc, control, char_limit, tally, progress)
-        kept_unique = samples.deduplicate(kept, dc, tally, progress)
-        train_convs, eval_convs = samples.split(kept_unique, dc, tally)
+    with progress(console) as bar:
+        task = bar.add_task("read" if inp.dataset is None else "read (rows)", total=inp.size)
+        records = sources.records(inp, loaded, lambda n: bar.advance(task, n))
+        kept = samples.collect(records, loaded, dc, control, char_limit, tally)
+        samples.check_input(loaded, dc, path, tally)
+        kept = samples.near_deduplicate(kept, dc, tally, bar)
+        train_convs, eval_convs = samples.split(kept, dc, tally)
+        del kept  # the signatures: a MinHash row a sample, not needed from here on
     tokens = tokenize_splits(train_convs, eval_convs, renderer, dc.train_on, dc.num_proc)
+    del train_convs
     rows = limits.apply(tokens, cfg, hard, tally.dropped)
     bins = _bins(rows, dc)
     eval_messages = [eval_convs[i - tokens.num_train] for i in rows.evals.tolist()]
@@ -64,14 +69,32 @@ def conversations(cfg: Config, tokenizer: Any, loaded: sources.Loaded, path: str
     return Prepared(result, tokens, rows, bins, eval_messages)
 
 
-def _progress(console):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def progress(console):
+    """The data stage's progress bars (rich, on stderr, gone when done): bytes or rows read, then each step."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    class _Amount(MofNCompleteColumn):
+        """Bytes for the files being read or hashed, a count for rows and steps."""
+
+        def render(self, task):
+            if task.description in ("read", "fingerprint"):
+                return DownloadColumn().render(task)
+            return super().render(task)
 
     return Progress(
         TextColumn("data: {task.description:<18}"),
         BarColumn(),
-        MofNCompleteColumn(),
+        _Amount(),
         TimeElapsedColumn(),
+        TimeRemainingColumn(),
         console=console,
         transient=True,
     )
@@ -111,7 +134,7 @@ def _stats(
         "control_tokens": {"mode": dc.control_tokens, "samples": tally.with_control},
         "pii": dict(sorted(tally.pii.items())),
         "skipped_files": loaded.empty_files,
-        "bad_input_examples": list(sources.iter_where(loaded.bad)),
+        "bad_input_examples": list(sources.iter_where(loaded)),
         **_token_stats(tokens, rows),
         "empty_masks": rows.empty_masks,
         "masks": {

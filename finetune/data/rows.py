@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,25 +53,17 @@ def _save_rows(prepared: Prepared, out: Path) -> None:
     from datasets import Dataset
 
     tokens, rows = prepared.tokens, prepared.rows
+    columns = {"input_ids": tokens.ids, "labels": tokens.labels}
     groups = [[int(rows.train[i]) for i in b] for b in prepared.bins]
-    ids = pack.gather_rows(tokens.ids, tokens.starts, rows.lengths, groups)
-    labels = pack.gather_rows(tokens.labels, tokens.starts, rows.lengths, groups)
+    train = pack.gather_rows(columns, tokens.starts, rows.lengths, groups)
     Dataset(
-        pa.table(
-            {
-                "input_ids": ids["tokens"],
-                "labels": labels["tokens"],
-                "position_ids": ids["position_ids"],
-                "seq_lengths": ids["seq_lengths"],
-            }
-        )
+        pa.table({name: train[name] for name in ("input_ids", "labels", "position_ids", "seq_lengths")})
     ).save_to_disk(str(out / rundir.DATA_TRAIN_DIR))
-    singles = [[int(r)] for r in rows.evals]
-    eval_ids = pack.gather_rows(tokens.ids, tokens.starts, rows.lengths, singles)
-    eval_labels = pack.gather_rows(tokens.labels, tokens.starts, rows.lengths, singles)
-    messages = pa.array([json.dumps(m, ensure_ascii=False) for m in prepared.eval_messages], pa.string())
+    del train
+    evals = pack.gather_rows(columns, tokens.starts, rows.lengths, [[int(r)] for r in rows.evals])
+    messages = pa.array(prepared.eval_messages, pa.string())
     Dataset(
-        pa.table({"input_ids": eval_ids["tokens"], "labels": eval_labels["tokens"], "messages": messages})
+        pa.table({"input_ids": evals["input_ids"], "labels": evals["labels"], "messages": messages})
     ).save_to_disk(str(out / rundir.DATA_EVAL_DIR), num_shards=1)
     stats.histogram(
         out / rundir.DATA_HISTOGRAM_FILE,

@@ -2,21 +2,25 @@
 
     python -m finetune mode=data data.path=PATH model=tiny train.seq_len=N
 
-The records are read (bad input located by file and line) and, on a cache
-miss, prepared (`prepare`: clean, deduplicate, split, tokenize, limit, pack) and
+The records are read, streamed (bad input located by file and line; devices,
+FIFOs and sockets refused before they are opened) and, on a cache miss,
+prepared (`prepare`: clean, deduplicate, split, tokenize, limit, pack) and
 saved (`rows`) into a cache entry named by a fingerprint of everything the
 preparation reads: the inputs' content, the tokenizer, its template, the data
-config and the sequence length. The entry is then linked into `run_dir/data/`
-(replaced only where finetune wrote it) and its statistics written to
-`run_dir/data_stats.json`. Training reads it back with `load_prepared(run_dir)`.
+config and the sequence length. The entry is then copied into `run_dir/data/`
+(replaced only where finetune wrote it) and the copy checked against the
+entry's checksums; one that does not match is rebuilt, with a warning. Its
+statistics go to `run_dir/data_stats.json`. Training, evaluation and export
+read it back with `load_prepared(run_dir)`, which checks the checksums again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import shutil
+import uuid
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
@@ -26,6 +30,8 @@ from finetune.core.config import Config
 from finetune.core.errors import DataError, DiskFullError, is_disk_full
 from finetune.data import cache, prepare, rows, sources
 from finetune.modeling import models, tiny
+
+log = logging.getLogger(__name__)
 
 # Bump when the prepared format or the cleaning rules change: old cache entries stop matching.
 PREPARED_VERSION = 2
@@ -39,17 +45,35 @@ def run(cfg: Config, run_dir: Path, *, tokenizer: Any = None) -> dict:
     console = _console()
     tokenizer = tokenizer if tokenizer is not None else models.load_tokenizer(cfg.model)
     path = cfg.data.path or str(tiny.bundled_data_path())
-    entry, key, hit = _cache_entry(cfg, tokenizer, path, console)
-    result = json.loads((entry / cache.COMPLETE).read_text())
+    entry, key, hit = _published_entry(cfg, tokenizer, path, run_dir, console)
+    data = run_dir / rundir.DATA_DIR
+    result = json.loads((data / cache.STATS_FILE).read_text())
     result["cache"] = {"fingerprint": key, "hit": hit, "dir": str(entry)}
-    _publish(entry, run_dir)
+    _copy_histogram(data, run_dir)
     rundir.write_json(run_dir / rundir.DATA_STATS_FILE, result)
     _report(console, result)
     return result
 
 
+def check_prepared(run_dir: Path) -> Path:
+    """RUN_DIR/data, once it is there and matches its checksums; else a one-line `DataError` saying how to
+    get it back (the data stage copies it from the cache again, or prepares it anew)."""
+    base = Path(run_dir) / rundir.DATA_DIR
+    if not (base / rundir.DATA_TRAIN_DIR).is_dir():
+        raise DataError(f"{base}: no prepared data; run the data stage (mode=data) first")
+    try:
+        cache.verify(base)
+    except cache.Damaged as exc:
+        raise DataError(f"{base}: the prepared data is damaged ({exc}); {_AGAIN}") from None
+    return base
+
+
+_AGAIN = "run the data stage again (mode=data, same settings) to copy it from the cache or prepare it anew"
+
+
 def load_prepared(run_dir: Path):
-    """(train, eval) `datasets.Dataset`s written by the data stage into `run_dir/data/`.
+    """(train, eval) `datasets.Dataset`s written by the data stage into `run_dir/data/`, checked against their
+    checksums first (`check_prepared`).
 
     train: packed rows with `input_ids`, `labels` (-100 where masked), `position_ids` (restarting at every
     sample) and `seq_lengths`; row 0 holds the longest sample. eval: one conversation a row with `input_ids`,
@@ -57,46 +81,84 @@ def load_prepared(run_dir: Path):
     """
     from datasets import load_from_disk
 
-    base = Path(run_dir) / rundir.DATA_DIR
-    if not (base / rundir.DATA_TRAIN_DIR).is_dir():
-        raise DataError(f"{base}: no prepared data; run the data stage (mode=data) first")
-    return load_from_disk(str(base / rundir.DATA_TRAIN_DIR)), load_from_disk(str(base / rundir.DATA_EVAL_DIR))
+    base = check_prepared(run_dir)
+    try:
+        return load_from_disk(str(base / rundir.DATA_TRAIN_DIR)), load_from_disk(
+            str(base / rundir.DATA_EVAL_DIR)
+        )
+    except Exception as exc:  # pyarrow and datasets raise several types for a file they cannot read
+        raise DataError(
+            f"{base}: the prepared data cannot be read ({type(exc).__name__}: {exc}); {_AGAIN}"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The cache entry
 
 
-def _cache_entry(cfg: Config, tokenizer: Any, path: str, console) -> tuple[Path, str, bool]:
-    """(cache entry, its fingerprint, hit): the entry for these inputs, prepared and saved on a miss."""
-    local = Path(path).expanduser()
-    preloaded = None
-    if local.exists():
-        input_fp = sources.content_fingerprint(local)
+def _published_entry(
+    cfg: Config, tokenizer: Any, path: str, run_dir: Path, console
+) -> tuple[Path, str, bool]:
+    """(cache entry, its fingerprint, hit): the entry for these inputs, prepared on a miss, copied into
+    RUN_DIR/data and the copy checked; an entry that fails the check is rebuilt once, with a warning."""
+    inp: Optional[sources.Input] = None
+    if sources.is_local(path):  # devices, FIFOs and sockets are refused here, before anything is opened
+        input_fp = sources.content_fingerprint(Path(path).expanduser())
     else:  # a hub name: its fingerprint is known once it is loaded
-        preloaded, input_fp = sources.load(path)
+        inp, input_fp = sources.open_input(path)
     key = _fingerprint(cfg, input_fp, tokenizer)
     cache_root = cache.root(cfg.data.cache_dir)
+    for leftover in cache.clean_partial(cache_root):
+        log.info("removed %s, left by a data stage that did not finish", leftover)
     entry = cache.lookup(cache_root, key)
-    if entry is not None:
-        return entry, key, True
+    hit = entry is not None
+    if entry is None:
+        entry = _build(cfg, tokenizer, path, inp, input_fp, cache_root, key, console)
+    try:
+        _publish(entry, run_dir)
+        return entry, key, hit
+    except cache.Damaged as exc:
+        log.warning("data cache entry %s is damaged (%s): preparing it again", entry, exc)
+        cache.discard(entry, str(exc))
+    entry = _build(cfg, tokenizer, path, inp, input_fp, cache_root, key, console)
+    try:
+        _publish(entry, run_dir)
+    except cache.Damaged as exc:
+        raise DataError(
+            f"data cache entry {entry} does not match its checksums right after it was prepared ({exc}): "
+            f"check the disk under {cache_root}, or set data.cache_dir to another one"
+        ) from None
+    return entry, key, False
+
+
+def _build(
+    cfg: Config,
+    tokenizer: Any,
+    path: str,
+    inp: Optional[sources.Input],
+    input_fp: str,
+    cache_root: Path,
+    key: str,
+    console,
+) -> Path:
+    """Prepare the data and save it as the cache entry `key` (its manifest written last)."""
     prepared: Optional[prepare.Prepared] = None
     try:
         with cache.building(cache_root, key) as tmp:
-            loaded = preloaded if preloaded is not None else sources.load(path)[0]
+            inp = inp if inp is not None else sources.open_input(path, input_fp)[0]
             # The one record kind today; a second (preference pairs, prompt-only) is chosen here.
-            prepared = prepare.conversations(cfg, tokenizer, loaded, path, console)
+            prepared = prepare.conversations(cfg, tokenizer, inp, path, console)
             prepared.stats["input"]["fingerprint"] = input_fp
             rows.save(prepared, tmp)
             prepared.stats["cache"] = {"fingerprint": key, "hit": False, "dir": str(cache_root / key)}
-            rundir.write_json(tmp / cache.COMPLETE, prepared.stats)
+            rundir.write_json(tmp / cache.STATS_FILE, prepared.stats)
     except OSError as exc:
         if is_disk_full(exc):
             raise DiskFullError(
                 cache_root, rows.approx_bytes(prepared), rundir.free_bytes(cache_root)
             ) from None
         raise
-    return cache_root / key, key, False
+    return cache_root / key
 
 
 def _fingerprint(cfg: Config, input_fp: str, tokenizer: Any) -> str:
@@ -132,12 +194,12 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def _publish(entry: Path, run_dir: Path) -> None:
-    """The cache entry into RUN_DIR/data (hard links where it can: no bytes), its histogram beside it."""
+    """The cache entry copied into RUN_DIR/data (reflinks where the file system shares blocks) and checked."""
     try:
-        cache.publish_copy(entry, run_dir / rundir.DATA_DIR)
-        hist = entry / rundir.DATA_HISTOGRAM_FILE
-        if hist.is_file():
-            _copy_file(hist, run_dir / rundir.DATA_HISTOGRAM_FILE)
+        methods = cache.publish(entry, run_dir / rundir.DATA_DIR)
+        log.info(
+            "RUN_DIR/data copied from %s (%s)", entry, ", ".join(f"{n} by {m}" for m, n in methods.items())
+        )
     except OSError as exc:
         if is_disk_full(exc):
             size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
@@ -145,10 +207,19 @@ def _publish(entry: Path, run_dir: Path) -> None:
         raise
 
 
-def _copy_file(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+def _copy_histogram(data: Path, run_dir: Path) -> None:
+    """RUN_DIR/data_tokens.png from the checked copy in RUN_DIR/data (a new file renamed into place)."""
+    src = data / rundir.DATA_HISTOGRAM_FILE
+    if not src.is_file():
+        return
+    dst = run_dir / rundir.DATA_HISTOGRAM_FILE
+    tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        cache.copy_file(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _console():
@@ -178,4 +249,4 @@ def _report(console, s: dict) -> None:
     )
 
 
-__all__ = ["run", "load_prepared"]
+__all__ = ["run", "load_prepared", "check_prepared"]

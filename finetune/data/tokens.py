@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.core.errors import DataError
-from finetune.data.formats import Messages
 from finetune.data.render import IGNORE_INDEX, Renderer
 
 
@@ -34,17 +33,21 @@ class Tokens:
         return self.trainable_cum[self.starts + lengths] - self.trainable_cum[self.starts]
 
 
-def tokenize(convs: list[Messages], renderer: Renderer, num_proc: int = 1):
-    """Render + mask + tokenize with `datasets.map` (batched, fast tokenizer, `num_proc` workers)."""
-    from datasets import Dataset
+def tokenize(texts: list[str], renderer: Renderer, num_proc: int = 1):
+    """Render + mask + tokenize conversations (JSON texts) with `datasets.map` (batched, fast tokenizer,
+    `num_proc` workers); int32 token columns, the texts dropped from the result."""
+    from datasets import Dataset, Features, Sequence, Value
 
-    ds = Dataset.from_dict({"messages": [json.dumps(m, ensure_ascii=False) for m in convs]})
+    ds = Dataset.from_dict({"messages": texts})
+    token_list = Sequence(Value("int32"))
     return ds.map(
         _encode_batch,
         batched=True,
         batch_size=256,
-        num_proc=num_proc if num_proc > 1 and len(convs) > 1000 else None,
+        num_proc=num_proc if num_proc > 1 and len(texts) > 1000 else None,
         fn_kwargs={"renderer": renderer},
+        remove_columns=["messages"],
+        features=Features({"input_ids": token_list, "labels": token_list}),
         keep_in_memory=True,
         load_from_cache_file=False,
         desc="data: render+tokenize",
@@ -59,8 +62,18 @@ def _encode_batch(batch: dict, renderer: Renderer) -> dict:
     return {"input_ids": input_ids, "labels": labels}
 
 
+def _running_count(flags: Any) -> Any:
+    """[0, flags[0], flags[0] + flags[1], ...]: int32 while it fits (half of int64's memory a token)."""
+    import numpy as np
+
+    dtype = np.int32 if len(flags) < np.iinfo(np.int32).max else np.int64
+    out = np.zeros(len(flags) + 1, dtype=dtype)
+    np.cumsum(flags, dtype=dtype, out=out[1:])
+    return out
+
+
 def tokenize_splits(
-    train_convs: list[Messages], eval_convs: list[Messages], renderer: Renderer, train_on: str, num_proc: int
+    train_convs: list[str], eval_convs: list[str], renderer: Renderer, train_on: str, num_proc: int
 ) -> Tokens:
     """Both splits tokenized into one `Tokens`; raises when no sample has a label to learn."""
     import numpy as np
@@ -75,7 +88,7 @@ def tokenize_splits(
         labels=labels_flat,
         starts=offsets[:-1],
         full_lengths=np.diff(offsets),
-        trainable_cum=np.concatenate([[0], np.cumsum(labels_flat != IGNORE_INDEX)]),
+        trainable_cum=_running_count(labels_flat != IGNORE_INDEX),
         num_train=len(train_convs),
     )
     if not tokens.trainable(tokens.full_lengths).any():

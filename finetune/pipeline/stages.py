@@ -16,7 +16,7 @@ from typing import Optional
 from finetune import rundir
 from finetune.core.composition import load_profiles
 from finetune.core.config import RUNS_DIR, Config
-from finetune.core.errors import INTERRUPTED_EXIT_CODE, ConfigError, LaunchError, PlanError
+from finetune.core.errors import INTERRUPTED_EXIT_CODE, ConfigError, DataError, LaunchError, PlanError
 from finetune.core.markup import terminal_text
 from finetune.data import stage as data_stage
 from finetune.launch import stage as launch_stage
@@ -48,8 +48,13 @@ def data_seq_len(run_dir: Path) -> Optional[int]:
     stats = run_dir / rundir.DATA_STATS_FILE
     if not stats.is_file():
         return None
-    value = json.loads(rundir.read_own_text(stats)).get("seq_len")
-    return int(value) if value else None
+    try:
+        value = json.loads(rundir.read_own_text(stats)).get("seq_len")
+        return int(value) if value else None
+    except (ValueError, AttributeError, TypeError):
+        raise DataError(
+            f"{stats}: unreadable (damaged?); run the data stage again (mode=data) to rewrite it"
+        ) from None
 
 
 def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
@@ -90,6 +95,9 @@ def launch_ranks(cfg: Config, run_dir: Path, plan: Plan) -> int:
 
 def train_stage(cfg: Config, run_dir: Path, plan: Plan) -> int:
     """Train through the launcher, so one CPU process and 8 GPUs take the same path (`python -m finetune.train`)."""
+    # Data a previous mode=data left: checked here, in one line, before any rank starts.
+    if cfg.mode == "train":
+        data_stage.check_prepared(run_dir)
     code = launch_ranks(cfg, run_dir, plan)
     if code == INTERRUPTED_EXIT_CODE:
         # The worker's own line above says what it saved; this one must not claim more.
