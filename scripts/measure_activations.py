@@ -21,6 +21,10 @@ Also the once-per-model term: final RMSNorm + lm_head + transformers' plain
 causal-LM cross-entropy in fp32, with a trainable head (full fine-tuning) and
 a frozen one (LoRA/QLoRA).
 
+Families besides Llama/Qwen2 (`FAMILY_SHAPES`: Qwen3's q/k norms, Gemma 3's four norms and fp32 norm
+product, Phi-3/4's fused qkv_proj and gate_up_proj) are measured on three small shapes each, through
+their own transformers decoder layer and their own LoRA targets (`--families` re-measures only those).
+
 Writes every measurement to finetune/planner/activations.json and prints
 measured vs formula. Takes about 11 minutes on 2 CPU cores (the 70B layer has
 1.7 GB of bf16 weights); needs about 8 GB of RAM.
@@ -28,6 +32,7 @@ measured vs formula. Takes about 11 minutes on 2 CPU cores (the 70B layer has
 Usage:
     python scripts/measure_activations.py                       # measure all, write the json
     python scripts/measure_activations.py --cases lora_fp32_autocast,full_fp32   # re-measure some, keep the rest
+    python scripts/measure_activations.py --families            # re-measure the other families' rows only
     python scripts/measure_activations.py --check               # only compare the stored json with the formula
 """
 
@@ -58,6 +63,17 @@ SHAPES: dict[str, tuple[int, int, int, int, int, bool]] = {
     "wide_head": (640, 1792, 4, 2, 160, False),
 }
 BIG = ("llama3_1_8b", "qwen2_5_32b", "llama3_1_70b")
+# name: (family, dims): families whose decoder layer differs from Llama's (finetune/core/architectures.py
+# says how); Phi's head_dim is always hidden / heads
+FAMILY_SHAPES: dict[str, tuple[str, tuple[int, int, int, int, int, bool]]] = {
+    f"{family}_{i}": (family, dims)
+    for family in ("qwen3", "gemma3_text", "phi3")
+    for i, dims in enumerate(
+        [(256, 640, 4, 2, 64, False), (384, 1000, 6, 3, 64, False), (512, 1536, 8, 2, 64, False)]
+        if family == "phi3"
+        else [(256, 640, 4, 2, 64, False), (384, 1000, 6, 3, 32, False), (512, 1536, 8, 2, 128, False)]
+    )
+}
 
 # case name: the LayerRun of layer_bytes_per_token (the layer's shape is the measured one)
 CASES: dict[str, dict[str, Any]] = {
@@ -90,6 +106,9 @@ SMALL_ONLY = (
     "qlora", "qlora_dropout", "lora_bf16_r64", "lora_fp32_autocast_dropout", "full_fp32", "lora_fp32_base",
     "lora_fp32_base_dropout", "full_packed", "lora_bf16_packed", "full_fp32_packed", "lora_bf16_fp32_base",
 )  # fmt: skip
+# the other families: every case but QLoRA's (its layer measures as LoRA's), and full fine-tuning under autocast
+CASES["full_autocast"] = dict(method="full", autocast=True)
+FAMILY_CASES = tuple(c for c in CASES if not c.startswith("qlora"))
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 HEAD_VOCABS = (1000, 8192, 32000)
 HEAD_HIDDENS = (256, 1024, 4096)
@@ -188,10 +207,42 @@ def _to_qlora(layer: Any) -> None:
                 setattr(parent, name, q)
 
 
-def base_layer(shape: tuple[int, int, int, int, int, bool]) -> Any:
-    """One decoder layer with bf16 weights: LlamaDecoderLayer, or Qwen2DecoderLayer for q/k/v biases."""
+def family_layer(family: str, shape: tuple[int, int, int, int, int, bool]) -> Any:
+    """One decoder layer of another family's transformers class (bf16 weights), as `base_layer`."""
+    import torch
+    import transformers
+
+    hidden, inter, heads, kv, head_dim, _ = shape
+    kw: dict[str, Any] = dict(
+        hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv,
+        num_hidden_layers=1, vocab_size=256, max_position_embeddings=4096,
+    )  # fmt: skip
+    if family != "phi3":
+        kw["head_dim"] = head_dim
+    if family == "gemma3_text":  # a layer's attention type only changes the mask the model passes it
+        kw["layer_types"] = ["full_attention"]
+    config_cls, module, layer_cls = {
+        "qwen3": ("Qwen3Config", "qwen3.modeling_qwen3", "Qwen3DecoderLayer"),
+        "gemma3_text": ("Gemma3TextConfig", "gemma3.modeling_gemma3", "Gemma3DecoderLayer"),
+        "phi3": ("Phi3Config", "phi3.modeling_phi3", "Phi3DecoderLayer"),
+    }[family]
+    cfg = getattr(transformers, config_cls)(**kw)
+    cfg._attn_implementation = "sdpa"
+    Layer = getattr(__import__(f"transformers.models.{module}", fromlist=[layer_cls]), layer_cls)
+    with torch.device("meta"):
+        layer = Layer(cfg, layer_idx=0)
+    layer = layer.to_empty(device="cpu").to(torch.bfloat16)
+    _init_(layer)
+    return layer
+
+
+def base_layer(shape: tuple[int, int, int, int, int, bool], family: str = "") -> Any:
+    """One decoder layer with bf16 weights: LlamaDecoderLayer, or Qwen2DecoderLayer for q/k/v biases, or
+    `family`'s own."""
     import torch
 
+    if family:
+        return family_layer(family, shape)
     cfg = _config(shape)
     if shape[5]:
         from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer as Layer
@@ -204,11 +255,15 @@ def base_layer(shape: tuple[int, int, int, int, int, bool]) -> Any:
     return layer
 
 
-def build_layer(shape: tuple[int, int, int, int, int, bool], case: str, base: Any = None) -> Any:
+def build_layer(
+    shape: tuple[int, int, int, int, int, bool], case: str, base: Any = None, family: str = ""
+) -> Any:
     """A decoder layer prepared for `case` (see CASES); `base` (from base_layer) is copied, not changed."""
     import copy
 
-    layer = copy.deepcopy(base) if base is not None else base_layer(shape)
+    from finetune.core.architectures import ARCHITECTURES
+
+    layer = copy.deepcopy(base) if base is not None else base_layer(shape, family)
     kw = CASES[case]
     if kw["method"] == "full":
         return layer.requires_grad_(True)
@@ -219,7 +274,7 @@ def build_layer(shape: tuple[int, int, int, int, int, bool], case: str, base: An
     lcfg = LoraConfig(
         r=kw.get("lora_rank", 16),
         lora_alpha=32,
-        target_modules=LORA_TARGETS,
+        target_modules=list(ARCHITECTURES[family].projections) if family else LORA_TARGETS,
         lora_dropout=0.05 if kw.get("lora_dropout") else 0.0,
     )
     return get_peft_model(layer, lcfg, autocast_adapter_dtype=kw.get("adapter_bytes", 2) == 4)
@@ -324,13 +379,22 @@ def measure_head(hidden: int, vocab: int, tokens: int, trainable_head: bool, aut
     return total
 
 
-def formula(shape: tuple[int, int, int, int, int, bool], case: str) -> int:
+def formula(shape: tuple[int, int, int, int, int, bool], case: str, family: str = "") -> int:
+    from finetune.core.architectures import ARCHITECTURES
     from finetune.planner.activations import LayerRun, LayerShape, layer_bytes_per_token
 
     hidden, inter, heads, kv, head_dim, bias = shape
+    facts: dict[str, bool] = {}
+    if family:
+        arch = ARCHITECTURES[family]
+        facts = dict(
+            fp32_norm_product=arch.fp32_norm_product, qk_norm=arch.qk_norm,
+            sandwich_norms=arch.sandwich_norms, fused_projections=arch.fused_projections,
+        )  # fmt: skip
     layer = LayerShape(
-        hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv, head_dim=head_dim, attention_bias=bias
-    )
+        hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv, head_dim=head_dim, attention_bias=bias,
+        **facts,
+    )  # fmt: skip
     return layer_bytes_per_token(layer, LayerRun(**CASES[case]))
 
 
@@ -341,13 +405,22 @@ def formula_bytes(row: dict[str, Any]) -> int:
 
     kw = CASES[row["case"]]
     tokens = row["tokens"]
-    out = formula(tuple(row["dims"]), row["case"]) * tokens  # type: ignore[arg-type]
+    family = row.get("family", "")
+    out = formula(tuple(row["dims"]), row["case"], family) * tokens  # type: ignore[arg-type]
     if kw.get("packed"):
         out += attention_mask_bytes(tokens=tokens, rows=1, dtype_bytes=kw.get("dtype_bytes", 2))
+    hidden, inter, heads, kv, head_dim, _ = row["dims"]
+    if family == "gemma3_text" and not kw.get("checkpointing"):
+        # each norm's fp32 (1 + weight), a constant per layer: four h-wide norms and the q and k norms
+        out += 4 * (4 * hidden + 2 * head_dim)
+    if kw.get("autocast") and kw["method"] == "full":  # the bf16 copy of every fp32 weight (fused or not)
+        q_dim, kv_dim = heads * head_dim, kv * head_dim
+        out += autocast_weight_copy_bytes(hidden * (2 * q_dim + 2 * kv_dim) + 3 * hidden * inter)
     if kw.get("autocast") and kw["method"] != "full":
-        hidden, inter, heads, kv, head_dim, _ = row["dims"]
         per_rank = hidden + heads * head_dim + 2 * (hidden + kv * head_dim) + heads * head_dim + hidden
         per_rank += 2 * (hidden + inter) + inter + hidden
+        if family == "phi3":  # qkv_proj and gate_up_proj read the hidden state once each, not 3 and 2 times
+            per_rank -= 3 * hidden
         out += autocast_weight_copy_bytes(kw.get("lora_rank", 16) * per_rank)
     return out
 
@@ -376,7 +449,7 @@ def measure_all(only: Any = None) -> list[dict[str, Any]]:
     `only`: a set of case names to measure (the head rows are then skipped).
     """
     rows: list[dict[str, Any]] = []
-    cases = [c for c in CASES if only is None or c in only]
+    cases = [c for c in CASES if (only is None and c != "full_autocast") or (only and c in only)]
     if any(c.startswith("qlora") for c in cases) and not qlora_works():
         cases = [c for c in cases if not c.startswith("qlora")]
     for name, shape in SHAPES.items():
@@ -431,6 +504,26 @@ def measure_all(only: Any = None) -> list[dict[str, Any]]:
     return rows
 
 
+def measure_families() -> list[dict[str, Any]]:
+    """Every FAMILY_SHAPES x FAMILY_CASES row, at 128 and 256 tokens."""
+    rows: list[dict[str, Any]] = []
+    for name, (family, shape) in FAMILY_SHAPES.items():
+        base = base_layer(shape, family)
+        for case in FAMILY_CASES:
+            layer = build_layer(shape, case, base, family)
+            for tokens in (128, 256):
+                b = measure_layer(shape, case, tokens, layer)
+                rows.append(
+                    dict(
+                        shape=name, family=family, dims=list(shape), case=case, tokens=tokens, bytes=b,
+                        bytes_per_token=b / tokens,
+                    )
+                )  # fmt: skip
+            del layer
+        print(f"  {name:14s} {len(FAMILY_CASES)} cases", flush=True)
+    return rows
+
+
 def report(rows: list[dict[str, Any]]) -> float:
     """Print measured vs formula; return the worst relative error."""
     from finetune.planner.activations import model_bytes_per_token
@@ -456,6 +549,7 @@ def report(rows: list[dict[str, Any]]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only compare the stored json with the formula")
+    parser.add_argument("--families", action="store_true", help="(re)measure only the other families' rows")
     parser.add_argument(
         "--cases", help="comma-separated cases to (re)measure; the json keeps every other row"
     )
@@ -475,10 +569,17 @@ def main() -> None:
                 parser.error(f"unknown cases: {', '.join(unknown)}")
         torch.manual_seed(0)
         t0 = time.time()
-        rows = measure_all(only)
-        if only is not None:
-            kept = [r for r in json.loads(JSON_PATH.read_text())["measurements"] if r["case"] not in only]
-            rows = kept + rows
+        if args.families:
+            kept = [r for r in json.loads(JSON_PATH.read_text())["measurements"] if "family" not in r]
+            rows = kept + measure_families()
+        else:
+            rows = measure_all(only)
+            if only is not None:
+                kept = [r for r in json.loads(JSON_PATH.read_text())["measurements"] if r["case"] not in only]
+                rows = kept + rows
+            if only is None:  # the other families' rows stay (`--families` re-measures them)
+                old = json.loads(JSON_PATH.read_text())["measurements"]
+                rows += [r for r in old if "family" in r]
         meta = dict(
             description="bytes saved for backward: per decoder layer (layer cases) or once per model (head_*), "
             "distinct storages, parameters, rotary cos/sin and the boolean mask excluded; batch 1, SDPA, CPU; "

@@ -77,6 +77,9 @@ def test_stable_names():
         "llama3_1_405b",
         "llama2_7b",
         "llama2_70b",
+        "qwen3_8b",
+        "gemma3_12b",
+        "phi4",
     }
     assert set(group_choices("method")) == {"full", "lora", "qlora"}
     assert set(group_choices("objective")) == {"sft", "dpo", "grpo"}
@@ -194,7 +197,7 @@ def test_every_gpu_profile_plans(name: str):
         (["train.foo=1"], "train.foo: unknown key"),
         (["foo=1"], "foo: unknown key"),
         (["+foo=1"], "foo: unknown key"),
-        (["model=gpt5"], "model=gpt5: unknown model; choose from llama2_70b"),
+        (["model=gpt5"], "model=gpt5: unknown model; choose from gemma3_12b, llama2_70b"),
         (["method=dora"], "method=dora: unknown method; choose from full, lora, qlora"),
         (["hardware=tpu"], "hardware=tpu: unknown hardware; choose from a100_40gb"),
         (["+recipe=nope"], "recipe=nope: unknown recipe; choose from llama70b_full"),
@@ -209,8 +212,8 @@ def test_every_gpu_profile_plans(name: str):
         (["train.max_steps=0"], "train.max_steps=0"),
         (["train.sharding=ddp", "train.offload_params=true"], "train.offload_params=true needs"),
         (
-            ["model.architecture=phi3"],
-            "model.architecture='phi3' is not one of llama, mistral, qwen2, gemma, mixtral",
+            ["model.architecture=phi2"],
+            "model.architecture='phi2' is not one of llama, mistral, qwen2, gemma, qwen3, gemma3_text, phi3, mixtral",
         ),
         (["model.num_experts=8"], "model.num_experts_per_token=0 must be in 1..8 (model.num_experts)"),
         (["plan.mfu=0"], "plan.mfu=0"),

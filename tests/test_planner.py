@@ -58,22 +58,14 @@ def test_exact_parameter_counts():
 
 @pytest.mark.parametrize("name", group_choices("model"))
 def test_counts_match_transformers_on_meta_device(name: str):
+    """Each model config's count against its family's own transformers class (the tiny builder's config)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM
+
+    from finetune.modeling.tiny import hf_config as family_config
 
     m = compose([f"model={name}"]).model
-    kwargs = dict(
-        hidden_size=m.hidden_size,
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_heads,
-        num_key_value_heads=m.num_kv_heads,
-        head_dim=m.head_dim,
-        intermediate_size=m.intermediate_size,
-        vocab_size=m.vocab_size,
-        tie_word_embeddings=m.tie_embeddings,
-        max_position_embeddings=m.max_position_embeddings,
-    )
-    hf_config = Qwen2Config(**kwargs) if m.architecture == "qwen2" else LlamaConfig(**kwargs)
+    hf_config = family_config(m)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     expected = sum(p.numel() for p in model.parameters())
@@ -163,14 +155,15 @@ def test_gemma_style_config_takes_the_class_defaults(tmp_path):
     assert (untied.gpu_memory.weights - plan.gpu_memory.weights) * GB == pytest.approx(2 * 256_000 * 3072)
 
 
-def test_phi3_fused_projections_are_refused(tmp_path):
+def test_phi3_fused_projections_are_read_and_partial_rotary_refused(tmp_path):
     from finetune.core.errors import ConfigError
 
     raw = dict(MIXTRAL, model_type="phi3")
     for key in ("num_local_experts", "num_experts_per_tok"):
         raw.pop(key)
-    with pytest.raises(ConfigError, match=r"phi3 fuses its projections \(qkv_proj, gate_up_proj\)"):
-        _from_json(tmp_path, raw)
+    assert _from_json(tmp_path, raw).architecture == "phi3"  # fused qkv_proj / gate_up_proj: counted
+    with pytest.raises(ConfigError, match=r"partial_rotary_factor=0.75 \(rotary embeddings on part"):
+        _from_json(tmp_path, dict(raw, partial_rotary_factor=0.75))
 
 
 def test_target_modules_a_layer_does_not_have_are_refused():

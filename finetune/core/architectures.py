@@ -4,9 +4,11 @@ One table for every consumer: the config's validation (`model.architecture`),
 the planner's parameter counts and LoRA targets, the config.json reader
 (finetune/modeling/models.py, through transformers' AutoConfig) and FSDP's auto-wrap
 class (finetune/launch/engines.py). A family is planned only where its decoder
-layer is the Llama layer the activation formulas were measured on
-(finetune/planner/activations.py): RMSNorm, rotary attention through SDPA,
-separate q/k/v/o projections, a gated MLP of gate/up/down projections.
+layer is one the activation formulas were measured on
+(finetune/planner/activations.py): the Llama layer (RMSNorm, rotary attention
+through SDPA, separate q/k/v/o projections, a gated MLP of gate/up/down
+projections) and the differences named by the fields below (q/k norms, Gemma's
+four norms and fp32 norm product, Phi's fused projections), each measured.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Optional
 
 # The seven linear layers of a Llama-style decoder layer, as PEFT names them.
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3/4's four: q/k/v in one linear (out: q + 2 kv) and gate/up in one (out: 2 x intermediate).
+FUSED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,12 @@ class Architecture:
     mixture_of_experts: bool = False
     # RMSNorm multiplies by (1 + weight) in fp32 (Gemma): a trainable norm keeps its normalized input in fp32
     fp32_norm_product: bool = False
+    # RMSNorm of each head's query and key before rotary (Qwen3, Gemma 3)
+    qk_norm: bool = False
+    # post-attention and post-feedforward norms besides the two pre-norms (Gemma 2 and 3)
+    sandwich_norms: bool = False
+    # one qkv_proj and one gate_up_proj instead of q/k/v and gate/up (Phi-3/4)
+    fused_projections: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -36,26 +46,68 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gemma": Architecture(
         "gemma", "GemmaDecoderLayer", LLAMA_PROJECTIONS, attention_bias=False, fp32_norm_product=True
     ),
+    # q/k norms (RMSNorm over each head) in every layer; no q/k/v biases
+    "qwen3": Architecture("qwen3", "Qwen3DecoderLayer", LLAMA_PROJECTIONS, False, qk_norm=True),
+    # Gemma 3's text decoder (the multimodal `gemma3` config's text_config): four norms a layer, q/k norms,
+    # (1 + weight) in fp32, sliding-window attention on 5 of 6 layers (the mask's content, not its size)
+    "gemma3_text": Architecture(
+        "gemma3_text",
+        "Gemma3DecoderLayer",
+        LLAMA_PROJECTIONS,
+        False,
+        fp32_norm_product=True,
+        qk_norm=True,
+        sandwich_norms=True,
+    ),  # fmt: skip
+    # Phi-3 and Phi-4: fused qkv_proj and gate_up_proj
+    "phi3": Architecture("phi3", "Phi3DecoderLayer", FUSED_PROJECTIONS, False, fused_projections=True),
     # Counted exactly (the plan refuses it with its real size): Llama attention, and in each layer a router
     # and `num_experts` gate/up/down experts of which `num_experts_per_token` run per token.
     "mixtral": Architecture(
         "mixtral", "MixtralDecoderLayer", ("q_proj", "k_proj", "v_proj", "o_proj"), False, True
+    ),
+    # Counted exactly, refused with total and active counts: Qwen3's attention (q/k norms), a router and
+    # fused experts in each sparse layer, dense MLPs where `mlp_only_layers` / `decoder_sparse_step` say
+    "qwen3_moe": Architecture(
+        "qwen3_moe",
+        "Qwen3MoeDecoderLayer",
+        ("q_proj", "k_proj", "v_proj", "o_proj"),
+        False,
+        True,
+        qk_norm=True,
+    ),  # fmt: skip
+    # Qwen2's attention (q/k/v biases) and, besides the routed experts, a shared expert with a sigmoid gate
+    "qwen2_moe": Architecture(
+        "qwen2_moe", "Qwen2MoeDecoderLayer", ("q_proj", "k_proj", "v_proj", "o_proj"), True, True
     ),
 }
 PLANNED = tuple(name for name, a in ARCHITECTURES.items() if not a.mixture_of_experts)
 
 # Families a config.json may name that the planner refuses, and why (one line each).
 REFUSED: dict[str, str] = {
-    "phi3": "fuses its projections (qkv_proj, gate_up_proj), which the planner's counts and activation "
-    "formulas (separate q/k/v and gate/up projections) do not model",
-    "qwen2_moe": "is a mixture of experts with shared experts, which the planner does not model",
-    "qwen3_moe": "is a mixture of experts, which the planner does not model",
     "deepseek_v3": "is a mixture of experts with latent attention, which the planner does not model",
     "deepseek_v2": "is a mixture of experts with latent attention, which the planner does not model",
     "gemma2": "has four norms a layer and logit soft-capping, which the activation formulas do not model",
-    "gemma3": "has four norms a layer and q/k norms, which the activation formulas do not model",
-    "qwen3": "has q/k norms in every layer, which the activation formulas do not model",
 }
+
+
+# Config options whose other values change what a layer computes in ways nothing here measured: a config
+# with any of them set otherwise is refused, naming the option (key: (the value the formulas assume, what
+# it does)).
+UNMODELLED_OPTIONS: dict[str, tuple[object, str]] = {
+    "partial_rotary_factor": (1.0, "rotary embeddings on part of each head (Phi-3.5-mini, Phi-4-mini)"),
+    "attn_logit_softcapping": (None, "soft-capped attention logits (SDPA cannot run them)"),
+    "final_logit_softcapping": (None, "soft-capped output logits"),
+}
+
+
+def unmodelled_option(config: object) -> Optional[str]:
+    """The first option of a transformers config set to a value the formulas do not model, as a phrase."""
+    for key, (assumed, what) in UNMODELLED_OPTIONS.items():
+        value = getattr(config, key, assumed)
+        if value != assumed:
+            return f"{key}={value!r} ({what}) is not modelled; the planner assumes {assumed!r}"
+    return None
 
 
 def refusal(model_type: str) -> Optional[str]:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from finetune import rundir
-from finetune.core.architectures import ARCHITECTURES, refusal
+from finetune.core.architectures import ARCHITECTURES, refusal, unmodelled_option
 from finetune.core.config import Config, MethodConfig, ModelConfig
 from finetune.core.errors import ConfigError, DataError, LaunchError
 from finetune.modeling import tiny
@@ -145,7 +145,7 @@ def model_from_hf_config(model: ModelConfig, hf: Any, path: Path) -> ModelConfig
     """The ModelConfig of a transformers config object (its class defaults included)."""
     model_type = hf.model_type
     experts = int(getattr(hf, "num_local_experts", 0) or getattr(hf, "num_experts", 0) or 0)
-    why = refusal(model_type)
+    why = refusal(model_type) or unmodelled_option(hf)
     if why is not None:
         raise ConfigError(f"model.config_path={path}: {why}")
     arch = ARCHITECTURES[model_type]
@@ -171,10 +171,24 @@ def model_from_hf_config(model: ModelConfig, hf: Any, path: Path) -> ModelConfig
             rms_norm_eps=float(getattr(hf, "rms_norm_eps", model.rms_norm_eps)),
             num_experts=experts,
             num_experts_per_token=int(getattr(hf, "num_experts_per_tok", 0) or 0) if experts else 0,
+            moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", 0) or 0) if experts else 0,
+            dense_layers=_dense_layers(hf, experts),
+            shared_expert_intermediate_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0),
             hub_id=model.hub_id,
         )
     except (AttributeError, TypeError) as exc:
         raise ConfigError(f"model.config_path={path}: {exc}") from None
+
+
+def _dense_layers(hf: Any, experts: int) -> int:
+    """How many layers of a mixture of experts have a dense MLP, by the rule Qwen-MoE's layers apply
+    (not in `mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`: sparse); Mixtral has neither key."""
+    if not experts:
+        return 0
+    only = set(getattr(hf, "mlp_only_layers", None) or ())
+    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+    layers = int(hf.num_hidden_layers)
+    return sum(1 for i in range(layers) if i in only or (i + 1) % step)
 
 
 def _model_name(hf: Any, path: Path, model: ModelConfig) -> str:

@@ -22,6 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from finetune.core.architectures import ARCHITECTURES
 from finetune.core.config import ModelConfig
 from finetune.core.errors import ConfigError, DiskFullError, is_disk_full
 from finetune.core.package import PACKAGE_DIR
@@ -160,10 +161,11 @@ def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerFast:
 
 
 def hf_config(model_cfg: ModelConfig, **extra: Any) -> Any:
-    """The transformers config (Llama or Qwen2) of an architecture in our model config; `extra` adds or replaces keys."""
-    from transformers import LlamaConfig, Qwen2Config
+    """The transformers config of the architecture in our model config (its model_type's own class, as
+    AutoConfig makes it); `extra` adds or replaces keys."""
+    from transformers import AutoConfig
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=model_cfg.vocab_size,
         hidden_size=model_cfg.hidden_size,
         intermediate_size=model_cfg.intermediate_size,
@@ -175,10 +177,12 @@ def hf_config(model_cfg: ModelConfig, **extra: Any) -> Any:
         tie_word_embeddings=model_cfg.tie_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": model_cfg.rope_theta},
     )
-    if model_cfg.architecture == "qwen2":
-        return Qwen2Config(**{**common, **extra})
-    llama = dict(head_dim=model_cfg.head_dim, attention_bias=model_cfg.attention_bias, mlp_bias=False)
-    return LlamaConfig(**{**common, **llama, **extra})
+    arch = ARCHITECTURES[model_cfg.architecture]
+    if not arch.fused_projections:  # Phi's head_dim is hidden / heads (ModelConfig checks it)
+        common["head_dim"] = model_cfg.head_dim
+    if model_cfg.architecture == "llama":
+        common.update(attention_bias=model_cfg.attention_bias, mlp_bias=False)
+    return AutoConfig.for_model(model_cfg.architecture, **{**common, **extra})
 
 
 def _widen_readout(model: Any, hidden_size: int) -> None:

@@ -61,10 +61,17 @@ class LayerShape:
     attention_bias: bool = False
     # Gemma's RMSNorm multiplies by (1 + weight) in fp32: a trainable norm keeps its normalized input in fp32.
     fp32_norm_product: bool = False
+    # Qwen3's and Gemma 3's RMSNorm of each head's query and key (q_norm, k_norm) before rotary.
+    qk_norm: bool = False
+    # Gemma 3's post-attention and post-feedforward norms: four norms a layer instead of two.
+    sandwich_norms: bool = False
+    # Phi-3/4's fused qkv_proj and gate_up_proj (four linear modules a layer instead of seven).
+    fused_projections: bool = False
 
     @classmethod
     def of(cls, model: Any) -> LayerShape:
         """The shape of a `ModelConfig`'s decoder layer."""
+        arch = ARCHITECTURES[model.architecture]
         return cls(
             hidden=model.hidden_size,
             intermediate=model.intermediate_size,
@@ -72,7 +79,10 @@ class LayerShape:
             kv_heads=model.num_kv_heads,
             head_dim=model.head_dim,
             attention_bias=model.attention_bias,
-            fp32_norm_product=ARCHITECTURES[model.architecture].fp32_norm_product,
+            fp32_norm_product=arch.fp32_norm_product,
+            qk_norm=arch.qk_norm,
+            sandwich_norms=arch.sandwich_norms,
+            fused_projections=arch.fused_projections,
         )
 
 
@@ -138,21 +148,36 @@ def layer_bytes_per_token(shape: LayerShape, run: LayerRun) -> int:
     attention = c * (2 * q_dim + 2 * kv_dim) + 4 * heads
     if run.packed:
         attention += 2 * c * (q_dim - kv_dim)
+    elif shape.fused_projections:
+        attention += c * (q_dim + kv_dim)  # v is a view of qkv_proj's output: SDPA keeps all of its storage
     # each RMSNorm: its fp32 upcast of the input (the input itself when it is fp32), and the fp32 rsqrt
-    norms = 2 * (4 * h + 4)
-    # gate, up and silu(gate) outputs
+    norms = (4 if shape.sandwich_norms else 2) * (4 * h + 4)
+    if shape.qk_norm:  # the same for each head's query and key (rsqrt per head)
+        norms += 4 * (q_dim + kv_dim) + 4 * (heads + shape.kv_heads)
+    # gate, up and silu(gate) outputs (Phi's gate and up are views of gate_up_proj's output: the same bytes)
     mlp = 3 * c * inter
+    # Phi's o_proj input is a copy of SDPA's output, kept where the base linear or a same-dtype adapter keeps it
+    o_copy = c * q_dim if shape.fused_projections else 0
     if full:
         # each RMSNorm also keeps its normalized input to the weight product (for the norm weight's grad)
         # and its output (for the projections' weight grads); down_proj keeps act*up. Under autocast the
         # residual stream is fp32: the norms' inputs and normalized outputs are fp32 and each projection
         # saves its own bf16 cast of its input (measured: exactly 10 x hidden more than bf16).
         wider = 4 * h if shape.fp32_norm_product and not fp32_residual else 0
-        return norms + 2 * c * (2 * h) + attention + mlp + c * inter + (10 * h if autocast else 0) + wider
+        # Gemma 3's post-norms keep only their normalized input (their output goes to the residual add)
+        post = 2 * (4 if shape.fp32_norm_product or fp32_residual else c) * h if shape.sandwich_norms else 0
+        # q/k norms keep their normalized input too: fp32 for Gemma's product, else in q's and k's dtype (the
+        # projections' outputs: bf16 under autocast)
+        qk = (4 if shape.fp32_norm_product else c) * (q_dim + kv_dim) if shape.qk_norm else 0
+        # under autocast each projection reading the residual stream keeps its own bf16 copy of it (5; Phi's 2)
+        casts = 2 * (2 if shape.fused_projections else 5) * h if autocast else 0
+        return norms + 2 * c * (2 * h) + attention + mlp + c * inter + casts + wider + post + qk + o_copy
     a = run.adapter_bytes
-    adapted = 5 * h + q_dim + inter  # the inputs of the seven adapters (q, k, v, gate, up share h)
+    # the inputs of the adapters (q, k, v, gate, up share h; Phi's qkv and gate_up each take h once)
+    adapted = (2 * h if shape.fused_projections else 5 * h) + q_dim + inter
+    adapters = 4 if shape.fused_projections else 7
     kept = 2 if autocast and a == 4 else a  # what each adapter's lora_A keeps of its input
-    lora_a_outputs = 7 * lora_rank * kept  # kept by each lora_B
+    lora_a_outputs = adapters * lora_rank * kept  # kept by each lora_B
     if lora_dropout:
         # the dropout's output (kept by lora_A) and its mask: CUDA's fused dropout keeps a bool, the CPU's a
         # noise tensor in the dtype it ran in (fp32 under autocast: it drops out PEFT's fp32 copy)
@@ -163,7 +188,7 @@ def layer_bytes_per_token(shape: LayerShape, run: LayerRun) -> int:
         adapter_inputs = kept * adapted
     else:
         # same-dtype adapters keep the base layers' own inputs: the two norm outputs and act*up (o's is SDPA's)
-        adapter_inputs = c * (2 * h + inter)
+        adapter_inputs = c * (2 * h + inter) + o_copy
     return norms + attention + mlp + adapter_inputs + lora_a_outputs
 
 

@@ -16,9 +16,13 @@ class ParamCounts:
     linear_per_layer: (
         int  # the linear weights of one decoder layer (a MoE layer: every expert and the router)
     )
-    other_per_layer: int  # norms and biases of one decoder layer
+    other_per_layer: int  # norms (q/k norms: head_dim each) and biases of one decoder layer
     final_norm: int
     num_layers: int
+    # a mixture of experts: what its dense-MLP layers differ by from `per_layer` (summed), and the expert
+    # weights a token does not run (the experts not routed to it, over all layers)
+    dense_layer_adjust: int = 0
+    unrouted: int = 0
 
     @property
     def per_layer(self) -> int:
@@ -31,7 +35,13 @@ class ParamCounts:
 
     @property
     def total(self) -> int:
-        return self.embedding + self.lm_head + self.per_layer * self.num_layers + self.final_norm
+        per_layers = self.per_layer * self.num_layers + self.dense_layer_adjust
+        return self.embedding + self.lm_head + per_layers + self.final_norm
+
+    @property
+    def active(self) -> int:
+        """Parameters a token runs through: all of a dense model; a mixture of experts' top-k experts."""
+        return self.total - self.unrouted
 
     @property
     def kept_16bit(self) -> int:
@@ -45,12 +55,21 @@ class ParamCounts:
 
 
 def projection_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(d_in, d_out) of each Llama-style projection of one decoder layer (one expert's for a MoE MLP)."""
+    """(d_in, d_out) of each projection of one decoder layer (one expert's for a MoE MLP), by the names the
+    architecture's layers use: Phi's fused qkv_proj (out q + 2 kv) and gate_up_proj (out 2 x intermediate),
+    whose LoRA adapters are r x (h + q + 2kv) and r x (h + 2I), not the sum of the separate ones."""
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     h = m.hidden_size
     i = m.intermediate_size
     if m.num_experts and m.moe_intermediate_size:
         i = m.moe_intermediate_size
+    if ARCHITECTURES[m.architecture].fused_projections:
+        return {
+            "qkv_proj": (h, q + 2 * kv),
+            "o_proj": (q, h),
+            "gate_up_proj": (h, 2 * i),
+            "down_proj": (i, h),
+        }
     return {
         "q_proj": (h, q),
         "k_proj": (h, kv),
@@ -66,17 +85,29 @@ def count_params(m: ModelConfig) -> ParamCounts:
     shapes = projection_shapes(m)
     attention = sum(d_in * d_out for name, (d_in, d_out) in shapes.items() if name[0] in "qkvo")
     mlp = sum(d_in * d_out for name, (d_in, d_out) in shapes.items() if name[0] not in "qkvo")
+    expert = mlp
+    dense_adjust = unrouted = 0
     if m.num_experts:
-        mlp = m.num_experts * mlp + m.hidden_size * m.num_experts  # every expert, and the router
-    bias = (shapes["q_proj"][1] + shapes["k_proj"][1] + shapes["v_proj"][1]) if m.attention_bias else 0
+        mlp = m.num_experts * expert + m.hidden_size * m.num_experts  # every expert, and the router
+        if m.shared_expert_intermediate_size:  # the shared expert's gate/up/down and its h -> 1 gate
+            mlp += 3 * m.hidden_size * m.shared_expert_intermediate_size + m.hidden_size
+        sparse_layers = m.num_layers - m.dense_layers
+        dense_adjust = m.dense_layers * (3 * m.hidden_size * m.intermediate_size - mlp)
+        unrouted = sparse_layers * (m.num_experts - m.num_experts_per_token) * expert
+    arch = ARCHITECTURES[m.architecture]
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    bias = q + 2 * kv if m.attention_bias else 0
+    norms = (4 if arch.sandwich_norms else 2) * m.hidden_size + (2 * m.head_dim if arch.qk_norm else 0)
     embedding = m.vocab_size * m.hidden_size
     return ParamCounts(
         embedding=embedding,
         lm_head=0 if m.tie_embeddings else embedding,
         linear_per_layer=attention + mlp,
-        other_per_layer=2 * m.hidden_size + bias,
+        other_per_layer=norms + bias,
         final_norm=m.hidden_size,
         num_layers=m.num_layers,
+        dense_layer_adjust=dense_adjust,
+        unrouted=unrouted,
     )
 
 

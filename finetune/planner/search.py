@@ -530,11 +530,12 @@ def _resolve_seq_len(model: ModelConfig, train: TrainConfig, seq_len: Optional[i
 def check_model(model: ModelConfig) -> None:
     """Refuse, with one line, a model the memory model does not describe (a mixture of experts)."""
     if model.num_experts or ARCHITECTURES[model.architecture].mixture_of_experts:
-        total = count_params(model).total
+        counts = count_params(model)
         raise PlanError(
             f"model {model.name}: a mixture of experts ({model.num_experts} experts, "
-            f"{model.num_experts_per_token} routed per token; {total:,} parameters) is not planned: "
-            "the memory model covers dense decoders only"
+            f"{model.num_experts_per_token} routed per token; {counts.total:,} parameters, "
+            f"{counts.active:,} active a token) is not planned: the memory model covers dense decoders only "
+            "(expert weights, routed activations and expert parallelism are not built)"
         )
 
 

@@ -36,6 +36,11 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_token: int = 0
     moe_intermediate_size: int = 0
+    # Layers whose MLP is dense (intermediate_size wide) among a mixture of experts' layers (Qwen-MoE's
+    # `mlp_only_layers` and `decoder_sparse_step`, as its layers read them), and a shared expert's width
+    # (Qwen2-MoE's always-on expert, with its sigmoid gate; 0: none).
+    dense_layers: int = 0
+    shared_expert_intermediate_size: int = 0
     # Weights: safetensors only unless this is set (pickle files can run code).
     allow_pickle_weights: bool = False
     trust_remote_code: bool = False
@@ -56,6 +61,12 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}"
+            )
+        fused = ARCHITECTURES[self.architecture].fused_projections
+        if fused and self.num_heads * self.head_dim != self.hidden_size:
+            raise ConfigError(
+                f"model.head_dim={self.head_dim} x model.num_heads={self.num_heads} must equal "
+                f"model.hidden_size={self.hidden_size} for {self.architecture} (its head_dim is hidden / heads)"
             )
         if self.num_experts and not 0 < self.num_experts_per_token <= self.num_experts:
             raise ConfigError(
