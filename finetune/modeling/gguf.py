@@ -26,6 +26,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from finetune.core.architectures import refusal
 from finetune.core.config.model import GGUF_PACKAGE_PREFIX, gguf_package_spec
 from finetune.core.errors import ConfigError
 from finetune.modeling import cache
@@ -118,7 +119,8 @@ def _require_gguf_package(spec: str) -> None:
 
 
 def check_architecture(meta: dict[str, Any], spec: str) -> str:
-    """The file's `general.architecture`, refused in one line where transformers cannot read it from GGUF."""
+    """The file's `general.architecture`, refused in one line before the conversion where transformers cannot
+    read it from GGUF, or the planner does not model it (GGUF names the families as transformers' model_type)."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     arch = str(meta.get("general.architecture", ""))
@@ -128,6 +130,9 @@ def check_architecture(meta: dict[str, Any], spec: str) -> str:
             f"model.gguf_file={spec}: architecture {arch or '(none)'!r} is not one transformers reads from GGUF "
             f"({readable})"
         )
+    why = refusal(arch)
+    if why is not None:
+        raise ConfigError(f"model.gguf_file={spec}: {why}")
     return arch
 
 
@@ -142,9 +147,7 @@ def converted_dir(spec: str) -> Path:
     _require_gguf_package(spec)
     meta = metadata(path, spec)
     arch = check_architecture(meta, spec)
-    log.warning(
-        "model.gguf_file=%s: converting it once (dequantized, safetensors) into %s", spec, target
-    )
+    log.warning("model.gguf_file=%s: converting it once (dequantized, safetensors) into %s", spec, target)
 
     def build(out: Path) -> None:
         _convert(path, out, spec)

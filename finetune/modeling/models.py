@@ -217,7 +217,12 @@ def model_from_hf_config(model: ModelConfig, hf: Any, key: str, name: str) -> Mo
 def _config_name(named: Any, model: ModelConfig) -> str:
     """A config.json's own name when it records one (a hub id, not a path), else `<architecture>-<size>`
     (llama-70.6B): what the plan and the reports call the model."""
-    if isinstance(named, str) and named.strip() and not Path(named).is_absolute() and not named.startswith("."):
+    if (
+        isinstance(named, str)
+        and named.strip()
+        and not Path(named).is_absolute()
+        and not named.startswith(".")
+    ):
         return named.strip()
     total = count_params(model).total
     size = f"{total / 1e9:.1f}B" if total >= 1e9 else f"{total / 1e6:.0f}M"

@@ -38,7 +38,9 @@ def resolve(cfg: Config) -> Config:
     """Facts read at the edge: a local config.json or GGUF file (converted once), this machine for
     hardware=local, its memory for hardware=cpu."""
     hardware = machine.resolve_local(cfg.hardware, cfg.launch.nnodes or 1, cfg.resolved_run_dir)
-    return replace(cfg, model=models.resolve_model(cfg.model), hardware=machine.resolve_host_hardware(hardware))
+    return replace(
+        cfg, model=models.resolve_model(cfg.model), hardware=machine.resolve_host_hardware(hardware)
+    )
 
 
 def data_seq_len(run_dir: Path) -> Optional[int]:

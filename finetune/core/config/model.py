@@ -11,7 +11,6 @@ from finetune.core.architectures import ARCHITECTURES
 from finetune.core.config.checks import check_choices, check_positive, choice
 from finetune.core.errors import ConfigError
 
-
 # `model.gguf_file=package:NAME/FILE`: FILE inside the installed package NAME (found without importing it).
 GGUF_PACKAGE_PREFIX = "package:"
 _PACKAGE_SPEC = re.compile(r"package:([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)/(.+)")
