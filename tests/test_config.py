@@ -54,10 +54,11 @@ def test_every_group_option_composes(group: str, option: str):
 def test_stable_names():
     assert set(recipe_names()) == {
         "tiny", "llama8b_lora", "llama8b_qlora", "llama70b_qlora", "llama70b_lora",
-        "llama70b_full", "qwen32b_lora", "qwen32b_full",
+        "llama70b_full", "qwen32b_lora", "qwen32b_full", "smollm2_135m_lora",
     }  # fmt: skip
     assert set(group_choices("model")) == {
         "tiny",
+        "smollm2_135m",
         "llama3_2_3b",
         "llama3_1_8b",
         "qwen2_5_32b",

@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 from helpers import SEQ_LEN, planned, run_modes
 
-from finetune.core.composition import recipe_names
+from finetune.core.composition import compose, recipe_names
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-GPU_RECIPES = [name for name in recipe_names() if name != "tiny"]
+# The recipes aimed at GPUs (the CPU ones, tiny and smollm2_135m_lora, run as they are: test_tiny.py,
+# test_real_model.py).
+GPU_RECIPES = [n for n in recipe_names() if compose([f"+recipe={n}", "mode=plan"]).hardware.device == "cuda"]
 STEPS = 2
 TIMEOUT_S = 900
 WRAPPERS = {"none": None, "ddp": "DistributedDataParallel", "zero3": "DeepSpeedEngine", "fsdp": "FSDP"}

@@ -41,10 +41,25 @@ def package_dir(name: str) -> Path:
     return installed if installed.is_dir() else PACKAGE_DIR.parent / name
 
 
+# `${finetune_package:data/smollm2}`: a path inside the installed package (data a config group ships).
+PACKAGE_RESOLVER = "finetune_package"
+
+
+def _package_path(relative: str) -> str:
+    path = (PACKAGE_DIR / relative).resolve()
+    if PACKAGE_DIR not in path.parents and path != PACKAGE_DIR:
+        raise ConfigError(f"${{{PACKAGE_RESOLVER}:{relative}}}: not a path inside the finetune package")
+    return str(path)
+
+
 def register_configs() -> None:
-    """Register the schemas and the recipes (group `recipe`, package `_global_`) in Hydra's ConfigStore."""
+    """Register the schemas and the recipes (group `recipe`, package `_global_`) in Hydra's ConfigStore, and
+    the `finetune_package` resolver the shipped configs name their files with."""
     import yaml
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver(PACKAGE_RESOLVER, _package_path, replace=True)
 
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
