@@ -179,6 +179,8 @@ def deepspeed_auto() -> None:
 
 
 def checkpoint_choice(work: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
     from transformers.trainer_utils import get_last_checkpoint
 
     from finetune.rundir import checkpoints
@@ -187,7 +189,7 @@ def checkpoint_choice(work: Path) -> None:
     for step in (1, 2):
         ckpt = folder / f"checkpoint-{step}"
         ckpt.mkdir(parents=True)
-        (ckpt / "adapter_model.safetensors").write_bytes(os.urandom(4096))
+        save_file({"lora_A": torch.randn(1000)}, str(ckpt / "adapter_model.safetensors"))
         (ckpt / checkpoints.TRAINER_STATE_FILE).write_text(json.dumps({"global_step": step}))
         checkpoints.write_manifest(ckpt, step)
     newest = folder / "checkpoint-2" / "adapter_model.safetensors"

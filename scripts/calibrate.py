@@ -16,10 +16,14 @@ evaluated for exactly that. What the rows inform, for their device kind:
 - cuda.fixed_gb: the CUDA context (device memory in use beyond PyTorch's
   reserved memory), the largest measured; kept when no row measured it;
 - cuda.allocator_fraction: the reserved-but-unallocated share, as a fraction of
-  the four terms: the smallest that keeps every plan total at most 2% below
-  its measured device peak (one point inside the 3% target) (max_memory_reserved + context; for rows that only
+  what a step allocates and frees (activations, the loss, the working set, the
+  gradients; not the weights and states allocated once): the smallest that
+  keeps every plan total at most 2% below its measured device peak (one point
+  inside the 3% target) (max_memory_reserved + context; for rows that only
   recorded max_memory_allocated, allocated + the context they name, a lower
-  bound of their device peak);
+  bound of their device peak). `--residuals` prints, for the rows that measured
+  reserved memory, the reserved-but-unallocated bytes against both what the
+  share could scale with (the step's fluctuating bytes, or every term);
 - cuda.utilisation (per method): tokens/s x executed FLOPs a token / the dense
   bf16 peak, the median over the chunked-loss rows of that method;
 - cuda.trl_loss_extra_hv_flops: the time TRL's fused LM head takes beyond the
@@ -114,8 +118,7 @@ def fit_cuda(rows: list[dict[str, Any]], cal: Any) -> tuple[Any, list[str]]:
         needed = []
         for r, peak in peaks:
             p = plan_terms(r["case"], _with_cuda(new, allocator_fraction=0.0))
-            four = p["total"] - p["overhead"]
-            needed.append(((1 - FIT_UNDER) * peak - p["total"]) / four)
+            needed.append(((1 - FIT_UNDER) * peak - p["total"]) / p["fluctuating"])
         fraction = round(min(max(max(needed), 0.0), 0.5) + 0.0005, 3)
         new = _with_cuda(new, allocator_fraction=fraction)
         notes.append(
@@ -171,8 +174,9 @@ def fit_cpu(rows: list[dict[str, Any]], cal: Any) -> tuple[Any, list[str]]:
     extra = []
     for r in rows:
         p = plan_terms(r["case"], cal)
-        four = p["total"] - p["overhead"]
-        extra.append(r["result"]["rss_peak_gb"] - p["tensors"] - four * cal.cpu.allocator_fraction)
+        extra.append(
+            r["result"]["rss_peak_gb"] - p["tensors"] - p["fluctuating"] * cal.cpu.allocator_fraction
+        )
     process = round(max(max(extra), 0.0), 3)
     note = f"cpu.fixed_gb {cal.cpu.fixed_gb} -> {process} (RSS peak beyond the terms, largest of {len(rows)})"
     return replace(cal, cpu=replace(cal.cpu, fixed_gb=process)), [note]
@@ -232,6 +236,41 @@ def verdict(rows: list[dict[str, Any]], cal: Any) -> str:
     return f"target ({target}): " + ("met" if not missed else f"NOT met: {', '.join(missed)}")
 
 
+def residuals(rows: list[dict[str, Any]], cal: Any) -> str:
+    """What the allocator reserved beyond the tensors, against what its share could scale with.
+
+    For the rows that measured reserved memory (device peak = reserved + context): reserved - allocated as a
+    fraction of the step's fluctuating bytes (the planner's denominator) and of every term (the one before).
+    Whichever stays more constant across rows describes the allocator better; where both scatter alike, the
+    rows cannot tell them apart.
+    """
+    from gpu_check import plan_terms
+
+    lines = [
+        "| case | reserved - allocated GB | fluctuating GB | share of it | four terms GB | share of them |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    shares: dict[str, list[float]] = {"fluctuating": [], "four": []}
+    for r in rows:
+        res, p = r["result"], plan_terms(r["case"], cal)
+        context = res.get("context_gb", cal.cuda.fixed_gb)
+        if res.get("device_peak_gb") is None or p is None:
+            continue
+        unused = res["device_peak_gb"] - context - res["max_allocated_gb"]
+        four = p["total"] - p["overhead"]
+        shares["fluctuating"].append(unused / p["fluctuating"])
+        shares["four"].append(unused / four)
+        lines.append(
+            f"| {r['case']['name']} | {unused:.2f} | {p['fluctuating']:.2f} | {unused / p['fluctuating']:.1%} "
+            f"| {four:.2f} | {unused / four:.1%} |"
+        )
+    for name, values in shares.items():
+        if values:
+            spread = max(values) / min(values) if min(values) > 0 else float("inf")
+            lines.append(f"\n{name}: share {min(values):.1%} to {max(values):.1%} ({spread:.1f}x apart)")
+    return "\n".join(lines)
+
+
 def write_atomic(path: Path, data: dict[str, Any]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
@@ -250,6 +289,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("results", type=Path, nargs="+")
     parser.add_argument("--calibration", type=Path, default=DEFAULT_PATH)
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument(
+        "--residuals", action="store_true", help="reserved - allocated against both denominators, then stop"
+    )
     args = parser.parse_args(argv)
 
     rows, sources = [], []
@@ -264,6 +306,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{', '.join(map(str, args.results))}: no successful case to calibrate from", file=sys.stderr)
         return 2
     raw, before = load(args.calibration)
+    if args.residuals:
+        print(residuals(plannable(rows), before))
+        return 0
     after, notes = fit(rows, before)
     print("\n".join(notes) + "\n")
     print(error_table(rows, before, after))

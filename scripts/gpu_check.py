@@ -50,7 +50,11 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # Each case: model config (and dims overridden), method, optimizer, seq_len, strategy, and est_s, the
 # expected wall time (process start, build, steps); a case is skipped when less than that is left.
 HARNESS = "gpu_check-v2"  # trainer paths; v1 (issue 13's rows) ran no autocast, no packing, plain loss
+# First: the case that decides what the allocator's reserved-but-unused share scales with (issue 25): a 65 GB
+# frozen base with about 6 GB that a step allocates and frees. Scaled by every term the share would be ~3 GB,
+# by the fluctuating bytes ~1 GB (scripts/calibrate.py --residuals; calibration.json's cuda notes).
 GPU_CASES: list[dict[str, Any]] = [
+    dict(name="32b-lora-8k", model="qwen2_5_32b", method="lora", seq_len=8192, checkpointing=True, chunked_loss=True, est_s=120),
     dict(name="8b-lora-2k", model="llama3_1_8b", method="lora", seq_len=2048, checkpointing=False, chunked_loss=True, est_s=45),
     dict(name="8b-lora-8k", model="llama3_1_8b", method="lora", seq_len=8192, checkpointing=True, chunked_loss=True, est_s=50),
     dict(name="8b-lora-8k-trl", model="llama3_1_8b", method="lora", seq_len=8192, checkpointing=True, chunked_loss=False, est_s=55),
@@ -115,11 +119,13 @@ def plan_terms(case: dict[str, Any], calibration: Any = None) -> Optional[dict[s
 
     The runtime is the trainer's for the case (finetune.planner.runtime), with the case's own `autocast`
     and `packed` (what its harness ran). `tensors`: what max_memory_allocated should show, the four terms
-    plus the overhead's working set above the loss peak, without the fixed share and the allocator's.
+    plus the overhead's working set above the loss peak, without the fixed share and the allocator's;
+    `fluctuating`: what a step allocates and frees, which the allocator's share scales with.
     None for a loss path no plan takes (`loss: transformers`, the plain loss of the first GPU check).
     """
     from finetune.core.config import MethodConfig, TrainConfig
     from finetune.planner import Strategy, make_job, memory, runtime, tensors_gb
+    from finetune.planner.memory import fluctuating
 
     if case.get("loss") == "transformers":
         return None
@@ -148,6 +154,7 @@ def plan_terms(case: dict[str, Any], calibration: Any = None) -> Optional[dict[s
     out = {t: getattr(mem, t) for t in TERMS}
     out["total"] = mem.total
     out["tensors"] = tensors_gb(job, s, rt)
+    out["fluctuating"] = fluctuating(job, s, rt) / GB
     return out
 
 
@@ -183,13 +190,18 @@ def _rss_peak_bytes() -> int:
 def build(case: dict[str, Any], device: str) -> tuple[Any, Any]:
     """The model and optimizer for the case, random-init on `device`, prepared and patched as the trainer does."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
     from finetune.modeling.chunked_loss import add_chunked_loss_head
     from finetune.modeling.tiny import hf_config
 
     m = model_config(case)
+    qwen2 = m.architecture == "qwen2"
+    model_cls, rotary_cls = (
+        (Qwen2ForCausalLM, Qwen2RotaryEmbedding) if qwen2 else (LlamaForCausalLM, LlamaRotaryEmbedding)
+    )
     cfg = hf_config(m, max_position_embeddings=max(m.max_position_embeddings, case["seq_len"]))
     cfg._attn_implementation = "sdpa"
     full = case["method"] == "full"
@@ -198,7 +210,7 @@ def build(case: dict[str, Any], device: str) -> tuple[Any, Any]:
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg)
+            model = model_cls(cfg)
     finally:
         torch.set_default_dtype(old)
     model = model.to_empty(device=device)
@@ -206,7 +218,7 @@ def build(case: dict[str, Any], device: str) -> tuple[Any, Any]:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02, generator=g)
-    model.model.rotary_emb = LlamaRotaryEmbedding(cfg).to(device)
+    model.model.rotary_emb = rotary_cls(cfg).to(device)
     model.train()
     if not case["chunked_loss"]:
         from trl.trainer.utils import add_fused_lm_head

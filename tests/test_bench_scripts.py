@@ -56,6 +56,7 @@ def test_gpu_check_cpu_writes_the_table_and_json(cpu_check: Path):
             "overhead",
             "total",
             "tensors",
+            "fluctuating",
         }
         assert row["error_device_vs_total"] == pytest.approx(
             (plan["total"] - res["device_peak_gb"]) / res["device_peak_gb"], abs=1e-3

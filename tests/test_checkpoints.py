@@ -14,11 +14,15 @@ from finetune.rundir import checkpoints
 
 
 def _fake(folder: Path, step: int, seal: bool = True) -> Path:
-    """A checkpoint-like folder: staged then sealed (or left unsealed, as a crash mid-save would)."""
+    """A checkpoint-like folder: staged then sealed (or left unsealed, as a crash mid-save would), its
+    optimizer state and adapter readable as the trainer reads them (`checkpoints.verify` opens them)."""
+    import torch
+    from safetensors.torch import save_file
+
     staged = folder / checkpoints.STAGING_DIR / f"checkpoint-{step}"
     staged.mkdir(parents=True)
-    (staged / "optimizer.pt").write_bytes(os.urandom(4096))
-    (staged / "adapter_model.safetensors").write_bytes(os.urandom(1000))
+    torch.save({"state": {0: {"exp_avg": torch.randn(1000)}}, "param_groups": []}, staged / "optimizer.pt")
+    save_file({"lora_A": torch.randn(250)}, str(staged / "adapter_model.safetensors"))
     (staged / "sub").mkdir()
     (staged / "sub" / "rank1.pt").write_bytes(b"x" * 100)
     (staged / "trainer_state.json").write_text(json.dumps({"global_step": step}))
@@ -27,6 +31,10 @@ def _fake(folder: Path, step: int, seal: bool = True) -> Path:
         os.replace(staged, final)
         return final
     return checkpoints.finalize(staged, folder / f"checkpoint-{step}")
+
+
+def _same_size_noise(path: Path) -> None:
+    path.write_bytes(os.urandom(path.stat().st_size))
 
 
 def test_finalize_seals_with_sizes_and_checksums(tmp_path):
@@ -39,7 +47,7 @@ def test_finalize_seals_with_sizes_and_checksums(tmp_path):
         "sub/rank1.pt",
         "trainer_state.json",
     }
-    assert manifest["files"]["optimizer.pt"]["bytes"] == 4096
+    assert manifest["files"]["optimizer.pt"]["bytes"] == (ckpt / "optimizer.pt").stat().st_size
     assert len(manifest["files"]["optimizer.pt"]["sha256"]) == 64
     assert checkpoints.verify(ckpt) is None
     assert not (tmp_path / checkpoints.STAGING_DIR / "checkpoint-10").exists()
@@ -52,7 +60,7 @@ def test_finalize_seals_with_sizes_and_checksums(tmp_path):
         (lambda c: (c / "sub" / "rank1.pt").unlink(), "missing"),
         (lambda c: (c / checkpoints.MANIFEST).unlink(), "no manifest.json"),
         (lambda c: (c / checkpoints.MANIFEST).write_text("{"), "unreadable"),
-        (lambda c: (c / "adapter_model.safetensors").write_bytes(os.urandom(1000)), "SHA-256"),
+        (lambda c: _same_size_noise(c / "adapter_model.safetensors"), "SHA-256"),
     ],
 )
 def test_damaged_newest_is_skipped_for_the_previous(tmp_path, damage, reason):
@@ -65,7 +73,7 @@ def test_damaged_newest_is_skipped_for_the_previous(tmp_path, damage, reason):
 
 def test_same_size_corruption_needs_checksums(tmp_path):
     ckpt = _fake(tmp_path, 3)
-    (ckpt / "optimizer.pt").write_bytes(os.urandom(4096))
+    _same_size_noise(ckpt / "optimizer.pt")
     assert checkpoints.verify(ckpt, checksums=False) is None  # rotation's cheap check
     assert "SHA-256" in checkpoints.verify(ckpt)  # resume's full check
 

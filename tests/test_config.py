@@ -63,12 +63,15 @@ def test_stable_names():
         "llama3_1_8b",
         "qwen2_5_32b",
         "llama3_1_70b",
+        "llama3_1_405b",
+        "llama2_7b",
+        "llama2_70b",
     }
     assert set(group_choices("method")) == {"full", "lora", "qlora"}
     assert set(group_choices("hardware")) == {
         "cpu", "h100", "h200", "b200", "b300", "h100x8", "h200x8", "b200x8", "b300x8", "auto", "local",
         "a100_40gb", "a100_80gb", "a100_40gbx8", "a100_80gbx8", "l40s", "l40sx8", "h100_nvl",
-        "gh200_96gb", "gh200_144gb",
+        "gh200_96gb", "gh200_144gb", "rtx4090", "l4", "a10gx4",
     }  # fmt: skip
 
 
@@ -179,7 +182,7 @@ def test_every_gpu_profile_plans(name: str):
         (["train.foo=1"], "train.foo: unknown key"),
         (["foo=1"], "foo: unknown key"),
         (["+foo=1"], "foo: unknown key"),
-        (["model=gpt5"], "model=gpt5: unknown model; choose from llama3_1_70b"),
+        (["model=gpt5"], "model=gpt5: unknown model; choose from llama2_70b"),
         (["method=dora"], "method=dora: unknown method; choose from full, lora, qlora"),
         (["hardware=tpu"], "hardware=tpu: unknown hardware; choose from a100_40gb"),
         (["+recipe=nope"], "recipe=nope: unknown recipe; choose from llama70b_full"),

@@ -176,9 +176,15 @@ def evaluated(tmp_path_factory, tiny_cache, tiny_data):
 
 def test_metrics_json_contract(evaluated):
     run, before, after = evaluated
-    assert set(before) == {"base", "trained", "regression", "settings"}
+    assert set(before) == {"base", "trained", "regression", "settings", "models"}
     doc = json.loads((run / "eval" / "metrics.json").read_text())
     assert doc == after and {"base", "trained", "merged"} <= set(doc)
+    # Which model each variant is: the merged one was made from the adapter scored as trained.
+    assert (
+        set(doc["models"]) == {"base", "trained", "merged"}
+        and doc["models"]["trained"]["folder"] == "adapter"
+    )
+    assert doc["models"]["merged"]["made_from"]["sha256"] == doc["models"]["trained"]["sha256"]
     for v in ("base", "trained", "merged"):
         for key in ("loss", "exact_match", "contains", "regression_refusals", "regression_empty"):
             assert isinstance(doc[v][key], (int, float)), (v, key)
@@ -219,7 +225,8 @@ def test_mode_eval_again_reevaluates_everything_present(evaluated, tiny_data):
     run, _, after = evaluated
     cfg = replace(tiny_cfg(run_dir=run), eval=fast_eval(regression=False))
     again = eval_stage.run(cfg, run, eval_dataset=tiny_data[1].select(range(24)))
-    assert set(again) == {"base", "trained", "merged", "regression", "settings"} and again["regression"] == {}
+    assert set(again) == {"base", "trained", "merged", "regression", "settings", "models"}
+    assert again["regression"] == {}
     assert again["merged"]["loss"] == pytest.approx(after["merged"]["loss"], abs=1e-6)
     rows = [json.loads(line) for line in (Path(run) / "eval" / "samples.jsonl").read_text().splitlines()]
     assert {r["set"] for r in rows} == {"task"}
@@ -233,7 +240,7 @@ def test_qlora_run_is_evaluated_on_its_4bit_base(tmp_path, tiny_cache, tiny_data
     cfg = replace(tiny_cfg("method=qlora", run_dir=run), eval=fast_eval(num_samples=2, regression=False))
     make_adapter_run(run, cfg.model, cfg.method)
     result = eval_stage.run(cfg, run, eval_dataset=tiny_data[1].select(range(8)))
-    assert set(result) == {"base", "trained", "regression", "settings"}
+    assert set(result) == {"base", "trained", "regression", "settings", "models"}
     assert 0 < result["base"]["loss"] != pytest.approx(result["trained"]["loss"], abs=1e-3)
 
 

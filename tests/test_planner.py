@@ -434,8 +434,10 @@ def test_recomputed_layer_is_transient_and_counted_above_the_loss_peak():
         2 * lora_params(cfg.model, cfg.method) // 32
     )  # autocast's bf16 copies of one layer's adapters
     working = full_layer + adapter_copies + CAL.cuda.backward_working_set_layers * (full_layer + once)
-    four = mem.weights + mem.trainable_state + mem.activations + mem.logits
-    expected = CAL.cuda.fixed_gb + (working / GB - mem.logits) + CAL.cuda.allocator_fraction * four
+    above = working / GB - mem.logits
+    # the allocator's share: of what a step allocates and frees, the fp32 adapters' gradients included
+    fluctuating = mem.activations + mem.logits + above + 4 * lora_params(cfg.model, cfg.method) / GB
+    expected = CAL.cuda.fixed_gb + above + CAL.cuda.allocator_fraction * fluctuating
     assert mem.overhead == pytest.approx(expected, rel=1e-6)
 
 
@@ -574,7 +576,6 @@ def test_seq_len_beyond_model_positions_is_bad_input():
             ],
             "FSDP2 offloads parameters, gradients and optimizer state together",
         ),  # fmt: skip
-        (["+recipe=llama70b_qlora", "hardware=h100x8", "train.sharding=fsdp"], "method=qlora does not shard"),
     ],
 )
 def test_fixed_settings_no_engine_runs_are_refused_with_one_line(overrides, needle):
@@ -585,7 +586,7 @@ def test_fixed_settings_no_engine_runs_are_refused_with_one_line(overrides, need
 
 
 def test_fsdp_never_gets_8bit_states_and_offloads_everything_together():
-    _, plan = plan_for("+recipe=qwen32b_full")
+    _, plan = plan_for("+recipe=qwen32b_full", "train.engine=fsdp")
     s = plan.strategy
     assert s.sharding == "fsdp" and s.optimizer == "adamw"
     assert s.offload_optimizer == s.offload_params
@@ -759,8 +760,8 @@ def test_cpu_plans_use_the_cpu_calibration():
     cfg = compose(["mode=plan", "+recipe=tiny", "hardware.gpu_memory_gb=16", "hardware.peak_bf16_tflops=1"])
     plan = make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, PROFILES)
     assert plan.hardware.device == "cpu" and plan.fits
-    four = sum(getattr(plan.gpu_memory, t) for t in ("weights", "trainable_state", "activations", "logits"))
-    assert plan.gpu_memory.overhead >= CAL.cpu.fixed_gb + CAL.cpu.allocator_fraction * four
+    fluctuating = plan.gpu_memory.activations + plan.gpu_memory.logits  # at least
+    assert plan.gpu_memory.overhead >= CAL.cpu.fixed_gb + CAL.cpu.allocator_fraction * fluctuating
     assert plan.estimate.tokens_per_second is None
     assert "no time estimate: profile cpu has no fitted utilisation for cpu" in plan.reasons
     assert HardwareConfig().device == "cpu"

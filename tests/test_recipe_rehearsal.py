@@ -48,7 +48,7 @@ def test_recipe_strategy_runs_as_planned_on_the_tiny_model(recipe, tmp_path, tin
         "method.precision=bf16",
         f"method.optimizer={s.optimizer}",
         f"train.sharding={s.sharding}",
-        f"train.engine={'deepspeed' if s.sharding == 'zero3' else 'fsdp'}",
+        f"train.engine={s.sharding if s.engine.shards else 'fsdp'}",
         f"train.offload_optimizer={str(s.offload_optimizer).lower()}",
         f"train.offload_params={str(s.offload_params).lower()}",
         f"train.activation_checkpointing={str(s.activation_checkpointing).lower()}",

@@ -68,4 +68,8 @@ def test_smoke_pipeline_checks_train_save_resume_merge(tmp_path: Path):
     train = json.loads((tmp_path / "smoke" / "metrics.json").read_text())["train"]
     assert train["steps"] == 8 + smoke.RESUME_EXTRA_STEPS
     assert train["resumed_from"].endswith("checkpoint-8")
-    assert json.loads((tmp_path / "smoke" / "export" / "merge_check.json").read_text())["ok"] is True
+    # The export of step 8 was moved aside when the resumed run saved the step-10 model.
+    assert (
+        json.loads((tmp_path / "smoke" / "superseded-export" / "merge_check.json").read_text())["ok"] is True
+    )
+    assert not (tmp_path / "smoke" / "export").exists()

@@ -66,13 +66,19 @@ class Interrupted(KeyboardInterrupt):
 DISK_FULL_ERRNOS = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
+# What PyTorch's C++ writers say when a write fails, with no errno to read: a full disk only when the disk
+# lacks the space (the callers compare the bytes free with the bytes needed). torch.save on a full tmpfs:
+# "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534".
+WRITE_FAILED = ("iostream error", "PytorchStreamWriter failed", "file write failed", "unexpected pos")
+
+
 def is_disk_full(exc: BaseException) -> bool:
-    """An OSError for a full disk or quota (ENOSPC, EDQUOT; Arrow's IO errors carry only the text)."""
-    if not isinstance(exc, OSError):
-        return False
-    return exc.errno in DISK_FULL_ERRNOS or any(
-        s in str(exc) for s in ("No space left on device", "Disk quota exceeded")
-    )
+    """A write that failed for a full disk or quota: an OSError with ENOSPC or EDQUOT, or an error that
+    carries only the text (Arrow's IO errors; safetensors' SafetensorError, no OSError: "Error while
+    serializing: I/O error: No space left on device (os error 28)")."""
+    if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+        return True
+    return any(s in str(exc) for s in ("No space left on device", "Disk quota exceeded"))
 
 
 def format_bytes(n: Optional[float]) -> str:

@@ -107,6 +107,8 @@ METHODS: dict[str, MethodSpec] = {
         fallback="qlora",
         fallback_settings=(("adapter_dtype", "bf16"),),  # QLoRA's own default (configs/method/qlora.yaml)
     ),
+    # Shards under FSDP2 and ZeRO-3: packed in the training dtype, its 4-bit weights are divided like any frozen
+    # weight and gathered with their quantization state (finetune/modeling/models.py, tests/test_qlora_sharded.py).
     "qlora": MethodSpec(
         "qlora",
         "QLoRA: LoRA adapters on a frozen base quantized to 4 bits (bitsandbytes NF4)",
@@ -116,6 +118,5 @@ METHODS: dict[str, MethodSpec] = {
         flops_per_weight=4.0,
         merge="adapter_quantized_base",
         serve_adapter=True,
-        shard_refusal="bitsandbytes' 4-bit weights stay whole on every GPU; use one GPU or ddp",
     ),
 }

@@ -7,13 +7,14 @@ which also covers steps after the last checkpoint; entries are merged by step.
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import re
 from pathlib import Path
 from typing import Optional
 
 from finetune import rundir
+from finetune.core.markup import plot_text
 from finetune.rundir import checkpoints
 
 
@@ -80,17 +81,16 @@ def plot(run_dir: Path, out: Path, reference: Optional[dict[str, float]] = None)
             ax.plot(*zip(*series["eval"]), "o-", label="eval loss", linewidth=1.2, markersize=4)
         for i, (name, value) in enumerate((reference or {}).items()):
             if value is not None:
-                ax.axhline(value, linestyle="--", linewidth=0.8, color=f"C{i + 2}", label=name)
+                ax.axhline(value, linestyle="--", linewidth=0.8, color=f"C{i + 2}", label=plot_text(name))
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats / token)")
-        ax.set_title(f"{run_dir.name}: loss")
+        ax.set_title(f"{plot_text(run_dir.name)}: loss")
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, out)
+        png = io.BytesIO()
+        fig.savefig(png, format="png")
+        rundir.atomic_write_bytes(out, png.getvalue())
     finally:
         plt.close(fig)
     return {k: len(v) for k, v in series.items()}

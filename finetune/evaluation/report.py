@@ -1,4 +1,8 @@
-"""eval/report.md: the metrics side by side, what regressed, a few examples, the loss curves."""
+"""eval/report.md: the metrics side by side, what regressed, a few examples, the loss curves.
+
+Every prompt, answer, reference and name in it is escaped (`finetune.core.markup`): a report opened in a
+Markdown viewer shows the text, never runs HTML from the data.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,9 @@ from typing import Any
 
 from finetune import rundir
 from finetune.core.config import Config
+from finetune.core.markup import markdown_cell, markdown_text
 from finetune.modeling.models import VARIANTS
+from finetune.modeling.outputs import Identity
 from finetune.rundir import checkpoints
 
 # Metrics where lower is better; every other one is better higher.
@@ -26,12 +32,12 @@ def metric_names(result: dict[str, Any]) -> list[str]:
 
 
 def _cell(value: Any, width: int = 80) -> str:
+    """A table cell: numbers as numbers, any text (prompts, answers, names) escaped (`markup.markdown_cell`)."""
     if value is None:
         return "-"
     if isinstance(value, float):
         return f"{value:.4f}"
-    text = " ".join(str(value).split()).replace("|", "\\|")
-    return text if len(text) <= width else text[: width - 1] + "…"
+    return markdown_cell(value, width)
 
 
 def _delta(name: str, base: Any, other: Any) -> str:
@@ -40,6 +46,40 @@ def _delta(name: str, base: Any, other: Any) -> str:
     d = other - base
     better = d < 0 if name in LOWER_IS_BETTER else d > 0
     return f"{d:+.4f}" + (" ✓" if better else "")
+
+
+def models_section(result: dict[str, Any]) -> list[str]:
+    """Which model each column is (metrics.json `models`), and what was not scored (`skipped`)."""
+    models, skipped = result.get("models") or {}, result.get("skipped") or {}
+    if not models and not skipped:
+        return []
+    lines = ["## Models", ""]
+    for v in VARIANTS:
+        record = models.get(v)
+        if v in skipped:
+            lines.append(
+                f"- **{v}**: not scored: {markdown_text(skipped[v])}; run mode=export to export the trained model."
+            )
+        elif v == "base" and record:
+            lines.append(
+                f"- **base**: {markdown_text(record.get('model'))} ({markdown_text(record.get('source'))})"
+            )
+        elif v == "trained" and (identity := Identity.from_dict(record)):
+            lines.append(
+                f"- **trained**: {markdown_text(identity.describe())}, saved "
+                f"{markdown_text(identity.saved or 'at an unknown time')}"
+            )
+        elif v == "merged" and record:
+            source = Identity.from_dict(record.get("made_from"))
+            made = (
+                f"made from {markdown_text(source.describe())}" if source else "made from an unrecorded model"
+            )
+            trained = Identity.from_dict(models.get("trained"))
+            same = (
+                " (the trained model above)" if source and trained and source.sha256 == trained.sha256 else ""
+            )
+            lines.append(f"- **merged**: {markdown_text(record.get('path'))}, {made}{same}")
+    return lines
 
 
 def write_report(
@@ -51,23 +91,27 @@ def write_report(
         "greedy" if e.greedy else f"sampling (temperature {e.temperature}, top_p {e.top_p}, seed {e.seed})"
     )
     lines = [
-        f"# Evaluation: {cfg.name}",
+        f"# Evaluation: {markdown_text(cfg.name)}",
         "",
-        f"{cfg.method.name} on {cfg.model.name}. Every model answers the same prompts with the same chat "
+        f"{markdown_text(cfg.method.name)} on {markdown_text(cfg.model.name)}. Every model answers the same "
+        "prompts with the same chat "
         f"template and decoding: {decoding}, at most {e.max_new_tokens} new tokens. "
         "Loss: mean next-token loss over the labelled tokens of the held-out split.",
         "",
     ]
     header = ["metric", *variants] + [f"{v} − base" for v in variants if v != "base" and "base" in result]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for name in metric_names(result):
-        cells = [name] + [_cell(result[v].get(name)) for v in variants]
+    for name in metric_names(result):  # eval.metrics names a regex or a function: user text
+        cells = [_cell(name)] + [_cell(result[v].get(name)) for v in variants]
         if "base" in result:
             cells += [
                 _delta(name, result["base"].get(name), result[v].get(name)) for v in variants if v != "base"
             ]
         lines.append("| " + " | ".join(cells) + " |")
 
+    models = models_section(result)
+    if models:
+        lines += ["", *models]
     regressions = result.get("regression") or {}
     if regressions:
         lines += ["", "## Regression set", ""]
@@ -81,7 +125,10 @@ def write_report(
                     f"- **{v}**: nothing the base did better (no new refusals, empty answers or failed checks)."
                 )
             else:
-                text = "; ".join(f"{k.replace('_', ' ')}: {', '.join(ids)}" for k, ids in problems.items())
+                text = "; ".join(
+                    f"{markdown_text(k.replace('_', ' '))}: {markdown_text(', '.join(map(str, ids)))}"
+                    for k, ids in problems.items()
+                )
                 lines.append(f"- **{v}**: {text}")
 
     lines += ["", "## Loss curves", ""]

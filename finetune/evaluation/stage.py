@@ -7,10 +7,18 @@ metrics on generated answers to its prompts (`eval.metrics`), and the
 regression set's answers with their flags. Writes into RUN_DIR/eval/:
 
 - metrics.json  {base: {loss, <metrics>...}, trained: {...}, merged: {...},
-                 regression: {trained: {new_refusals, new_empty, lost_checks}, ...}, settings: {...}}
+                 regression: {trained: {new_refusals, new_empty, lost_checks}, ...}, settings: {...},
+                 models: {base: {source}, trained: <identity>, merged: {path, made_from: <identity>}},
+                 skipped: {merged: why}}
 - samples.jsonl one row per prompt: id, set, prompt, reference, base, trained[, merged]
-- report.md     the table, regressions, examples, the loss curves
+- report.md     which model each column is, the table, regressions, examples, the loss curves
 - loss_curves.png  training and eval loss from the trainer's log history
+- made_from.json   the trained output evaluated (`finetune.modeling.outputs`)
+
+Provenance: `merged` is scored only when export/ was made from the trained output scored as `trained`
+(its identity); an export made from another model is skipped with a one-line note (and named in
+`skipped`). Results kept from an earlier evaluation are kept only for the same models. The folder is
+written into RUN_DIR/.eval.tmp and renamed into place whole (report.md always matches metrics.json).
 """
 
 from __future__ import annotations
@@ -26,17 +34,20 @@ from typing import Any, Optional
 from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.config.evaluation import EvalConfig
+from finetune.core.markup import console_text
 from finetune.data.stage import load_prepared
 from finetune.evaluation import curves, metrics, regression
 from finetune.evaluation.generate import generate, sampling_kwargs
 from finetune.evaluation.heldout import heldout_loss, split_prompt
 from finetune.evaluation.report import metric_names, write_report
+from finetune.modeling import outputs
 from finetune.modeling.models import (
     VARIANTS,
     attach_adapter,
     available_variants,
     load_tokenizer,
     load_variant,
+    model_source,
     trained_dir,
 )
 
@@ -95,8 +106,10 @@ def _read_samples(path: Path) -> dict[str, dict]:
     return {r["id"]: r for r in rows}
 
 
-def _sample_rows(items: Sequence[dict], reg_rows: Sequence[dict], old: dict[str, dict]) -> list[dict]:
-    """Fresh rows for this evaluation, keeping earlier models' answers where the prompt is unchanged."""
+def _sample_rows(
+    items: Sequence[dict], reg_rows: Sequence[dict], old: dict[str, dict], keep: Sequence[str]
+) -> list[dict]:
+    """Fresh rows for this evaluation, keeping the answers of the models in `keep` where the prompt is unchanged."""
     rows = []
     for it in items:
         rows.append({"id": it["id"], "set": "task", "prompt": it["prompt"], "reference": it["reference"]})
@@ -116,11 +129,11 @@ def _sample_rows(items: Sequence[dict], reg_rows: Sequence[dict], old: dict[str,
     for row in rows:
         prev = old.get(row["id"])
         if prev and prev.get("prompt") == row["prompt"] and prev.get("reference") == row["reference"]:
-            for v in VARIANTS:
+            for v in keep:
                 if v in prev:
                     row[v] = prev[v]
             if "flags" in row:
-                row["flags"] = dict(prev.get("flags") or {})
+                row["flags"] = {v: f for v, f in (prev.get("flags") or {}).items() if v in keep}
     return rows
 
 
@@ -136,6 +149,69 @@ def settings(cfg: Config) -> dict[str, Any]:
         "regression_prompts": (e.regression_prompts or "bundled") if e.regression else None,
         "chat_template": "the tokenizer's (same for every model)",
     }
+
+
+@dataclass
+class _Models:
+    """What each variant is: the base's source, the trained output's identity, what the export was made from."""
+
+    records: dict[str, dict]  # metrics.json `models`, for the variants present
+    trained: Optional[outputs.Identity]
+    skipped: dict[str, str]  # variant -> why it is not scored
+
+
+def _models(cfg: Config, run_dir: Path, present: Sequence[str]) -> _Models:
+    trained = outputs.identity_of(trained_dir(cfg, run_dir)) if "trained" in present else None
+    records: dict[str, dict] = {"base": {"model": cfg.model.name, "source": model_source(cfg.model)}}
+    if trained is not None:
+        records["trained"] = trained.to_dict()
+    skipped = {}
+    if "merged" in present:
+        source = outputs.made_from(rundir.export_dir(run_dir))
+        records["merged"] = {
+            "path": f"{rundir.EXPORT_DIR}/{rundir.MERGED_DIR}",
+            "made_from": source.to_dict() if source else None,
+        }
+        if not outputs.same_model(source, trained):
+            skipped["merged"] = _stale_export(source, trained)
+    return _Models(records, trained, skipped)
+
+
+def _stale_export(source: Optional[outputs.Identity], trained: Optional[outputs.Identity]) -> str:
+    where = f"{rundir.EXPORT_DIR}/{rundir.MERGED_DIR}"
+    if source is None:
+        return f"{where} records no trained model it was made from (exported by an older finetune)"
+    if trained is None:
+        return (
+            f"{where} was made from {source.describe()}, and there is no trained output to check it against"
+        )
+    return f"{where} was made from {source.describe()}, not from the trained {trained.describe()}"
+
+
+def _key(variant: str, record: Any) -> Any:
+    """What makes two evaluations of `variant` the same model: the base's source, the trained output's
+    hash, the hash of the output the export was made from."""
+    if not isinstance(record, dict):
+        return None
+    if variant == "base":
+        return record.get("source")
+    if variant == "trained":
+        return record.get("sha256")
+    return (record.get("made_from") or {}).get("sha256")
+
+
+def _kept(old_metrics: dict[str, Any], models: _Models, todo: Sequence[str]) -> list[str]:
+    """The variants of an earlier evaluation to keep beside this one: not re-scored now, and recorded as
+    the same model as the one present now (nothing is kept from a file that records no models)."""
+    old_models = old_metrics.get("models") or {}
+    kept = []
+    for v in VARIANTS:
+        if v not in old_metrics or v in todo or v not in models.records or v in models.skipped:
+            continue
+        then, now = _key(v, old_models.get(v)), _key(v, models.records[v])
+        if then is not None and then == now:
+            kept.append(v)
+    return kept
 
 
 @dataclass
@@ -167,14 +243,22 @@ def run(
         eval_dataset = load_prepared(run_dir)[1]
     replace_all = variants is None
     todo = _variants_to_evaluate(cfg, run_dir, variants)
+    models = _models(cfg, run_dir, available_variants(cfg, run_dir))
+    for v, why in models.skipped.items():
+        if v in todo:
+            todo.remove(v)
+            log.warning("eval: %s: not scored as %r; run mode=export to export this trained model", why, v)
     out_dir = rundir.eval_dir(run_dir)
     old_metrics = {} if replace_all else _read_json(out_dir / rundir.EVAL_METRICS_FILE)
-    prompts = _prompts(eval_dataset, reg_rows, cfg.eval.num_samples, out_dir, replace_all)
+    keep = _kept(old_metrics, models, todo)
+    prompts = _prompts(eval_dataset, reg_rows, cfg.eval.num_samples, out_dir, keep)
     tokenizer = load_tokenizer(cfg.model)
-    result: dict[str, Any] = {v: old_metrics[v] for v in VARIANTS if v in old_metrics and v not in todo}
+    result: dict[str, Any] = {v: old_metrics[v] for v in keep}
     result.update(_evaluate_variants(cfg, run_dir, todo, tokenizer, eval_dataset, prompts, metric_fns))
-    ordered = _ordered(cfg, result, prompts)
-    _write_outputs(cfg, run_dir, out_dir, ordered, prompts.rows)
+    ordered = _ordered(cfg, result, prompts, models)
+    with outputs.staged(out_dir) as staging:
+        _write_outputs(cfg, run_dir, staging, ordered, prompts.rows)
+        outputs.write_made_from(staging, models.trained)
     _print_table(ordered)
     return ordered
 
@@ -188,17 +272,11 @@ def _variants_to_evaluate(cfg: Config, run_dir: Path, variants: Optional[Sequenc
 
 
 def _prompts(
-    eval_dataset: Any, reg_rows: list[dict], num_samples: Optional[int], out_dir: Path, replace_all: bool
+    eval_dataset: Any, reg_rows: list[dict], num_samples: Optional[int], out_dir: Path, keep: Sequence[str]
 ) -> _Prompts:
-    """The prompts with their sample rows: earlier answers kept for a partial evaluation, cleared for a full one."""
+    """The prompts with their sample rows, holding the earlier answers of the models in `keep` only."""
     items = task_items(eval_dataset, num_samples)
-    rows = _sample_rows(items, reg_rows, _read_samples(out_dir / rundir.EVAL_SAMPLES_FILE))
-    if replace_all:
-        for row in rows:
-            for v in VARIANTS:
-                row.pop(v, None)
-            if "flags" in row:
-                row["flags"] = {}
+    rows = _sample_rows(items, reg_rows, _read_samples(out_dir / rundir.EVAL_SAMPLES_FILE), keep)
     return _Prompts(items, reg_rows, rows)
 
 
@@ -255,8 +333,9 @@ def _score_variant(
     return scores
 
 
-def _ordered(cfg: Config, result: dict[str, Any], prompts: _Prompts) -> dict[str, Any]:
-    """eval/metrics.json's content: the variants in their order, the regressions against base, the settings."""
+def _ordered(cfg: Config, result: dict[str, Any], prompts: _Prompts, models: _Models) -> dict[str, Any]:
+    """eval/metrics.json's content: the variants in their order, the regressions against base, the settings,
+    which model each variant is and what was not scored."""
     ordered = {v: result[v] for v in VARIANTS if v in result}
     reg_rows_out = [r for r in prompts.rows if r["set"] == "regression"]
     ordered["regression"] = (
@@ -265,6 +344,9 @@ def _ordered(cfg: Config, result: dict[str, Any], prompts: _Prompts) -> dict[str
         else {}
     )
     ordered["settings"] = settings(cfg)
+    ordered["models"] = {v: models.records[v] for v in VARIANTS if v in result}
+    if models.skipped:
+        ordered["skipped"] = dict(models.skipped)
     return ordered
 
 
@@ -292,8 +374,8 @@ def _print_table(result: dict[str, Any]) -> None:
     table.add_column("metric")
     for v in variants:
         table.add_column(v, justify="right")
-    for name in metric_names(result):
-        table.add_row(name, *(_fmt(result[v].get(name)) for v in variants))
+    for name in metric_names(result):  # a regex metric's name holds brackets: not rich markup
+        table.add_row(console_text(name), *(_fmt(result[v].get(name)) for v in variants))
     Console(stderr=True).print(table)
 
 

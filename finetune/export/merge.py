@@ -13,7 +13,6 @@ Everything runs on the CPU, in host RAM (the plan's `merge_host_memory_gb`).
 from __future__ import annotations
 
 import logging
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -146,21 +145,17 @@ def dir_size(path: Path) -> int:
 
 
 def save_model(model: Any, tokenizer: Any, out: Path, max_shard_size: str) -> dict[str, Any]:
-    """safetensors shards, tokenizer and generation config into `out`, replaced whole (no stale shards)."""
+    """safetensors shards, tokenizer and generation config into `out`, a new folder (the export stage
+    writes the whole export into a staging folder and renames it into place: `outputs.staged`)."""
     from transformers import GenerationConfig
 
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     if getattr(model, "generation_config", None) is None:
         model.generation_config = GenerationConfig()
     gen = model.generation_config
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(gen, key, None) is None and getattr(tokenizer, key, None) is not None:
             setattr(gen, key, getattr(tokenizer, key))
-    model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
-    tokenizer.save_pretrained(str(tmp))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    model.save_pretrained(str(out), max_shard_size=max_shard_size)
+    tokenizer.save_pretrained(str(out))
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     return {"path": str(out), "size_bytes": dir_size(out), "shards": shards}

@@ -23,6 +23,7 @@ from typing import Optional
 
 from finetune import rundir
 from finetune.core.config import Config
+from finetune.modeling.outputs import Identity
 from finetune.planner import Plan
 
 # vLLM's accepted --max-lora-rank values.
@@ -161,7 +162,8 @@ def serve_commands(
     return commands
 
 
-def script(cfg: Config, commands: list[ServeCommand]) -> str:
+def script(cfg: Config, commands: list[ServeCommand], made_from: Optional[Identity] = None) -> str:
+    """serve.sh's text; `made_from` (the trained output the export was made from) is named in its header."""
     variants = [c.variant for c in commands]
     lines = [
         "#!/usr/bin/env bash",
@@ -169,6 +171,12 @@ def script(cfg: Config, commands: list[ServeCommand]) -> str:
         rundir.shell_comment(
             f"Serve run '{cfg.name}' ({cfg.method.name} on {cfg.model.name}) with vLLM. Written by mode=export."
         ),
+    ]
+    if made_from is not None:
+        lines.append(
+            rundir.shell_comment(f"Serves what mode=export made from the trained {made_from.describe()}.")
+        )
+    lines += [
         f"#   bash serve.sh [{'|'.join(variants)}]     (default: {variants[0]})",
         "#   merged: the merged bf16 weights in ./merged",
         "#   lora:   the base model with ./adapter on top (clients ask for the run's name; NAME-base is the base)",
@@ -191,6 +199,8 @@ def script(cfg: Config, commands: list[ServeCommand]) -> str:
     return "\n".join(lines)
 
 
-def write(cfg: Config, path: Path, commands: list[ServeCommand]) -> None:
-    rundir.atomic_write_text(path, script(cfg, commands))
-    path.chmod(0o755)
+def write(
+    cfg: Config, path: Path, commands: list[ServeCommand], made_from: Optional[Identity] = None
+) -> None:
+    # the mode is set on the temporary file before the rename: a chmod after it would follow a planted link
+    rundir.atomic_write_text(path, script(cfg, commands, made_from), mode=0o755)

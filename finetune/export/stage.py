@@ -6,9 +6,14 @@ Writes RUN_DIR/export/:
 - merged/           safetensors shards, tokenizer, generation config (adapters merged, or the full model)
 - adapter/          the adapter alone (LoRA, QLoRA), with its size in export.json
 - merge_check.json  {ok, max_abs_diff, tolerance, mean_abs_diff, top1_agreement, tokens, base, dtype, ...}
-- serve.sh          `vllm serve` for the merged model, the base + adapter, and FP8
-- export.json       what was written, sizes, the serve commands as argument lists
+- serve.sh          `vllm serve` for the merged model, the base + adapter, and FP8; names the model it serves
+- export.json       what was written, sizes, the serve commands as argument lists, `made_from`
+- made_from.json    the identity of the trained output it was made from (`finetune.modeling.outputs`)
 and then adds `merged` to RUN_DIR/eval/metrics.json (export.evaluate_merged).
+
+Everything is written into RUN_DIR/.export.tmp and renamed into place whole once the merged model, its
+check and serve.sh are all written: a failed check, a full disk or a signal leaves the previous export
+as it was (and the temporary folder removed).
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from typing import Any
 from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.errors import LaunchError
+from finetune.core.markup import console_text
 from finetune.data.stage import load_prepared
 from finetune.evaluation import regression
 from finetune.evaluation import stage as eval_stage
 from finetune.export import merge, serve
+from finetune.modeling import outputs
 from finetune.modeling.models import load_tokenizer, model_source, trained_dir
 from finetune.planner import Plan
 
@@ -36,9 +43,7 @@ def copy_adapter(cfg: Config, run_dir: Path, out: Path) -> dict[str, Any]:
     src = trained_dir(cfg, run_dir)
     if not (src / "adapter_config.json").is_file():
         raise LaunchError(f"{src}: no adapter; run the training stage (mode=train) first")
-    if out.exists():
-        shutil.rmtree(out)
-    shutil.copytree(src, out)
+    shutil.copytree(src, out)  # with its identity.json: the adapter says what it is wherever it is copied
     weights = sum(p.stat().st_size for p in out.glob("adapter_model*.safetensors"))
     return {
         "path": str(out),
@@ -54,15 +59,44 @@ def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> 
     """Export per `cfg.export`; returns export.json's content. `eval_dataset` replaces the data stage's (tests)."""
     run_dir = Path(run_dir)
     x = cfg.export
-    out = rundir.export_dir(run_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    source = trained_dir(cfg, run_dir)
+    identity = outputs.identity_of(source)
+    if identity is None:
+        raise LaunchError(f"{source}: no trained output; run the training stage (mode=train) first")
     if eval_dataset is None:
         try:
             eval_dataset = load_prepared(run_dir)[1]
         except Exception as exc:  # no data stage: the check falls back to the regression prompts
             log.warning("no held-out split for the merge check (%s); using the regression prompts", exc)
+    out = rundir.export_dir(run_dir)
+    with outputs.staged(out, _export_bytes(cfg, plan, source)) as staging:
+        summary = _write_export(cfg, run_dir, plan, staging, identity, eval_dataset)
+    _print_summary(summary, out)
+    do_merge = x.merge or not cfg.method.uses_adapters
+    if do_merge and x.evaluate_merged:
+        summary["eval"] = eval_stage.run(cfg, run_dir, ["merged"], eval_dataset=eval_dataset)
+    return summary
+
+
+def _export_bytes(cfg: Config, plan: Plan, source: Path) -> int:
+    """About what export/ takes: the merged weights in the merge dtype (fp32 on the CPU, where the plan's
+    bf16 estimate is half of it) and the adapter's copy."""
+    merged = cfg.export.merge or not cfg.method.uses_adapters
+    weights = plan.params_total * (4 if merge.merge_dtype(cfg) == "fp32" else 2) if merged else 0
+    return weights + (merge.dir_size(source) if cfg.method.uses_adapters else 0)
+
+
+def _write_export(
+    cfg: Config, run_dir: Path, plan: Plan, out: Path, identity: outputs.Identity, eval_dataset: Any
+) -> dict[str, Any]:
+    """Everything export/ holds, written into `out` (the staging folder); export.json's content."""
+    x = cfg.export
     tokenizer = load_tokenizer(cfg.model)
-    summary: dict[str, Any] = {"method": cfg.method.name, "model": cfg.model.name}
+    summary: dict[str, Any] = {
+        "method": cfg.method.name,
+        "model": cfg.model.name,
+        "made_from": identity.to_dict(),
+    }
 
     if cfg.method.uses_adapters:
         summary["adapter"] = copy_adapter(cfg, run_dir, out / rundir.EXPORT_ADAPTER_DIR)
@@ -80,7 +114,6 @@ def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> 
         tolerance = x.tolerance_for("bf16" if lossy else check["dtype"])
         check = {"ok": check["max_abs_diff"] <= tolerance, "max_abs_diff": check["max_abs_diff"],
                  "tolerance": tolerance, "lossy": lossy, **{k: v for k, v in check.items() if k != "max_abs_diff"}}  # fmt: skip
-        rundir.write_json(out / rundir.MERGE_CHECK_FILE, check)
         summary["merge_check"] = check
         if not check["ok"] and lossy:
             log.warning(
@@ -91,11 +124,15 @@ def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> 
         elif not check["ok"]:
             raise merge.ExportError(
                 f"merge check failed: max |logits(merged) - logits(adapter)| = {check['max_abs_diff']:.3g} "
-                f"> export.tolerance={tolerance:g} (details in {out / rundir.MERGE_CHECK_FILE}); nothing was saved to {rundir.MERGED_DIR}/"
+                f"> export.tolerance={tolerance:g} (mean {check['mean_abs_diff']:.3g}, top-1 agreement "
+                f"{check['top1_agreement']:.4f} over {check['tokens']} tokens); nothing was exported, "
+                f"{rundir.EXPORT_DIR}/ is as it was"
             )
-        summary["merged"] = merge.save_model(model, tokenizer, rundir.merged_dir(run_dir), x.max_shard_size)
+        summary["merged"] = merge.save_model(model, tokenizer, out / rundir.MERGED_DIR, x.max_shard_size)
         del model
         gc.collect()
+        # After the merged model it checks, in the same staging folder: both go into place together.
+        rundir.write_json(out / rundir.MERGE_CHECK_FILE, check)
 
     commands = serve.serve_commands(
         cfg,
@@ -105,13 +142,14 @@ def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> 
         base_source=model_source(cfg.model) if cfg.method.spec.serve_adapter else None,
         merged_4bit=bool(summary.get("merge_check", {}).get("lossy")),
     )
-    serve.write(cfg, out / rundir.SERVE_FILE, commands)
+    serve.write(cfg, out / rundir.SERVE_FILE, commands, identity)
     summary["serve"] = {c.variant: {"argv": list(c.argv), "note": c.note} for c in commands}
+    final = rundir.export_dir(run_dir)  # export.json names where things will be, not the staging folder
+    for part in ("adapter", "merged"):
+        if part in summary:
+            summary[part]["path"] = str(final / Path(summary[part]["path"]).name)
     rundir.write_json(out / rundir.EXPORT_SUMMARY_FILE, summary)
-    _print_summary(summary, out)
-
-    if do_merge and x.evaluate_merged:
-        summary["eval"] = eval_stage.run(cfg, run_dir, ["merged"], eval_dataset=eval_dataset)
+    outputs.write_made_from(out, identity)
     return summary
 
 
@@ -119,6 +157,9 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
     from rich.console import Console
 
     console = Console(stderr=True)
+    made_from = outputs.Identity.from_dict(summary["made_from"])
+    if made_from is not None:
+        console.print(f"exported: {made_from.describe()}", highlight=False)
     check = summary.get("merge_check")
     if check:
         console.print(
@@ -132,4 +173,5 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
         )
     if "adapter" in summary:
         console.print(f"adapter: {summary['adapter']['size_bytes'] / 1e6:,.2f} MB")
-    console.print(f"serve: bash {out / rundir.SERVE_FILE} [{'|'.join(summary['serve'])}]")
+    serve_line = rundir.command_line("bash", out / rundir.SERVE_FILE)
+    console.print(f"serve: {console_text(serve_line)} {console_text('[' + '|'.join(summary['serve']) + ']')}")

@@ -233,7 +233,8 @@ class EngineFiles:
 
 def _write_if_changed(path: Path, text: str) -> None:
     """Every rank may call this with the same text; the atomic rename makes concurrent writers harmless."""
-    if not path.is_file() or path.read_text() != text:
+    rundir.check_target(path)  # before reading it: a planted link is neither followed nor kept
+    if not path.is_file() or rundir.read_own_text(path) != text:
         rundir.atomic_write_text(path, text)
 
 

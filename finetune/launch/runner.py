@@ -147,15 +147,16 @@ def detach(script: Path, log: Path, session: str, runner: Runner, which: Which) 
     if which("tmux"):
         inner = f"bash {script_q} 2>&1 | tee -a {log_q}; exit ${{PIPESTATUS[0]}}"
         code = runner(["tmux", "new-session", "-d", "-s", session, f"bash -c {shlex.quote(inner)}"], {}, cwd)
+        attach = rundir.command_line("tmux", "attach", "-t", session)
         if code != 0:
             raise LaunchError(
-                f"tmux could not start session {session!r} (exit {code}); if it exists: tmux attach -t {session}, "
+                f"tmux could not start session {session!r} (exit {code}); if it exists: {attach}, "
                 "or choose another name with launch.session=NAME"
             )
         return [
             f"started in tmux session {session!r}",
-            f"  attach:  tmux attach -t {session}      (detach again: Ctrl-b d)",
-            f"  follow:  tail -f {log}",
+            f"  attach:  {attach}      (detach again: Ctrl-b d)",
+            f"  follow:  {rundir.command_line('tail', '-f', log)}",
         ]
     pid_file = script.with_name(rundir.LAUNCH_PID_FILE)
     line = f"nohup bash {script_q} > {log_q} 2>&1 < /dev/null & echo $! > {shlex.quote(str(pid_file))}"
@@ -164,6 +165,6 @@ def detach(script: Path, log: Path, session: str, runner: Runner, which: Which) 
         raise LaunchError(f"nohup could not start {script} (exit {code})")
     return [
         "started under nohup (tmux not found)",
-        f"  follow:  tail -f {log}",
-        f"  stop:    kill $(cat {pid_file})",
+        f"  follow:  {rundir.command_line('tail', '-f', log)}",
+        f"  stop:    kill $({rundir.command_line('cat', pid_file)})",
     ]

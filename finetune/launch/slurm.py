@@ -17,7 +17,7 @@ from finetune.core.errors import LaunchError
 from finetune.launch.commands import python_of, tool, worker_args
 from finetune.launch.engines import EngineFiles
 from finetune.planner import Layout
-from finetune.rundir import export_line, shell_comment
+from finetune.rundir import command_line, export_line, shell_comment
 
 
 def sbatch_script(
@@ -68,7 +68,7 @@ def sbatch_script(
     lines += [
         shell_comment(
             f"{run_name}: {lay.engine.runs_as} on {lay.nnodes} node(s) x {lay.nproc_per_node} process(es); "
-            f"submit: sbatch {run_dir / rundir.SBATCH_FILE}"
+            f"submit: {command_line('sbatch', run_dir / rundir.SBATCH_FILE)}"
         ),
         "set -euo pipefail",
         f"cd {q(cwd)}",

@@ -161,13 +161,14 @@ def _write_launch_script(
     script = run_dir / rundir.LAUNCH_SCRIPT
     header = [
         f"{name}: {describe(files, lay)}",
-        "Written by mode=launch; re-run as is: bash " + str(script),
+        "Written by mode=launch; re-run as is: " + rundir.command_line("bash", script),
     ]
-    rundir.atomic_write_text(
-        script, launch_script(script_cmd if lay.nnodes > 1 else cmd, lay, launch, header)
-    )
     # Only the owner may read a script that names where its secrets come from.
-    script.chmod(0o700 if rundir.references_secrets(cmd.env) else 0o755)
+    rundir.atomic_write_text(
+        script,
+        launch_script(script_cmd if lay.nnodes > 1 else cmd, lay, launch, header),
+        mode=0o700 if rundir.references_secrets(cmd.env) else 0o755,
+    )
     return cmd, script
 
 
@@ -176,11 +177,12 @@ def _print_command(cmd: Command, script: Path, lay: Layout, launch: LaunchConfig
     for key, value in cmd.env.items():
         print(f"  {rundir.export_line(key, value)}")
     print(f"  {cmd.shell()}")
-    print(f"script: {script}")
+    print(f"script: {rundir.command_line(script)}")
     if lay.nnodes > 1:
         others = ", ".join(str(r) for r in range(lay.nnodes) if r != launch.node_rank)
         print(
-            f"  on the other nodes ({others}): NODE_RANK=<rank> bash {script}  (or mode=launch launch.node_rank=<rank>)"
+            f"  on the other nodes ({others}): NODE_RANK=<rank> {rundir.command_line('bash', script)}  "
+            "(or mode=launch launch.node_rank=<rank>)"
         )
     if lay.nnodes > 1 and launch.master_addr in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: launch.master_addr={launch.master_addr} is each node itself; give node 0's address")
@@ -191,6 +193,9 @@ def _detach(
 ) -> int:
     """launch.sh started in a tmux session (or under nohup), its output in run_dir/launch.log."""
     session = launch.session or re.sub(r"[^\w-]", "-", f"ft-{name}")
+    # The shell appends to the log and writes the pid file in place: never through a planted link.
+    for path in (run_dir / rundir.LAUNCH_LOG, run_dir / rundir.LAUNCH_PID_FILE):
+        rundir.check_target(path)
     for line in detach(script, run_dir / rundir.LAUNCH_LOG, session, runner, which):
         print(line)
     return 0
@@ -217,20 +222,20 @@ def _slurm(
 ) -> int:
     path = run_dir / rundir.SBATCH_FILE
     text = sbatch_script(launch, lay, files, run_dir, cfg.name, env, os.getcwd(), vcpus=plan.hardware.vcpus)
-    rundir.atomic_write_text(path, text)
-    path.chmod(0o700 if rundir.references_secrets(env) else 0o644)
-    print(f"sbatch script: {path}")
+    rundir.atomic_write_text(path, text, mode=0o700 if rundir.references_secrets(env) else 0o644)
+    submit = rundir.command_line("sbatch", path)
+    print(f"sbatch script: {rundir.command_line(path)}")
     print(text, end="")
     if launch.dry_run:
-        print(f"dry run: not submitted (sbatch {path})")
+        print(f"dry run: not submitted ({submit})")
         return 0
     sbatch = which("sbatch")
     if not sbatch:
-        print(f"sbatch not found here: submit from the cluster's login node with  sbatch {path}")
+        print(f"sbatch not found here: submit from the cluster's login node with  {submit}")
         return 0
     code = runner([sbatch, str(path)], {}, str(run_dir))
     if code == 0:
-        print(f"submitted; logs: {run_dir}/slurm-<jobid>.out  (squeue --me to watch)")
+        print(f"submitted; logs: {rundir.command_line(run_dir)}/slurm-<jobid>.out  (squeue --me to watch)")
     else:
         print(f"launch: sbatch exited with {code}")
     return code

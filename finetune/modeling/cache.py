@@ -15,6 +15,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from finetune.core.errors import DiskFullError, is_disk_full
+from finetune.rundir.files import free_bytes
+
 
 def root() -> Path:
     return Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune")
@@ -33,6 +36,10 @@ def build_once(target: Path, build: Callable[[Path], None]) -> Path:
         except OSError:  # another process won the race; use its copy
             if not target.is_dir():
                 raise
+    except Exception as exc:  # safetensors' own error on a full disk is no OSError
+        if is_disk_full(exc):
+            raise DiskFullError(target, None, free_bytes(target.parent)) from None
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -21,7 +21,8 @@ Precision: `method.precision` (`auto`: bf16 on GPUs, fp32 on the CPU); bf16 is u
 where the device runs it natively (CUDA with bf16, CPUs with AVX512-BF16 or AMX),
 elsewhere training falls back to fp32 and says so. Full fine-tuning keeps fp32 master
 weights under bf16 autocast; LoRA freezes the base in the compute dtype and keeps the
-adapters in `method.adapter_dtype`; QLoRA stores the frozen linear weights in 4 bits.
+adapters in `method.adapter_dtype`; QLoRA stores the frozen linear weights in 4 bits (packed in uint8,
+or in the training dtype where FSDP2 or ZeRO-3 divide them across ranks).
 
 torch, transformers, PEFT and bitsandbytes are imported inside the functions: the
 pipeline imports this module on `mode=plan`'s path, which loads none of them.
@@ -346,7 +347,15 @@ def load_pretrained(model: ModelConfig, source: str, **kwargs: Any) -> Any:
 # ---------------------------------------------------------------- the pieces each method adds
 
 
-def quantization_config(method: MethodConfig, compute_dtype: torch.dtype) -> Any:
+def quantization_config(
+    method: MethodConfig, compute_dtype: torch.dtype, storage_dtype: Optional[torch.dtype] = None
+) -> Any:
+    """bitsandbytes' 4-bit settings: dequantized to `compute_dtype`, packed into `storage_dtype` (uint8 if None).
+
+    The storage dtype changes no value: the same bytes, read as 2 (uint8) or 4 (bf16) values an element
+    (tests/test_qlora_sharded.py), so a base loaded for evaluation or export in uint8 is the trained one.
+    """
+    import torch
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
@@ -354,6 +363,7 @@ def quantization_config(method: MethodConfig, compute_dtype: torch.dtype) -> Any
         bnb_4bit_quant_type=method.quant_type,
         bnb_4bit_use_double_quant=method.double_quant,
         bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_quant_storage=storage_dtype or torch.uint8,
     )
 
 
@@ -441,21 +451,35 @@ def add_adapters(model: Any, method: MethodConfig) -> Any:
 # ---------------------------------------------------------------- training
 
 
-def _training_device_map(cfg: Config) -> Any:
-    """QLoRA places the quantized weights at load time: this rank's GPU, or the CPU."""
-    import torch
+def _training_device_map(cfg: Config, sharded: bool) -> Any:
+    """Where QLoRA's weights are quantized while they load (bitsandbytes places them at load time).
 
-    if cfg.hardware.device == "cuda" and torch.cuda.is_available():
+    ZeRO-3: nowhere given. transformers refuses a device map under ZeRO-3, loads a quantized model without
+    zero.Init and quantizes it on this rank's GPU (the CPU without one); DeepSpeed then partitions it, so each
+    GPU holds the whole 4-bit base for a moment. FSDP2: the CPU, tensor by tensor as they load; fully_shard
+    then moves one decoder layer at a time to this rank's GPU and keeps its shard, so no GPU holds the whole
+    4-bit base. One process and DDP: this rank's GPU, or the CPU.
+    """
+    import torch
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        return None
+    if cfg.hardware.device == "cuda" and torch.cuda.is_available() and not sharded:
         return {"": int(os.environ.get("LOCAL_RANK", "0"))}
     return {"": "cpu"}
 
 
-def load_for_training(cfg: Config) -> tuple[Any, torch.dtype]:
+def load_for_training(cfg: Config, sharded: bool = False) -> tuple[Any, torch.dtype]:
     """The model ready to train with `cfg.method`, and the compute dtype (bf16 or fp32) to train it in.
 
     Under DeepSpeed ZeRO-3, build the trainer's arguments first (`build_sft_config`) and keep them
     alive: their DeepSpeed config makes `from_pretrained` load each rank's partition only
-    (`deepspeed.zero.Init`) instead of the whole model on every rank.
+    (`deepspeed.zero.Init`) instead of the whole model on every rank; a quantized model is the
+    exception (transformers loads it without zero.Init, see `_training_device_map`).
+
+    `sharded`: the plan's engine divides the weights across ranks (FSDP2, ZeRO-3); QLoRA's 4-bit weights
+    are then packed in the training dtype, not uint8.
     """
     import torch
 
@@ -470,8 +494,11 @@ def load_for_training(cfg: Config) -> tuple[Any, torch.dtype]:
     elif spec.quantized_base:
         quant_dtype = resolve_dtype(method.quant_compute_dtype_on(device), device, key="method.compute_dtype")
         kwargs["dtype"] = quant_dtype
-        kwargs["quantization_config"] = quantization_config(method, quant_dtype)
-        kwargs["device_map"] = _training_device_map(cfg)
+        # FSDP2 and ZeRO-3 divide floating-point parameters only, and cast each to the training dtype (FSDP2's
+        # param_dtype, DeepSpeed's bf16): packed in that dtype, the 4-bit weights are divided and never recast.
+        storage = compute_dtype if sharded else None
+        kwargs["quantization_config"] = quantization_config(method, quant_dtype, storage)
+        kwargs["device_map"] = _training_device_map(cfg, sharded)
     else:  # a frozen base in the compute dtype
         kwargs["dtype"] = compute_dtype
     model = load_pretrained(cfg.model, model_source(cfg.model), **kwargs)

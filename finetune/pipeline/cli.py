@@ -24,6 +24,7 @@ from finetune.core.errors import (
     interrupt_on_signals,
     is_disk_full,
 )
+from finetune.core.markup import terminal_line
 from finetune.core.secrets import install_log_filter
 from finetune.pipeline import smoke, stages
 from finetune.rundir import free_bytes
@@ -51,13 +52,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             smoke.run(cfg, args)
         return run(cfg)
     except FinetuneError as exc:
-        print(f"finetune: error: {exc}", file=sys.stderr)
+        print(f"finetune: error: {terminal_line(exc)}", file=sys.stderr)
         return exc.exit_code
-    except OSError as exc:
+    except Exception as exc:  # an OSError, or a library's own error that says so (safetensors')
         if not is_disk_full(exc):
             raise
-        where = exc.filename or os.getcwd()
-        print(f"finetune: error: {DiskFullError(where, None, free_bytes(Path(where)))}", file=sys.stderr)
+        where = getattr(exc, "filename", None) or os.getcwd()
+        print(
+            f"finetune: error: {terminal_line(DiskFullError(where, None, free_bytes(Path(where))))}",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt as exc:
         name = getattr(exc, "signal_name", "SIGINT")

@@ -18,7 +18,8 @@ from typing import Any, Optional
 
 from finetune import rundir
 from finetune.core.config import RUNS_DIR
-from finetune.core.errors import ConfigError
+from finetune.core.errors import ConfigError, FinetuneError
+from finetune.core.markup import console_text, markdown_cell
 from finetune.modeling.models import VARIANTS
 
 # Config keys that differ between any two runs without being a knob of the experiment.
@@ -50,24 +51,38 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: node}
 
 
+def _read(file: Path, parse: Any) -> Any:
+    """A compared run's file, parsed; a damaged one is one line naming it (a link or FIFO there too)."""
+    if not file.is_file():
+        return {}
+    try:
+        doc = parse(rundir.read_own_text(file))
+    except FinetuneError:
+        raise
+    except Exception as exc:
+        # JSON's and YAML's errors: the file is not what finetune writes.
+        raise ConfigError(f"runs: {file} is damaged ({type(exc).__name__}); run its stage again") from None
+    return doc if isinstance(doc, dict) else {}
+
+
 def _config(path: Path) -> dict[str, Any]:
     import yaml
 
-    file = path / rundir.CONFIG_FILE
-    return _flatten(yaml.safe_load(file.read_text()) or {}) if file.is_file() else {}
+    return _flatten(_read(path / rundir.CONFIG_FILE, yaml.safe_load))
 
 
 def _metrics(path: Path) -> tuple[dict[str, dict], dict[str, Any], str]:
     """({variant: metrics}, training summary, source file) of one run."""
     evaluation = rundir.eval_dir(path) / rundir.EVAL_METRICS_FILE
-    training = path / rundir.METRICS_FILE
-    train_doc = json.loads(training.read_text()) if training.is_file() else {}
+    train_doc = _read(path / rundir.METRICS_FILE, json.loads)
     if evaluation.is_file():
-        doc, source = json.loads(evaluation.read_text()), f"{rundir.EVAL_DIR}/{rundir.EVAL_METRICS_FILE}"
+        doc, source = _read(evaluation, json.loads), f"{rundir.EVAL_DIR}/{rundir.EVAL_METRICS_FILE}"
     else:
         doc, source = train_doc.get("eval", {}), rundir.METRICS_FILE
+    doc = doc if isinstance(doc, dict) else {}
     variants = {v: doc[v] for v in VARIANTS if isinstance(doc.get(v), dict)}
-    return variants, train_doc.get("train", {}), source
+    train = train_doc.get("train", {})
+    return variants, train if isinstance(train, dict) else {}, source
 
 
 def _is_number(value: Any) -> bool:
@@ -134,13 +149,14 @@ def _fmt(value: Any) -> str:
 
 
 def markdown(table: dict[str, Any]) -> str:
-    names = [r["name"] for r in table["runs"]]
+    """compare.md: run names, keys and values are user text, escaped (`markup.markdown_cell`)."""
+    names = [markdown_cell(r["name"]) for r in table["runs"]]
     lines = ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for row in table["rows"]:
-        cells = [_fmt(v).replace("|", "\\|") for v in row["values"]]
+        cells = [markdown_cell(_fmt(v)) for v in row["values"]]
         if row["best"] is not None:
             cells[row["best"]] = f"**{cells[row['best']]}**"
-        lines.append(f"| {row['key']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {markdown_cell(row['key'])} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("Bold: the best value of a row (lowest loss, memory and time; highest task scores).")
     return "\n".join(lines) + "\n"
@@ -153,16 +169,16 @@ def print_table(table: dict[str, Any], console: Optional[Any] = None) -> None:
     t = Table(title="runs compared", header_style="bold")
     t.add_column("")
     for r in table["runs"]:
-        t.add_column(r["name"], justify="right")
+        t.add_column(console_text(r["name"]), justify="right")
     section = None
     for row in table["rows"]:
         if section is not None and row["kind"] != section:
             t.add_section()
         section = row["kind"]
-        cells = [_fmt(v) for v in row["values"]]
+        cells = [console_text(_fmt(v)) for v in row["values"]]
         if row["best"] is not None:
             cells[row["best"]] = f"[bold green]{cells[row['best']]}[/bold green]"
-        t.add_row(row["key"], *cells)
+        t.add_row(console_text(row["key"]), *cells)
     (console or Console()).print(t)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from finetune.core.markup import console_text
 from finetune.planner import Plan
 
 
@@ -13,13 +14,16 @@ def _gb(value: float) -> str:
 
 
 def print_plan(plan: Plan, title: str, console: Console | None = None) -> None:
+    """The plan on the console; names, paths and reasons hold user text, escaped (`markup.console_text`)."""
     console = console or Console()
     hw, s, m = plan.hardware, plan.strategy, plan.gpu_memory
     verdict = "[bold green]FITS[/]" if plan.fits else "[bold red]DOES NOT FIT[/]"
     gpus = f"{hw.total_gpus} x " if hw.total_gpus > 1 else ""
-    kind = f"{' / '.join(hw.gpu_names)}, " if hw.name == "local" and hw.gpu_names else ""  # what was detected
+    # What was detected on this machine (hardware=local): the names nvidia-smi gives.
+    kind = f"{console_text(' / '.join(hw.gpu_names))}, " if hw.name == "local" and hw.gpu_names else ""
     console.print(
-        f"\n[bold]{title}[/] on [bold]{hw.name}[/] ({gpus}{kind}{hw.gpu_memory_gb:g} GB): {verdict}"
+        f"\n[bold]{console_text(title)}[/] on [bold]{console_text(hw.name)}[/] ({gpus}{kind}{hw.gpu_memory_gb:g} GB): "
+        f"{verdict}"
         f"  - {m.total:,.1f} GB of {plan.usable_gpu_memory_gb:,.1f} GB usable per GPU"
     )
     console.print(
@@ -62,14 +66,14 @@ def print_plan(plan: Plan, title: str, console: Console | None = None) -> None:
         if items:
             console.print(f"[bold]{title_}:[/]")
             for item in items:
-                console.print(f"  - {item}")
+                console.print(f"  - {console_text(item)}")
     if plan.alternatives:
         alts = Table(title="alternatives")
         for col in ("hardware", "fits", "GB per GPU", "USD/month"):
             alts.add_column(col)
         for a in plan.alternatives:
             alts.add_row(
-                a.hardware,
+                console_text(a.hardware),
                 "yes" if a.fits else "no",
                 _gb(a.total_gb),
                 "-" if a.usd_per_month is None else f"{a.usd_per_month:,.0f}",

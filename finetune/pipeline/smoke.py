@@ -24,6 +24,7 @@ from finetune import rundir
 from finetune.core.composition import compose
 from finetune.core.config import Config
 from finetune.core.errors import FinetuneError, LaunchError
+from finetune.core.markup import terminal_text
 from finetune.data.stage import load_prepared
 from finetune.pipeline import stages
 
@@ -70,7 +71,7 @@ def sibling_overrides(cfg: Config, overrides: Sequence[str], sibling: str) -> li
 
 def _check(report: list[dict[str, Any]], name: str, ok: bool, detail: str) -> None:
     report.append({"check": name, "ok": bool(ok), "detail": detail})
-    print(f"smoke: {'ok  ' if ok else 'FAIL'} {name}: {detail}")
+    print(f"smoke: {'ok  ' if ok else 'FAIL'} {name}: {terminal_text(detail)}")
 
 
 def run(cfg: Config, overrides: Sequence[str], hub_check: Any = hub_reachable) -> dict[str, Any]:
@@ -109,6 +110,9 @@ def run(cfg: Config, overrides: Sequence[str], hub_check: Any = hub_reachable) -
         )
         checkpoint = rundir.checkpoint_dir(smoke_dir) / f"checkpoint-{steps}"
         _check(report, "save", checkpoint.is_dir(), str(checkpoint))
+        # Read before the resumed run: training a new model moves this export aside (superseded-export/).
+        merge = json.loads((rundir.export_dir(smoke_dir) / rundir.MERGE_CHECK_FILE).read_text())
+        _check(report, "merge", merge["ok"], f"max |logit diff| {merge['max_abs_diff']:.3g}")
         # Later overrides win: the same smoke run, resumed for two more steps.
         resumed_cfg = compose(
             [*smoke_overrides, "mode=train", "resume=true", f"train.max_steps={steps + RESUME_EXTRA_STEPS}"]
@@ -119,8 +123,6 @@ def run(cfg: Config, overrides: Sequence[str], hub_check: Any = hub_reachable) -
             f"checkpoint-{steps}"
         )
         _check(report, "resume", ok, f"resumed from {resumed.get('resumed_from')} to step {resumed['steps']}")
-        merge = json.loads((rundir.export_dir(smoke_dir) / rundir.MERGE_CHECK_FILE).read_text())
-        _check(report, "merge", merge["ok"], f"max |logit diff| {merge['max_abs_diff']:.3g}")
     except FinetuneError as exc:
         _check(report, "pipeline", False, str(exc))
     except (OSError, KeyError, json.JSONDecodeError) as exc:

@@ -17,6 +17,7 @@ from finetune import rundir
 from finetune.core.composition import load_profiles
 from finetune.core.config import RUNS_DIR, Config
 from finetune.core.errors import INTERRUPTED_EXIT_CODE, ConfigError, LaunchError, PlanError
+from finetune.core.markup import terminal_text
 from finetune.data import stage as data_stage
 from finetune.launch import stage as launch_stage
 from finetune.modeling import models
@@ -48,7 +49,7 @@ def data_seq_len(run_dir: Path) -> Optional[int]:
     stats = run_dir / rundir.DATA_STATS_FILE
     if not stats.is_file():
         return None
-    value = json.loads(stats.read_text()).get("seq_len")
+    value = json.loads(rundir.read_own_text(stats)).get("seq_len")
     return int(value) if value else None
 
 
@@ -122,46 +123,82 @@ def train_stage(cfg: Config, run_dir: Path, plan: Plan) -> int:
 # (the chunked loss and the collator are torch modules), and mode=plan, data and launch load none of them.
 
 
-def eval_stage(cfg: Config, run_dir: Path) -> None:
+def eval_stage(cfg: Config, run_dir: Path) -> dict:
     """mode=eval: base, trained and merged models on the same held-out prompts (finetune/evaluation/stage.py)."""
     from finetune.evaluation import stage as evaluation
 
-    evaluation.run(cfg, run_dir)
+    return evaluation.run(cfg, run_dir)
 
 
-def export_stage(cfg: Config, run_dir: Path, plan: Plan) -> None:
+def export_stage(cfg: Config, run_dir: Path, plan: Plan) -> dict:
     """mode=export: merge, check, save, serve.sh (finetune/export/stage.py)."""
     from finetune.export import stage as export
 
-    export.run(cfg, run_dir, plan)
+    return export.run(cfg, run_dir, plan)
 
 
-def _print_summary(run_dir: Path) -> None:
-    metrics_path = rundir.eval_dir(run_dir) / rundir.EVAL_METRICS_FILE
-    print(f"\nrun directory: {run_dir}")
-    for name in (
-        rundir.CONFIG_FILE,
-        rundir.PLAN_FILE,
-        rundir.DATA_STATS_FILE,
-        rundir.METRICS_FILE,
-        f"{rundir.EVAL_DIR}/{rundir.EVAL_METRICS_FILE}",
-        f"{rundir.EVAL_DIR}/{rundir.EVAL_REPORT_FILE}",
-        f"{rundir.EXPORT_DIR}/{rundir.MERGED_DIR}",
-        f"{rundir.EXPORT_DIR}/{rundir.EXPORT_ADAPTER_DIR}",
-        f"{rundir.EXPORT_DIR}/{rundir.SERVE_FILE}",
-    ):
-        if (run_dir / name).exists():
+# What the summary lists, when this run wrote it.
+SUMMARY_FILES = (
+    rundir.CONFIG_FILE,
+    rundir.PLAN_FILE,
+    rundir.DATA_STATS_FILE,
+    rundir.METRICS_FILE,
+    rundir.ADAPTER_DIR,
+    rundir.MODEL_DIR,
+    f"{rundir.EVAL_DIR}/{rundir.EVAL_METRICS_FILE}",
+    f"{rundir.EVAL_DIR}/{rundir.EVAL_REPORT_FILE}",
+    f"{rundir.EXPORT_DIR}/{rundir.MERGED_DIR}",
+    f"{rundir.EXPORT_DIR}/{rundir.EXPORT_ADAPTER_DIR}",
+    f"{rundir.EXPORT_DIR}/{rundir.SERVE_FILE}",
+)
+
+
+def _stamps(run_dir: Path) -> dict[str, Optional[tuple[int, int, int]]]:
+    """Each summary file's (inode, mtime, size), None when absent: what changed since is what this run wrote
+    (outputs are renamed into place whole, so a new one is a new inode)."""
+    stamps: dict[str, Optional[tuple[int, int, int]]] = {}
+    for name in SUMMARY_FILES:
+        try:
+            st = (run_dir / name).stat()
+            stamps[name] = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            stamps[name] = None
+    return stamps
+
+
+def _training_scores(run_dir: Path, before: dict[str, Optional[tuple[int, int, int]]]) -> dict[str, dict]:
+    """The training stage's base-vs-trained scores, when this run trained (not a dry run, a detached or
+    SLURM launch, or a run already complete)."""
+    path = run_dir / rundir.METRICS_FILE
+    if _stamps(run_dir)[rundir.METRICS_FILE] in (None, before[rundir.METRICS_FILE]):
+        return {}
+    try:
+        doc = json.loads(rundir.read_own_text(path))
+    except ValueError:
+        return {}  # written whole or not at all: a damaged one is not ours to summarise
+    if not isinstance(doc, dict) or (doc.get("train") or {}).get("already_complete"):
+        return {}
+    scores = doc.get("eval") or {}
+    return {v: scores[v] for v in models.VARIANTS if isinstance(scores.get(v), dict)}
+
+
+def _print_summary(
+    run_dir: Path, before: dict[str, Optional[tuple[int, int, int]]], scores: dict[str, dict]
+) -> None:
+    """The files this run wrote and the scores of the models it evaluated; nothing an earlier run left."""
+    print(f"\nrun directory: {terminal_text(run_dir)}")
+    after = _stamps(run_dir)
+    for name in SUMMARY_FILES:
+        if after[name] is not None and after[name] != before[name]:
             print(f"  {name}")
-    if metrics_path.is_file():
-        metrics = json.loads(metrics_path.read_text())
-        for variant in ("base", "trained", "merged"):
-            if variant in metrics:
-                values = ", ".join(
-                    f"{k} {v:.4f}"
-                    for k, v in metrics[variant].items()
-                    if isinstance(v, (int, float)) and "/" not in k
-                )
-                print(f"  {variant:8s} {values}")
+    for variant in models.VARIANTS:
+        if variant in scores:
+            values = ", ".join(
+                f"{terminal_text(k)} {v:.4f}"
+                for k, v in scores[variant].items()
+                if isinstance(v, (int, float)) and "/" not in k
+            )
+            print(f"  {variant:8s} {values}")
 
 
 def run(cfg: Config) -> int:
@@ -173,6 +210,7 @@ def run(cfg: Config) -> int:
         rundir.mark_owned(out)
         return 0
     run_dir = rundir.prepare(cfg)
+    before = _stamps(run_dir)
     rundir.check_resumable(cfg, run_dir)
     rundir.save_config(cfg, run_dir)
     mode = cfg.mode
@@ -193,16 +231,21 @@ def run(cfg: Config) -> int:
     cfg = replace(
         cfg, hardware=plan.hardware
     )  # from here on the plan's profile (hardware=auto: the chosen one)
+    scores: dict[str, dict] = {}  # of the models this run evaluated
     if mode in ("train", "all"):
         _enter("the training stage")
         code = train_stage(cfg, run_dir, plan)
         if code:
             return code
+        scores.update(_training_scores(run_dir, before))
     if mode in ("eval", "all"):
         _enter("the evaluation stage")
-        eval_stage(cfg, run_dir)
+        evaluated = eval_stage(cfg, run_dir)
+        scores.update({v: evaluated[v] for v in models.VARIANTS if v in evaluated})
     if mode in ("export", "all"):
         _enter("the export stage")
-        export_stage(cfg, run_dir, plan)
-    _print_summary(run_dir)
+        merged = export_stage(cfg, run_dir, plan).get("eval", {}).get("merged")
+        if merged is not None:
+            scores["merged"] = merged
+    _print_summary(run_dir, before, scores)
     return 0

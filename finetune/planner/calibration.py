@@ -24,7 +24,8 @@ class DeviceCalibration:
 
     # CUDA: the context, cuBLAS/NCCL handles (device memory outside PyTorch's allocator). CPU: the process.
     fixed_gb: float
-    # The allocator's reserved-but-unused share, as a fraction of the four terms.
+    # The allocator's reserved-but-unused share, as a fraction of what a step allocates and frees
+    # (memory.fluctuating: activations, the loss, the working set above it, the gradients).
     allocator_fraction: float
     # Transient gradients of one layer's activations during its backward, as a fraction of what the layer saved.
     backward_working_set_layers: float

@@ -15,12 +15,14 @@ versions of ARCHITECTURE.md, "Checked against"; MEMORY_MODEL.md has the tables):
   ones 4 + 4 + 8 (PEFT casts each adapter input to fp32, autocast casts it
   back); bf16 ones keep no fp32 master copy with torch's AdamW and bf16
   moments: 2 + 2 + 4. DDP adds its gradient buckets.
-- FSDP2: accelerate upcasts every trainable parameter to fp32 and shards it;
-  MixedPrecisionPolicy gathers each layer in bf16 for compute (so activations
-  are bf16's, adapters compute in bf16): 4 + 4 + 8 a trainable parameter over
-  the shards, the frozen base in its dtype over the shards, two gathered layers,
-  and the tail unit (final norm and LM head; with tied weights the embedding)
-  held unsharded from the end of the forward to the start of the backward.
+- FSDP2: accelerate upcasts every trainable parameter to fp32 and shards it
+  (not when the model holds bitsandbytes' 4-bit weights: QLoRA's adapters stay
+  in their dtype); MixedPrecisionPolicy gathers each layer in bf16 for compute
+  (so activations are bf16's, adapters compute in bf16): 4 + 4 + 8 a trainable
+  parameter over the shards, the frozen base in its dtype over the shards, two
+  gathered layers, and the tail unit (final norm and LM head; with tied weights
+  the embedding) held unsharded from the end of the forward to the start of the
+  backward.
 - ZeRO-3 (bf16): every parameter bf16, adapters too; fp32 master and moments in
   the optimizer's partitions: 2 + 2 + 4 + 8 over the shards, one fp32 gradient
   buffer for an optimizer sub-group, a reduce bucket, two gathered layers, and
@@ -28,6 +30,11 @@ versions of ARCHITECTURE.md, "Checked against"; MEMORY_MODEL.md has the tables):
   weights, moments and gradient partitions in host RAM (18 bytes a trainable
   parameter: stage3.py's fp32 sub-group gradients and bf16 gradient partitions
   live there too).
+- Sharded QLoRA (either engine): the 4-bit weights are stored in the compute
+  dtype (bitsandbytes' `bnb_4bit_quant_storage`), so the engine divides and
+  gathers them as stored, half a byte a weight; their quantization constants
+  are no parameters (bitsandbytes keeps them in each weight's `quant_state`),
+  so every rank holds all of them.
 """
 
 from __future__ import annotations
@@ -133,12 +140,14 @@ def runtime(job: Job, s: Strategy) -> Runtime:
     autocast = compute == 2 and not engine.deepspeed
     full_weights = 2 if engine.deepspeed and compute == 2 else 4
     stored = 4 if job.method.adapter_dtype == "fp32" else 2
-    if engine.fp32_trainable:
-        stored, adapter_compute = 4, compute  # accelerate upcasts trainable parameters; gathered in bf16
-    elif engine.deepspeed:
+    if engine.deepspeed:
         stored = adapter_compute = compute  # DeepSpeed's bf16 casts every parameter
     else:
-        adapter_compute = stored
+        # accelerate's fsdp2_prepare_model upcasts trainable parameters to fp32, except in a model holding
+        # bitsandbytes' Params4bit (fsdp_utils.py: `not model_has_params4bit`); FSDP2 gathers them in bf16
+        if engine.fp32_trainable and not job.method.spec.quantized_base:
+            stored = 4
+        adapter_compute = compute if engine.shards else stored
     fp32_residual = (
         job.method.spec.trains_base_weights and full_weights == 4 and autocast and not engine.shards
     )
@@ -153,13 +162,29 @@ def _shards(job: Job, s: Strategy) -> int:
 
 def _base_bytes(job: Job, rt: Runtime) -> float:
     """The frozen base (adapters) or the stored weights (full fine-tuning), whole."""
+    divided, whole = _base_parts(job, rt)
+    return divided + whole
+
+
+def _kept_bytes(job: Job) -> int:
+    """Bytes of a value QLoRA keeps in 16 bits (embeddings, head, norms): its compute dtype's."""
+    return 2 if job.method.quant_compute_dtype_on(job.hw.device) == "bf16" else 4
+
+
+def _base_parts(job: Job, rt: Runtime) -> tuple[float, float]:
+    """(what a sharded engine divides, what every rank holds whole) bytes of the base, unsharded.
+
+    QLoRA: the 4-bit weights as stored (half a byte a weight in a float storage dtype) and the kept weights
+    are parameters; the NF4 constants live in each weight's `quant_state` (bitsandbytes' Params4bit), which
+    neither FSDP2 nor ZeRO-3 shards.
+    """
     c, spec = job.counts, job.method.spec
     if spec.trains_base_weights:
-        return rt.full_weights * c.total
+        return float(rt.full_weights * c.total), 0.0
     if spec.quantized_base:
-        kept = 2 if job.method.quant_compute_dtype_on(job.hw.device) == "bf16" else 4
-        return c.linear * (4 + quant_constant_bits(job.method.double_quant)) / 8 + kept * c.kept_16bit
-    return rt.compute * c.total
+        constants = c.linear * quant_constant_bits(job.method.double_quant) / 8
+        return c.linear * 4 / 8 + _kept_bytes(job) * c.kept_16bit, constants
+    return float(rt.compute * c.total), 0.0
 
 
 def _moment_bytes(optimizer: str, param_bytes: int) -> int:
@@ -189,9 +214,11 @@ def trainable_state(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
             return weight * n / shards + bucket, host
         sub_group = 4 * min(ZERO3_SUB_GROUP, n / shards)  # fp32 gradients of one optimizer sub-group
         return (weight + grad + master + moments) * n / shards + sub_group + bucket, 0.0
-    if rt.engine.shards:  # FSDP2: fp32 trainable parameters, gradients and moments over the shards
-        weight = 0 if full else 4
-        per = weight + 4 + _moment_bytes(s.optimizer, 4)
+    # FSDP2: trainable parameters (fp32, but QLoRA's in their dtype), gradients and moments over the shards
+    if rt.engine.shards:
+        param = rt.full_weights if full else rt.adapter_storage
+        weight = 0 if full else param
+        per = weight + param + _moment_bytes(s.optimizer, param)
         if s.offload_optimizer:  # CPUOffloadPolicy: parameters, gradients and optimizer state together
             return 0.0, per * n / shards
         return per * n / shards, 0.0
@@ -220,25 +247,57 @@ def load_host_bytes(job: Job, s: Strategy) -> float:
     per_node, spec = job.hw.gpus_per_node, job.method.spec
     load_dtype = 4 if spec.trains_base_weights else (2 if job.method.dtype_on(job.hw.device) == "bf16" else 4)
     whole = float(load_dtype * job.counts.total)
+    shard = min(whole, CHECKPOINT_SHARD_BYTES)
+    if spec.quantized_base and s.engine.shards and not s.engine.deepspeed:
+        # accelerate's FSDP2 skips cpu_ram_efficient_loading for Params4bit: each rank quantizes the whole
+        # model on the CPU, a shard of the checkpoint at a time, and fully_shard divides it afterwards
+        return per_node * (_base_bytes(job, runtime(job, s)) + shard)
     if spec.quantized_base or s.engine.loading == "partitioned":
-        return per_node * min(whole, CHECKPOINT_SHARD_BYTES)
+        # QLoRA on one GPU, DDP or ZeRO-3 quantizes straight onto the GPU (`load_gpu_bytes`)
+        return per_node * shard
     if s.engine.loading == "first":
         return whole
     return per_node * whole
+
+
+def load_gpu_bytes(job: Job, s: Strategy) -> float:
+    """Bytes on each GPU while the model loads, where that is above what training holds, else 0.
+
+    Sharded QLoRA under ZeRO-3: transformers loads a quantized model without zero.Init, so every rank
+    quantizes the whole model onto its GPU (one weight at a time moves there in the compute dtype and is
+    quantized) before DeepSpeed partitions it (finetune/modeling/models.py, tests/test_qlora_sharded.py).
+    """
+    if not (job.method.spec.quantized_base and s.engine.deepspeed):
+        return 0.0
+    rt = runtime(job, s)
+    largest = max(d_in * d_out for d_in, d_out in projection_shapes(job.model).values())
+    return _base_bytes(job, rt) + rt.compute * largest + job.device.fixed_gb * GB
 
 
 def _one_layer_params(c: ParamCounts) -> int:
     return c.per_layer
 
 
+def _gathered_layer_bytes(job: Job, rt: Runtime) -> float:
+    """One decoder layer as the sharded engine gathers it: in the compute dtype, or QLoRA's as stored (4-bit
+    weights packed in the float storage dtype, norms in 16 bits; each projection is dequantized only while its
+    matmul runs, the working set's term)."""
+    c = job.counts
+    if job.method.spec.quantized_base:
+        return c.linear_per_layer * 4 / 8 + _kept_bytes(job) * c.other_per_layer
+    return float(rt.compute * _one_layer_params(c))
+
+
 def weights(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
-    """(on each GPU, offloaded per GPU) bytes of the weights: sharded ones, and what the engine gathers."""
-    base, shards = _base_bytes(job, rt), _shards(job, s)
+    """(on each GPU, offloaded per GPU) bytes of the weights: sharded ones, what every rank holds whole (QLoRA's
+    constants), and what the engine gathers."""
+    divided, whole = _base_parts(job, rt)
+    shards = _shards(job, s)
     if shards == 1:
-        return base, 0.0
-    on_gpu, host = (0.0, base / shards) if s.offload_params else (base / shards, 0.0)
-    # the layer being computed and the next one (prefetch), gathered in the compute dtype
-    on_gpu += 2 * rt.compute * _one_layer_params(job.counts)
+        return divided + whole, 0.0
+    on_gpu, host = (whole, divided / shards) if s.offload_params else (whole + divided / shards, 0.0)
+    # the layer being computed and the next one (prefetch)
+    on_gpu += 2 * _gathered_layer_bytes(job, rt)
     if rt.engine.holds_tail_gathered:
         # the tail unit (final norm and LM head; the embedding too when tied) stays gathered across the loss
         on_gpu += rt.compute * (job.counts.head + job.counts.final_norm)
@@ -402,6 +461,36 @@ def working_set(job: Job, s: Strategy, rt: Runtime) -> float:
     return working
 
 
+def step_gradients(job: Job, s: Strategy, rt: Runtime) -> float:
+    """Bytes of the trainable parameters' gradients that each step allocates on the GPU and frees again.
+
+    The trainer's `model.zero_grad()` sets gradients to None (torch's default), so one process, DDP and FSDP2
+    allocate them afresh in every backward; ZeRO-3 writes them into a flat buffer allocated once (stage3.py's
+    grad_partitions_flat_buffer), and offload keeps them on the host.
+    """
+    if rt.engine.deepspeed or s.offload_optimizer:
+        return 0.0
+    param = rt.full_weights if job.method.spec.trains_base_weights else rt.adapter_storage
+    return param * job.trainable / _shards(job, s)
+
+
+def fluctuating(job: Job, s: Strategy, rt: Runtime) -> float:
+    """What each step allocates and frees (the activations, the loss, the working set above it, the
+    gradients): what the allocator's reserved-but-unused share scales with (`allocator_fraction`), unlike the
+    weights and states allocated once."""
+    loss = loss_peak(job, s, rt)
+    return _fluctuating(job, s, rt, activations(job, s, rt), loss, _above_loss(job, s, rt, loss))
+
+
+def _above_loss(job: Job, s: Strategy, rt: Runtime, loss: float) -> float:
+    """The backward working set's bytes above the loss peak (they never coincide)."""
+    return max(0.0, working_set(job, s, rt) - loss)
+
+
+def _fluctuating(job: Job, s: Strategy, rt: Runtime, acts: float, loss: float, above: float) -> float:
+    return acts + loss + above + step_gradients(job, s, rt)
+
+
 def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory, float]:
     """Per-GPU memory terms (GB) and host memory offloaded per GPU (bytes)."""
     rt = rt or runtime(job, s)
@@ -410,8 +499,10 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
     acts = activations(job, s, rt)
     loss = loss_peak(job, s, rt)
     dev = job.device
-    four = weights_gpu + state_gpu + acts + loss
-    overhead = dev.fixed_gb * GB + max(0.0, working_set(job, s, rt) - loss) + dev.allocator_fraction * four
+    above = _above_loss(job, s, rt, loss)
+    overhead = (
+        dev.fixed_gb * GB + above + dev.allocator_fraction * _fluctuating(job, s, rt, acts, loss, above)
+    )
     mem = Memory(
         weights=weights_gpu / GB,
         trainable_state=state_gpu / GB,

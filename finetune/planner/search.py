@@ -2,14 +2,16 @@
 
 Every combination of the settings the user left open (`None` in the config) is
 a candidate: activation checkpointing, micro-batch size (halving down to 1,
-gradient accumulation keeping the effective batch), data parallel or the
-sharded engine (`train.engine`), 8-bit optimizer states (CUDA), optimizer and
-parameter offload. Candidates the engine cannot run are never considered
-(finetune/planner/engines.py); a setting the user fixed is never changed, and
-fixed settings no engine can run are refused with one line. Among the
-candidates that fit with `plan.headroom` to spare, the one with the least
-estimated time per token wins (ties: no sharding, exact AdamW, the larger
-micro-batch). The loss path is `train.chunked_loss`, or `DEFAULT_CHUNKED_LOSS`.
+gradient accumulation keeping the effective batch), data parallel or a
+sharded engine (`train.engine`, or every sharded engine when it is unset),
+8-bit optimizer states (CUDA), optimizer and parameter offload. Candidates the
+engine cannot run are never considered (finetune/planner/engines.py); a
+setting the user fixed is never changed, and fixed settings no engine can run
+are refused with one line. Among the candidates that fit with `plan.headroom`
+to spare, the one with the least estimated time per token wins (ties: no
+sharding, the engine listed first in finetune/core/parallelism.py, exact
+AdamW, the larger micro-batch). The loss path is `train.chunked_loss`, or
+`DEFAULT_CHUNKED_LOSS`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from finetune.core.parallelism import ENGINES, REPLICATED, SHARDED_ENGINES, SING
 from finetune.planner.calibration import Calibration
 from finetune.planner.contract import GB, Alternative, Memory, Plan, Strategy
 from finetune.planner.engines import why_not
-from finetune.planner.memory import Job, load_host_bytes, make_job, memory
+from finetune.planner.memory import Job, load_gpu_bytes, load_host_bytes, make_job, memory
 from finetune.planner.params import count_params
 from finetune.planner.timing import HOURS_PER_MONTH, disk, estimate, executed_flops_per_token
 
@@ -73,7 +75,8 @@ def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
     """Every strategy the user's open settings allow and the engine runs; and, when none does, why."""
     t, hw = job.train, job.hw
     multi = hw.total_gpus > 1
-    shardings = [t.sharding] if t.sharding is not None else ([REPLICATED, t.engine] if multi else [SINGLE])
+    engines = [t.engine] if t.engine is not None else list(SHARDED_ENGINES)
+    shardings = [t.sharding] if t.sharding is not None else ([REPLICATED, *engines] if multi else [SINGLE])
     optimizers = (
         [job.method.optimizer]
         if job.method.optimizer is not None
@@ -133,7 +136,8 @@ def _host_needed_gb(job: Job, s: Strategy, host_offloaded_per_gpu: float) -> flo
 def _fits(job: Job, s: Strategy, headroom: float) -> tuple[bool, Memory, float]:
     mem, host = memory(job, s)
     host_gb = _host_needed_gb(job, s, host)
-    ok = mem.total <= _usable_gb(job.hw, headroom)
+    usable = _usable_gb(job.hw, headroom)
+    ok = mem.total <= usable and load_gpu_bytes(job, s) / GB <= usable
     if job.hw.host_memory_gb is not None and job.hw.device == "cuda":
         ok = ok and host_gb <= job.hw.host_memory_gb
     return ok, mem, host_gb
@@ -151,8 +155,49 @@ def _preference(job: Job, s: Strategy, mfu: Optional[float]) -> tuple[Any, ...]:
     return (
         _seconds_per_token(job, s, mfu),
         s.engine.shards,
+        # the estimate does not tell the sharded engines apart: the table's order decides
+        list(ENGINES).index(s.sharding),
         s.optimizer != "adamw",
         -s.micro_batch_size,
+    )
+
+
+def _savings_words(s: Strategy) -> str:
+    """The strategy's optimizer and offload in a few words (the engine-choice reason)."""
+    words = [s.optimizer + _offload_words(s)]
+    if s.activation_checkpointing:
+        words.append("checkpointing")
+    words.append(f"micro-batch {s.micro_batch_size}")
+    return ", ".join(words)
+
+
+def _engine_reason(job: Job, chosen: Strategy, fitting: list[tuple[Strategy, Memory]]) -> Optional[str]:
+    """Why this sharded engine, when `train.engine` left the choice to the search: the others' best."""
+    t, mfu = job.train, job.plan.mfu
+    if t.engine is not None or t.sharding is not None or not chosen.engine.shards:
+        return None
+    mine = _seconds_per_token(job, chosen, mfu)
+    parts = []
+    for key in SHARDED_ENGINES:
+        if key == chosen.sharding:
+            continue
+        other = ENGINES[key].short
+        theirs = [(s, mem) for s, mem in fitting if s.sharding == key]
+        if not theirs:
+            parts.append(f"{other} has no strategy that fits")
+            continue
+        best, mem = min(theirs, key=lambda j: _preference(job, j[0], mfu))
+        slower = _seconds_per_token(job, best, mfu) / mine
+        if slower > 1 + 1e-9:
+            parts.append(f"{other}'s fastest that fits is {slower:.2f}x slower ({_savings_words(best)})")
+        else:
+            parts.append(
+                f"{other} fits as fast ({mem.total:,.1f} GB per GPU, {_savings_words(best)}); "
+                f"{chosen.engine.short} is listed first"
+            )
+    return (
+        f"engine: {chosen.engine.short} (train.engine unset, {' and '.join(SHARDED_ENGINES)} weighed): "
+        + "; ".join(parts)
     )
 
 
@@ -201,6 +246,15 @@ def _plan_on(job: Job) -> Plan:
                 if n > 1
                 else "the one strategy that fits"
             )
+        engine_reason = _engine_reason(job, s, [(j[0], j[2]) for j in fitting])
+        if engine_reason:
+            reasons.append(engine_reason)
+        loading = load_gpu_bytes(job, s) / GB
+        if loading:
+            reasons.append(
+                f"loading: each GPU holds the whole 4-bit base for a moment before ZeRO-3 partitions it "
+                f"({loading:,.1f} GB of {usable:,.1f} GB usable)"
+            )
         for what, without in savings:
             if why_not(without, method.name, hw.total_gpus) is None:
                 other, _ = memory(job, _with_accumulation(job, without))
@@ -213,7 +267,14 @@ def _plan_on(job: Job) -> Plan:
             )
     else:
         s, _, mem, host_gb = min(judged, key=lambda j: j[2].total)
-        reasons.append(_biggest_term(mem, usable))
+        loading = load_gpu_bytes(job, s) / GB
+        if mem.total > usable:
+            reasons.append(_biggest_term(mem, usable))
+        if loading > usable:
+            reasons.append(
+                f"loading: ZeRO-3 quantizes the whole 4-bit base onto each GPU before it partitions it "
+                f"({loading:,.1f} GB > {usable:,.1f} GB usable); FSDP2 quantizes on the host (train.engine=fsdp)"
+            )
         if hw.host_memory_gb is not None and host_gb > hw.host_memory_gb:
             reasons.append(
                 f"host memory: {host_gb:,.0f} GB per node (loading the model, or offload) "
@@ -292,7 +353,8 @@ def _suggestions(plan: Plan, job: Job, alts: list[Plan]) -> list[str]:
         lo = _try(job, method=replace(method, name=lighter, **settings))
         if lo is not None and lo.fits:
             out.append(f"method={lighter} fits on {hw.name} ({lo.gpu_memory.total:.1f} GB per GPU)")
-    if hw.total_gpus > 1 and method.optimizer is not None:
+    out.extend(_sharding_suggestions(plan, job))
+    if hw.total_gpus > 1 and method.optimizer is not None and train.engine is not None:
         # a fixed optimizer the chosen sharded engine does not run, that another one does
         for other in SHARDED_ENGINES:
             runs = method.optimizer in ENGINES[other].optimizers
@@ -311,6 +373,41 @@ def _suggestions(plan: Plan, job: Job, alts: list[Plan]) -> list[str]:
             break
         seq //= 2
     return out
+
+
+def _offload_words(s: Strategy) -> str:
+    """What the strategy offloads, as a clause (", everything offloaded"), or nothing."""
+    if s.offload_params:
+        return ", parameters offloaded" if s.engine.offloads_optimizer_alone else ", everything offloaded"
+    return ", optimizer offloaded" if s.offload_optimizer else ""
+
+
+def _sharding_suggestions(plan: Plan, job: Job) -> list[str]:
+    """A job that does not fit unsharded: sharded across this node's GPUs (sharding left to the search), or, on
+    one GPU, across a node of 2, 4 or 8 of them; each with the per-GPU figure."""
+    hw, train = job.hw, job.train
+    if plan.strategy.engine.shards or hw.nodes > 1:
+        return []
+    if hw.gpus_per_node > 1:
+        if train.sharding is None:
+            return []
+        sharded = _try(job, train=replace(train, sharding=None))
+        if sharded is None or not sharded.fits or not sharded.strategy.engine.shards:
+            return []
+        e = sharded.strategy.engine
+        return [
+            f"train.sharding={e.key} fits: {e.short} across the {hw.gpus_per_node} GPUs of {hw.name}"
+            f"{_offload_words(sharded.strategy)}, {sharded.gpu_memory.total:.1f} GB per GPU"
+        ]
+    for gpus in (2, 4, 8):
+        wider = _try(job, hw=replace(hw, gpus_per_node=gpus))
+        if wider is not None and wider.fits and wider.strategy.engine.shards:
+            e = wider.strategy.engine
+            return [
+                f"hardware.gpus_per_node={gpus} fits: {e.short} across {gpus} x {hw.name}"
+                f"{_offload_words(wider.strategy)}, {wider.gpu_memory.total:.1f} GB per GPU"
+            ]
+    return []
 
 
 def _monthly(hw: HardwareConfig) -> float:

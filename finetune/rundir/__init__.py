@@ -1,7 +1,8 @@
 """The run directory: every stage reads what the previous one wrote here. This package is its API.
 
 - `layout`: every file and folder name, once;
-- `files`: atomic, secret-scrubbed writes (a crash never leaves a half-written file);
+- `files`: atomic, secret-scrubbed writes (a crash never leaves a half-written file), never through a
+  link or special file finetune did not make (`check_target`, `check_folder`);
 - `ownership`: a run directory is the project's own, and nothing the project did not write is deleted;
 - `lock`: one writer per run directory, handed down to the training processes;
 - `state`: the resolved config, plan and engine record read back by later stages and ranks, and the
@@ -20,7 +21,17 @@ from pathlib import Path
 
 from finetune.core.config import Config
 from finetune.core.errors import LaunchError
-from finetune.rundir.files import SHELL_SUFFIXES, atomic_write_text, free_bytes, write_json
+from finetune.rundir.files import (
+    SHELL_SUFFIXES,
+    atomic_write_bytes,
+    atomic_write_text,
+    check_folder,
+    check_target,
+    free_bytes,
+    make_fresh_folder,
+    read_own_text,
+    write_json,
+)
 from finetune.rundir.layout import (
     ACCELERATE_FILE,
     ACCELERATE_FSDP_FILE,
@@ -71,7 +82,7 @@ from finetune.rundir.layout import (
 )
 from finetune.rundir.lock import held_fds, lock
 from finetune.rundir.ownership import check_replaceable, check_run_dir, is_owned, mark_owned, replace_tree
-from finetune.rundir.shell import export_line, references_secrets, shell_comment
+from finetune.rundir.shell import command_line, export_line, references_secrets, shell_comment
 from finetune.rundir.state import check_resumable, load_config, load_engine, load_plan, save_config
 
 
@@ -134,11 +145,15 @@ __all__ = [
     "SMOKE_REPORT_FILE",
     "TENSORBOARD_DIR",
     "TRAIN_LOG_FILE",
+    "atomic_write_bytes",
     "atomic_write_text",
+    "check_folder",
     "check_replaceable",
     "check_resumable",
     "check_run_dir",
+    "check_target",
     "checkpoint_dir",
+    "command_line",
     "eval_dir",
     "export_dir",
     "export_line",
@@ -149,9 +164,11 @@ __all__ = [
     "load_engine",
     "load_plan",
     "lock",
+    "make_fresh_folder",
     "mark_owned",
     "merged_dir",
     "prepare",
+    "read_own_text",
     "references_secrets",
     "replace_tree",
     "save_config",

@@ -15,6 +15,16 @@ Hashing reads each file once after it is written (from the page cache, about
 1 GB/s); verification on resume reads it again. For a resumable full
 fine-tuning checkpoint of a 70B model (about 1 TB) that is minutes; LoRA and
 QLoRA checkpoints are small.
+
+A checkpoint whose checksums match can still be unusable (damaged before it was sealed, or rewritten
+together with its manifest): `verify` also opens what the trainer reads on resume, as it reads it
+(`_unloadable`: the trainer state, the RNG, optimizer and scheduler states with `weights_only`, the
+adapter or model's safetensors headers, the JSON files), so such a checkpoint is skipped like a
+truncated one, in one line that names it and what is used instead. DeepSpeed loads its shards
+(`global_step*/*.pt`) without `weights_only`, so a pickle payload there would run: their pickles are
+read, not run, and any callable they name outside torch's allowlist and DeepSpeed's own classes
+(`posix.system`, say) refuses the checkpoint. FSDP's sharded folders (`*.distcp`, `.metadata`) are
+covered by the checksums only.
 """
 
 from __future__ import annotations
@@ -25,11 +35,13 @@ import logging
 import os
 import re
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Optional, Union
 
 from finetune.core.errors import ConfigError
+from finetune.rundir.files import atomic_write_text, check_folder
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +69,8 @@ def listing(folder: Path) -> list[Path]:
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    found = [p for p in folder.iterdir() if p.is_dir() and step_of(p) is not None]
+    # A symlink is never a checkpoint: resuming would read, and rotation delete, what it points to.
+    found = [p for p in folder.iterdir() if step_of(p) is not None and p.is_dir() and not p.is_symlink()]
     return sorted(found, key=lambda p: step_of(p) or 0)
 
 
@@ -91,7 +104,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink() and p.name != MANIFEST)
 
 
 def write_manifest(folder: Path, step: int) -> dict:
@@ -104,12 +117,7 @@ def write_manifest(folder: Path, step: int) -> dict:
     for sub in sorted({p.parent for p in _files(folder)}, key=lambda p: -len(p.parts)):
         _fsync_dir(sub)
     manifest = {"step": step, "created": time.time(), "files": entries}
-    tmp = folder / f".{MANIFEST}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / MANIFEST)
+    atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     _fsync_dir(folder)
     return manifest
 
@@ -130,17 +138,24 @@ def verify(folder: Path, checksums: bool = True) -> Optional[str]:
         return f"no {MANIFEST} (written last, so the save did not finish)"
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"unreadable {MANIFEST} ({type(exc).__name__})"
-    if not files:
+    if not files or not isinstance(files, dict):
         return "empty checkpoint"
     stamps = []
     for name, entry in sorted(files.items()):
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            return f"{MANIFEST} names {name!r}, outside the checkpoint"
         try:
-            st = (folder / name).stat()
+            st = os.lstat(folder / name)
+            size, sha = int(entry["bytes"]), str(entry["sha256"])
         except OSError:
             return f"{name} is missing"
-        if st.st_size != entry["bytes"]:
-            return f"{name} has {st.st_size} bytes, {entry['bytes']} expected (truncated?)"
-        stamps.append((name, st.st_size, st.st_mtime_ns, entry["sha256"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            return f"unreadable {MANIFEST} ({type(exc).__name__})"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{name} is not a regular file (a link or special file finetune did not make)"
+        if st.st_size != size:
+            return f"{name} has {st.st_size} bytes, {size} expected (truncated?)"
+        stamps.append((name, st.st_size, st.st_mtime_ns, sha))
     if not checksums:
         return None
     key = str(folder.resolve())
@@ -149,18 +164,138 @@ def verify(folder: Path, checksums: bool = True) -> Optional[str]:
     for name, _, _, sha in stamps:
         if _sha256(folder / name) != sha:
             return f"{name} does not match its SHA-256"
+    problem = _unloadable(folder, [name for name, *_ in stamps])
+    if problem is not None:
+        return problem
     _verified[key] = tuple(stamps)
     return None
 
 
+# What the trainer reads from a checkpoint's top level on resume, by name: JSON, torch.load(weights_only=True)
+# (rng_state*.pth, optimizer.pt, scheduler.pt, an adapter or model saved as .bin), safetensors.
+# training_args.bin is written but never read back (a pickle of the arguments: not loadable with weights_only).
+_NOT_READ_ON_RESUME = {"training_args.bin"}
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+# What DeepSpeed writes when the trainer saves (tag global_stepN) and reads back with its own loader.
+_DEEPSPEED_SHARD = re.compile(r"^global_step\d+/[^/]+\.pt$")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else ""
+    return f"{type(exc).__name__}: {line[:120]}" if line else type(exc).__name__
+
+
+def _unloadable(folder: Path, names: list[str]) -> Optional[str]:
+    """Why a checkpoint whose checksums match cannot be resumed (None: the trainer can read every file of it).
+
+    Each file is read as the trainer reads it on resume; torch files memory-mapped, so only their pickles
+    are parsed (no tensor is read), under transformers' own allowlist for the RNG state's numpy arrays.
+    """
+    top = [n for n in names if "/" not in n and n not in _NOT_READ_ON_RESUME]
+    if TRAINER_STATE_FILE not in top:
+        return f"no {TRAINER_STATE_FILE} (the step and data position to resume from)"
+    for name in names:
+        if _DEEPSPEED_SHARD.match(name):
+            problem = _engine_shard_problem(folder / name)
+            if problem:
+                return f"{name}: {problem}"
+    for name in top:
+        path = folder / name
+        try:
+            if name == TRAINER_STATE_FILE:
+                problem = _trainer_state_problem(path)
+                if problem:
+                    return f"{name}: {problem}"
+            elif name.endswith(".json"):
+                json.loads(path.read_text())
+            elif name.endswith(".safetensors"):
+                _open_safetensors(path)
+            elif name.endswith(_TORCH_SUFFIXES):
+                _torch_load(path)
+        except Exception as exc:
+            # Whatever the reader raises (a refused pickle, a bad header, ...): one line naming the file.
+            return f"{name} cannot be read ({_first_line(exc)})"
+    return None
+
+
+def _trainer_state_problem(path: Path) -> Optional[str]:
+    from transformers import TrainerState
+
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return "not JSON"
+    if not isinstance(data, dict) or not isinstance(data.get("global_step"), int):
+        return "no global_step"
+    try:
+        TrainerState(**data)  # what the trainer does with it (TrainerState.load_from_json)
+    except TypeError as exc:
+        return f"not a trainer state ({_first_line(exc)})"
+    callbacks = data.get("stateful_callbacks")
+    if callbacks is not None and not isinstance(callbacks, dict):
+        return "stateful_callbacks is not a mapping"
+    return None
+
+
+def _engine_shard_problem(path: Path) -> Optional[str]:
+    """Why DeepSpeed must not load this shard (its loader runs whatever the pickle names); None: it may."""
+    import zipfile
+
+    import torch
+
+    if not zipfile.is_zipfile(path):
+        return "not in torch's zip format, so its pickle cannot be checked"
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception as exc:
+        return f"cannot be read ({_first_line(exc)})"
+    # DeepSpeed pickles its own classes (LossScaler, ZeroStageEnum: measured on a ZeRO-3 checkpoint).
+    foreign = [name for name in unsafe if not name.startswith("deepspeed.")]
+    if foreign:
+        return f"its pickle names {foreign[0]}, which DeepSpeed's loader would run (it loads without weights_only)"
+    return None
+
+
+def _open_safetensors(path: Path) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        list(f.keys())
+
+
+def _torch_load(path: Path) -> None:
+    import torch
+    from transformers.trainer_pt_utils import safe_globals
+
+    with safe_globals():
+        try:
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            torch.load(path, map_location="cpu", weights_only=True)  # the legacy format cannot be mapped
+
+
 def last_complete(folder: Path) -> Optional[Path]:
-    """The newest checkpoint under `folder` that verifies; each damaged newer one is logged and skipped."""
+    """The newest checkpoint under `folder` that verifies; each damaged newer one is skipped with one line
+    naming it, why, and what is used instead (the checkpoint found, or a fresh start)."""
+    damaged: list[tuple[Path, str]] = []
+    found = None
     for path in reversed(listing(folder)):
         problem = verify(path)
         if problem is None:
-            return path
-        log.warning("skipping damaged checkpoint %s: %s", path, problem)
-    return None
+            found = path
+            break
+        damaged.append((path, problem))
+    instead = (
+        f"resuming from {found.name} instead"
+        if found
+        else "no complete checkpoint left: starting from step 0"
+    )
+    for path, problem in damaged:
+        log.warning("damaged checkpoint %s (%s): %s", path, problem, instead)
+    return found
 
 
 def finalize(staged: Path, final: Path) -> Path:
@@ -205,7 +340,10 @@ def clean_staging(folder: Path) -> None:
         return
     for path in folder.iterdir():
         if path.name == STAGING_DIR or path.name.startswith(".replaced-"):
-            shutil.rmtree(path, ignore_errors=True)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)  # the link itself, never what it points to
 
 
 def supersede_after(folder: Path, step: int) -> list[Path]:
@@ -272,10 +410,14 @@ def resume_checkpoint(resume: Union[bool, str], folder: Path) -> Optional[str]:
     problem = verify(path)
     if problem is not None:
         if (path / MANIFEST).exists() or not (path / TRAINER_STATE_FILE).is_file():
-            raise ConfigError(
-                f"resume={resume}: damaged checkpoint ({problem}); pick another, or resume=true for the "
-                "newest complete one"
+            others = [p for p in reversed(listing(folder)) if p.resolve() != path.resolve()]
+            newest = next((p for p in others if verify(p) is None), None)
+            instead = (
+                f"resume=true resumes from {newest.name}, the newest complete one"
+                if newest
+                else "no other complete checkpoint: resume=false starts over"
             )
+            raise ConfigError(f"resume={resume}: damaged checkpoint ({problem}); {instead}")
         log.warning("resume=%s: no checksums to verify (not written by finetune); using it as is", path)
     return str(path)
 
@@ -288,6 +430,9 @@ def prepare_resume(resume: Union[bool, str], folder: Path) -> Optional[str]:
     `superseded-checkpoint-N` (kept for inspection, never resumed).
     """
     folder = Path(folder)
+    check_folder(
+        folder, deep=False
+    )  # a link among the checkpoints: resuming would read, rotation delete, its target
     clean_staging(folder)
     if resume is False:
         n = discard_all(folder)

@@ -4,18 +4,23 @@ The kernel drops an flock even on SIGKILL, so no stale lock survives a crash. Th
 the training process the pipeline launches inherits the lock's file descriptor (`held_fds`,
 FINETUNE_LOCK_FDS) and so holds the lock itself, also after its parent died, until it exits; a second
 run never starts while any writer lives.
+
+The lock file is opened without following a link (O_NOFOLLOW) and must be a regular file with one name:
+a planted `.lock` symlink, hard link, FIFO or device is refused in one line, its target untouched.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Optional
 
 from finetune.core.errors import DiskFullError, LaunchError, is_disk_full
-from finetune.rundir.files import free_bytes
+from finetune.rundir.files import free_bytes, hold_root
 from finetune.rundir.layout import LOCK_FDS_ENV, LOCK_FILE
 
 log = logging.getLogger(__name__)
@@ -24,10 +29,10 @@ log = logging.getLogger(__name__)
 _held: dict[str, int] = {}
 
 
-def _holders(path: Path) -> list[tuple[int, str]]:
+def _holders(fd: int) -> list[tuple[int, str]]:
     """(pid, host) of every process that held the lock, one line each: the taker, then who inherited it."""
     try:
-        lines = path.read_text().splitlines()
+        lines = os.pread(fd, 1 << 16, 0).decode(errors="replace").splitlines()
     except OSError:
         return []
     out = []
@@ -52,7 +57,7 @@ def held_fds() -> list[int]:
 def _inherited(path: Path) -> Optional[int]:
     """A descriptor named in FINETUNE_LOCK_FDS that is open on this very lock file (same device and inode)."""
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except OSError:
         return None
     for item in os.environ.get(LOCK_FDS_ENV, "").split(","):
@@ -90,6 +95,7 @@ def lock(run_dir: Path) -> None:
     key = str(run_dir.resolve())
     if key in _held:
         return
+    hold_root(run_dir)  # from here on no write under it goes through a symlinked folder
     try:
         import fcntl
     except ImportError:  # not POSIX: no lock, say so once
@@ -100,18 +106,18 @@ def lock(run_dir: Path) -> None:
     inherited = _inherited(path)
     if inherited is not None:  # the same open file description as the parent's: the lock is ours as well
         fcntl.flock(inherited, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        before = "".join(f"{p} {h}\n" for p, h in _holders(path))
+        before = "".join(f"{p} {h}\n" for p, h in _holders(inherited))
         os.ftruncate(inherited, 0)
         os.pwrite(inherited, (before + me).encode(), 0)
         _held[key] = inherited
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock_file(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        holders = _holders(fd)
         os.close(fd)
         here = socket.gethostname()
-        holders = _holders(path)
         if any(host == here and _is_ancestor(pid) for pid, host in holders):
             return  # launched by the holder: its lock covers us
         living = [(p, h) for p, h in holders if h != here or _alive(p)] or holders
@@ -138,3 +144,32 @@ def lock(run_dir: Path) -> None:
             raise DiskFullError(path, len(me), free_bytes(run_dir)) from None
         raise
     _held[key] = fd
+
+
+def _open_lock_file(path: Path) -> int:
+    """RUN_DIR/.lock opened for reading and writing, created if missing, never through a link; refused
+    (LaunchError) unless it is a regular file with one name."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOCTTY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        what = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a folder"}.get(exc.errno or 0)
+        if what is None:
+            raise LaunchError(f"{path}: cannot open the run directory's lock ({exc.strerror})") from None
+        raise LaunchError(
+            f"{path}: {what} that finetune did not make, where the run directory's lock goes; nothing was "
+            "written: remove it (or choose another run_dir)"
+        ) from None
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "not a regular file (a FIFO, socket or device)"
+    elif st.st_nlink > 1:
+        problem = f"a file with {st.st_nlink} names (a hard link)"
+    if problem:
+        os.close(fd)
+        raise LaunchError(
+            f"{path}: {problem} that finetune did not make, where the run directory's lock goes; nothing was "
+            "written: remove it (or choose another run_dir)"
+        )
+    return fd

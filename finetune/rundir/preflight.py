@@ -1,5 +1,9 @@
 """Checks before training starts: a clear refusal now instead of a crash hours later.
 
+- outputs: no link or special file finetune did not make where training writes (the checkpoints,
+  TensorBoard's folder, the trained adapter or model, metrics.json, the profile), since the trainer
+  and the libraries write there in place (`check_outputs`);
+
 - disk: free space where the checkpoints go against the plan's checkpoint size
   times the checkpoints that will exist at once (`train.save_total_limit` kept
   plus the one being written), less the ones already there that rotation frees
@@ -69,6 +73,7 @@ def check(
 ) -> None:
     """Raise LaunchError when the run cannot finish on this machine (ConfigError for a bad `resume=PATH`)."""
     run_dir = Path(run_dir)
+    check_outputs(cfg, run_dir)
     if isinstance(cfg.resume, str):  # resume=true/false cannot be wrong; a path can
         checkpoints.resume_checkpoint(cfg.resume, rundir.checkpoint_dir(run_dir))
     folder = checkpoint_dir or rundir.checkpoint_dir(run_dir)
@@ -97,6 +102,15 @@ def check(
             host_need,
             available,
         )
+
+
+def check_outputs(cfg: Config, run_dir: Path) -> None:
+    """Refuse (LaunchError, one line) a link or special file finetune did not make where training writes."""
+    rundir.check_folder(rundir.checkpoint_dir(run_dir), deep=False)
+    rundir.check_folder(run_dir / rundir.TENSORBOARD_DIR)
+    rundir.check_folder(rundir.trained_dir(run_dir, cfg.method.uses_adapters))
+    for name in (rundir.METRICS_FILE, rundir.PROFILE_FILE):
+        rundir.check_target(run_dir / name)
 
 
 @dataclass(frozen=True)

@@ -4,18 +4,20 @@ refuses to write a config over checkpoints trained under another one."""
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from finetune.core.config import Config
-from finetune.core.errors import ConfigError, LaunchError
+from finetune.core.errors import ConfigError, FinetuneError, LaunchError
 from finetune.core.secrets import scrub
 from finetune.planner import Plan
 from finetune.rundir import checkpoints
-from finetune.rundir.files import atomic_write_text
+from finetune.rundir.files import atomic_write_text, read_own_text
 from finetune.rundir.layout import CONFIG_FILE, ENGINE_FILE, PLAN_FILE, checkpoint_dir
+from finetune.rundir.shell import command_line
 
 
 def save_config(cfg: Config, run_dir: Path) -> Path:
@@ -57,8 +59,10 @@ def check_resumable(cfg: Config, run_dir: Path) -> None:
     if cfg.resume is False or not path.is_file() or not checkpoints.listing(checkpoint_dir(run_dir)):
         return
     try:
-        old = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError):
+        old = yaml.safe_load(read_own_text(path)) or {}
+    except (OSError, ValueError, yaml.YAMLError):
+        return
+    if not isinstance(old, dict):
         return
     before, after = _resume_facts(old), _resume_facts(scrub(asdict(cfg)))
     changed = [k for k in after if k in before and before[k] != after[k]]
@@ -71,36 +75,63 @@ def check_resumable(cfg: Config, run_dir: Path) -> None:
         )
 
 
+def _rerun(run_dir: Path, *args: str) -> str:
+    return command_line("python", "-m", "finetune", *args, f"run_dir={run_dir}")
+
+
+def _damaged(path: Path, exc: BaseException, again: str) -> LaunchError:
+    lines = str(exc).strip().splitlines()
+    why = f"{type(exc).__name__}: {lines[0][:160]}" if lines else type(exc).__name__
+    return LaunchError(f"{path}: damaged ({why}); write it again: {again}")
+
+
 def load_plan(run_dir: Path) -> Plan:
     """`plan.json` back into a `Plan`, with its hardware profile and process layout (workers read it;
     they never re-plan)."""
     path = Path(run_dir) / PLAN_FILE
+    again = _rerun(run_dir, "mode=plan")
     if not path.is_file():
-        raise LaunchError(
-            f"{path}: missing; run the plan stage (python -m finetune mode=plan run_dir={run_dir}) first"
-        )
-    return Plan.from_dict(json.loads(path.read_text()))
+        raise LaunchError(f"{path}: missing; run the plan stage ({again}) first")
+    try:
+        return Plan.from_dict(json.loads(read_own_text(path)))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _damaged(path, exc, again) from None
 
 
 def load_engine(run_dir: Path) -> dict[str, Any]:
     """`engine.json`: the engine, world size, engine files and SFTConfig arguments the launcher wrote."""
     path = Path(run_dir) / ENGINE_FILE
+    again = _rerun(run_dir, "mode=launch", "launch.dry_run=true")
     if not path.is_file():
         raise LaunchError(
-            f"{path}: missing; the launcher writes it: train with python -m finetune mode=train run_dir={run_dir} "
+            f"{path}: missing; the launcher writes it: train with {_rerun(run_dir, 'mode=train')} "
             "(or mode=launch; launch.dry_run=true writes it without starting)"
         )
-    return json.loads(path.read_text())
+    try:
+        engine = json.loads(read_own_text(path))
+        if not isinstance(engine, dict) or not isinstance(engine.get("trainer_kwargs"), dict):
+            raise ValueError("not an engine record")
+        int(engine["world_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise _damaged(path, exc, again) from None
+    return engine
 
 
 def load_config(run_dir: Path) -> Config:
     """Read `config.yaml` back into the typed `Config` (what workers do instead of parsing argv)."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
 
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
-        raise LaunchError(f"{path}: missing; run the pipeline (python -m finetune run_dir={run_dir}) first")
-    node = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
-    cfg = OmegaConf.to_object(node)
+        raise LaunchError(f"{path}: missing; run the pipeline ({_rerun(run_dir)}) first")
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(io.StringIO(read_own_text(path))))
+        cfg = OmegaConf.to_object(node)
+    except FinetuneError:
+        raise
+    except (OSError, ValueError, YAMLError, OmegaConfBaseException) as exc:
+        raise _damaged(path, exc, f"{_rerun(run_dir, 'mode=plan')} with the run's other settings") from None
     assert isinstance(cfg, Config)
     return cfg

@@ -15,11 +15,13 @@ from pathlib import Path
 
 from finetune.core.errors import (
     INTERRUPTED_EXIT_CODE,
+    WRITE_FAILED,
     DiskFullError,
     FinetuneError,
     interrupt_on_signals,
     is_disk_full,
 )
+from finetune.core.markup import terminal_line
 from finetune.rundir import PLAN_FILE, checkpoint_dir, free_bytes
 
 
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
         run_worker(args[0])
     except FinetuneError as exc:
-        print(f"finetune.train: {exc}", file=sys.stderr)
+        print(f"finetune.train: {terminal_line(exc)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:  # Interrupted, or the trainer's second signal
         from finetune.train.stage import interrupted_message
@@ -44,27 +46,22 @@ def main(argv: list[str] | None = None) -> int:
         name = getattr(exc, "signal_name", None) or (str(exc.args[0]) if exc.args else "SIGINT")
         print(f"finetune.train: {interrupted_message(name, args[0])}", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
-    except (OSError, RuntimeError) as exc:
+    except Exception as exc:  # OSError, torch's RuntimeError, safetensors' SafetensorError (no OSError)
         full = disk_full(exc, args[0])
         if full is None:
             raise
-        print(f"finetune.train: {full}", file=sys.stderr)
+        print(f"finetune.train: {terminal_line(full)}", file=sys.stderr)
         return full.exit_code
     finally:
         restore()
     return 0
 
 
-# What PyTorch's C++ writers and the OS say when a write fails for want of space.
-_WRITE_FAILED = ("iostream error", "PytorchStreamWriter failed", "file write failed", "No space left")
-
-
 def disk_full(exc: BaseException, run_dir: str) -> DiskFullError | None:
     """A DiskFullError for a failed write when the disk holding `run_dir` lacks the space a checkpoint needs
     (plan.json's size); None when this failure is something else."""
-    if isinstance(exc, OSError) and not is_disk_full(exc):
-        return None
-    if isinstance(exc, RuntimeError) and not any(s in str(exc) for s in _WRITE_FAILED):
+    write_failed = isinstance(exc, RuntimeError) and any(s in str(exc) for s in WRITE_FAILED)
+    if not is_disk_full(exc) and not write_failed:
         return None
     folder = checkpoint_dir(Path(run_dir))
     needed = None
@@ -74,7 +71,7 @@ def disk_full(exc: BaseException, run_dir: str) -> DiskFullError | None:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     free = free_bytes(folder)
-    if isinstance(exc, RuntimeError) and (free is None or needed is None or free >= needed):
+    if not is_disk_full(exc) and (free is None or needed is None or free >= needed):
         return None  # a C++ write error with room to spare: not a full disk, show it as it is
     return DiskFullError(getattr(exc, "filename", None) or folder, needed, free)
 

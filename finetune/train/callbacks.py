@@ -58,6 +58,7 @@ class RunMonitor(TrainerCallback):
         self.baseline_gb = baseline_gb if device != "cuda" else 0.0
         self.tokens_seen = 0
         self.warned = False
+        self.steps_begun = 0  # by this process: 0 until the first step starts (resuming has loaded all)
         self._t_train = 0.0
         self._t_step = 0.0
         self._tokens_at_start = 0
@@ -87,6 +88,7 @@ class RunMonitor(TrainerCallback):
         self._t_train = time.perf_counter()
 
     def on_step_begin(self, args, state, control, **kwargs):
+        self.steps_begun += 1
         self._t_step = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -156,12 +158,15 @@ class EarlyStop(TrainerCallback, ExportableState):
         from pathlib import Path
 
         path = Path(checkpoint) / checkpoints.TRAINER_STATE_FILE
-        saved = json.loads(path.read_text()).get("stateful_callbacks", {}).get(type(self).__name__)
+        # `checkpoints.verify` checked it is a trainer state; what our callback saved there may still be odd.
+        saved = (json.loads(path.read_text()).get("stateful_callbacks") or {}).get(type(self).__name__)
         if isinstance(saved, list):
             saved = saved[-1] if saved else None
-        if not saved:
+        if not isinstance(saved, dict):
             return
         attributes = saved.get("attributes", {})
+        if not isinstance(attributes, dict):
+            return
         self.losses = deque(attributes.get("losses", ()), maxlen=self.window)
         self.last_eval = attributes.get("last_eval")
         self.rises = int(attributes.get("rises", 0))

@@ -196,8 +196,9 @@ class StepProfiler(TrainerCallback):
             op(e) for e in rows if getattr(e, key) > 0 and any(m in e.key.lower() for m in ATTENTION_MARKERS)
         ]
         if self.out_dir is not None:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / rundir.PROFILE_FILE).write_text(averages.table(sort_by=key, row_limit=40) + "\n")
+            rundir.atomic_write_text(
+                self.out_dir / rundir.PROFILE_FILE, averages.table(sort_by=key, row_limit=40) + "\n"
+            )
 
     # ------------------------------------------------------------ results
 

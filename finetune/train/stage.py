@@ -4,8 +4,10 @@
 
 Reads the packed data the data stage wrote (`finetune.data.stage.load_prepared`),
 trains with the plan's strategy, saves the adapter (`RUN_DIR/adapter`) or the
-model (`RUN_DIR/model`) with the tokenizer, and writes `RUN_DIR/metrics.json`:
-`train` {steps, final_loss, tokens_per_second, peak_memory_gb, planned_memory_gb, ...,
+model (`RUN_DIR/model`) with the tokenizer and its identity (`finetune.modeling.outputs`: written
+whole, then the export and evaluation made from another model moved aside), and writes
+`RUN_DIR/metrics.json`: `train` {steps, final_loss, tokens_per_second, peak_memory_gb, planned_memory_gb,
+run_id, output_identity, ...,
 engine: {world_size, backend, wrapper, zero_stage, offload_optimizer, ranks[...]} (what really ran)}
 and `eval` {base: {loss, exact_match, ...}, trained: {...}} on the held-out split.
 Several ranks: rank 0 alone logs, evaluates and writes files; under ZeRO-3/FSDP (weights split
@@ -26,6 +28,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -34,11 +37,11 @@ import transformers
 
 from finetune import rundir
 from finetune.core.config import Config
-from finetune.core.errors import INTERRUPTED_EXIT_CODE, FinetuneError
+from finetune.core.errors import INTERRUPTED_EXIT_CODE, ConfigError, FinetuneError, is_disk_full
 from finetune.core.secrets import install_log_filter
 from finetune.data.stage import load_prepared
 from finetune.evaluation import heldout
-from finetune.modeling import models
+from finetune.modeling import models, outputs
 from finetune.planner import Plan
 from finetune.rundir import checkpoints, preflight
 from finetune.train import callbacks as cb
@@ -142,6 +145,8 @@ class _Trained:
     seconds: float
     out_dir: Path
     engine: dict[str, Any]
+    identity: Optional[outputs.Identity]  # of the saved output (rank 0, which writes it)
+    run_id: str
 
 
 def run(
@@ -159,6 +164,7 @@ def run(
     """
     run_dir = Path(run_dir)
     rank0 = is_rank_zero()
+    run_id = uuid.uuid4().hex[:12]  # names this training process in metrics.json and the output's identity
     mismatch = _lock_and_precheck(cfg, run_dir, plan) if rank0 else None
     transformers.utils.logging.disable_progress_bar()
     throughput.check_runtime(cfg, plan.strategy.sharding)  # a lever this machine cannot run: one line, exit 2
@@ -180,9 +186,9 @@ def run(
         seconds = _train(session, resumed_from, run_dir)
     finally:
         session.preemption.uninstall()
-    out_dir, engine = _save_trained(cfg, run_dir, session.trainer, loaded.tokenizer, rank0)
+    out_dir, engine, identity = _save_trained(cfg, run_dir, session.trainer, loaded, run_id, rank0)
     scores = _final_evaluation(loaded, eval_ds, max_generate, in_worker_eval)
-    trained = _Trained(resumed_from, seconds, out_dir, engine)
+    trained = _Trained(resumed_from, seconds, out_dir, engine, identity, run_id)
     metrics = {
         "train": _train_metrics(cfg, plan, session, loaded, trained, t0, mismatch),
         "eval": {"base": base, "trained": scores} if in_worker_eval else _eval_skipped(plan, rank0),
@@ -224,7 +230,7 @@ def _load_model(cfg: Config, plan: Plan, run_dir: Path) -> _Model:
 
         # deepspeed.comm over that group (accelerate sets it up itself on GPUs, not on CPU ranks)
         deepspeed.init_distributed(dist_backend="gloo" if cfg.hardware.device == "cpu" else "nccl")
-    model, compute_dtype = models.load_for_training(cfg)
+    model, compute_dtype = models.load_for_training(cfg, sharded=plan.strategy.engine.shards)
     loaded_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
     trainable, total = models.trainable_parameters(model)
     if cfg.hardware.device == "cpu":
@@ -293,7 +299,19 @@ def _train(session: _Session, resumed_from: Optional[str], run_dir: Path) -> flo
     phase = "training"
     session.preemption.install()
     trainer = session.trainer
-    trainer.train(resume_from_checkpoint=resumed_from)
+    try:
+        trainer.train(resume_from_checkpoint=resumed_from)
+    except Exception as exc:
+        # `checkpoints.verify` opened what the trainer reads; what fails to load before the first step
+        # (an engine's shards) is still this checkpoint's fault: one line naming it and what to use instead.
+        if (
+            not resumed_from
+            or session.monitor.steps_begun
+            or isinstance(exc, FinetuneError)
+            or is_disk_full(exc)
+        ):
+            raise
+        raise unresumable(Path(resumed_from), exc) from None
     if session.preemption.received is not None:
         raise Preempted(
             session.preemption.received,
@@ -305,18 +323,41 @@ def _train(session: _Session, resumed_from: Optional[str], run_dir: Path) -> flo
     return time.perf_counter() - t_train
 
 
-def _save_trained(cfg: Config, run_dir: Path, trainer: Any, tokenizer: Any, rank0: bool) -> tuple[Path, dict]:
-    """The adapter or model with the tokenizer, and the engine that really ran: (output folder, engine)."""
+def _save_trained(
+    cfg: Config, run_dir: Path, trainer: Any, loaded: _Model, run_id: str, rank0: bool
+) -> tuple[Path, dict, Optional[outputs.Identity]]:
+    """The adapter or model with the tokenizer and its identity, staged and renamed into place whole (a
+    full disk leaves the previous output), and the engine that really ran: (output folder, engine, identity).
+
+    The export and evaluation made from another output are then moved aside (`outputs.retire_stale`).
+    """
     global phase
     phase = "saving the trained output"
     out_dir = rundir.trained_dir(run_dir, cfg.method.uses_adapters)
-    engine = engine_record(trainer)  # every rank takes part (it gathers)
-    save_output(
-        trainer, out_dir
-    )  # every rank: ZeRO-3 and FSDP2 gather the partitioned weights; rank 0 writes
     if rank0:
-        tokenizer.save_pretrained(str(out_dir))
-    return out_dir, engine
+        rundir.check_folder(out_dir)  # the libraries write into it in place: no link planted since the start
+    engine = engine_record(trainer)  # every rank takes part (it gathers)
+    identity = None
+    with outputs.staged(out_dir, _output_bytes(loaded.model), writer=rank0) as tmp:
+        # Every rank: ZeRO-3 and FSDP2 gather the partitioned weights; rank 0 writes.
+        save_output(trainer, tmp)
+        if rank0:
+            loaded.tokenizer.save_pretrained(str(tmp))
+            identity = outputs.record(tmp, trainer.state.global_step, run_id, out_dir.name)
+    if identity is not None:
+        outputs.retire_stale(run_dir, identity)
+    return out_dir, engine, identity
+
+
+def _output_bytes(model: Any) -> int:
+    """About what the saved output takes: the trainable tensors (an adapter), or every one (full fine-tuning)."""
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    adapter_only = hasattr(model, "peft_config")
+    return sum(
+        (getattr(p, "ds_numel", None) or p.numel()) * p.element_size()
+        for p in (trainable if adapter_only else params)
+    )
 
 
 def _final_evaluation(
@@ -363,6 +404,8 @@ def _train_metrics(
         "total_parameters": loaded.total,
         "strategy": asdict(plan.strategy),
         "output_dir": str(trained.out_dir),
+        "run_id": trained.run_id,
+        "output_identity": trained.identity.to_dict() if trained.identity else None,
         "engine": trained.engine,
         "machine_mismatch": mismatch,
         "profile": session.profiler.summary() if session.profiler is not None else None,  # train.profile
@@ -379,12 +422,21 @@ def _eval_skipped(plan: Plan, rank0: bool) -> dict:
     }
 
 
+def _read_metrics(run_dir: Path) -> dict:
+    """metrics.json as written, or {} when it is missing or damaged (it is rewritten whole at the end)."""
+    path = run_dir / rundir.METRICS_FILE
+    try:
+        doc = json.loads(rundir.read_own_text(path)) if path.is_file() else {}
+    except (OSError, ValueError):
+        log.warning("%s is damaged (not JSON); it is written anew at the end of this run", path)
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
 def _write_metrics(trainer: Any, run_dir: Path, metrics: dict) -> None:
     """Global rank 0 merges them into metrics.json (the eval stage's keys stay)."""
     if trainer.is_world_process_zero():
-        path = run_dir / rundir.METRICS_FILE
-        existing = json.loads(path.read_text()) if path.is_file() else {}
-        rundir.write_json(path, {**existing, **metrics})
+        rundir.write_json(run_dir / rundir.METRICS_FILE, {**_read_metrics(run_dir), **metrics})
 
 
 def _prechecks(cfg: Config, run_dir: Path, plan: Plan) -> preflight.MachineCheck:
@@ -441,8 +493,8 @@ def _complete(trainer: Any, checkpoint: Path, run_dir: Path) -> bool:
         target = args.max_steps
     else:  # epoch-based: the trainer's own count of optimizer steps
         target = trainer.set_initial_training_values(args, trainer.get_train_dataloader())[-1]
-    metrics = run_dir / rundir.METRICS_FILE
-    previous = json.loads(metrics.read_text()).get("train", {}) if metrics.is_file() else {}
+    previous = _read_metrics(run_dir).get("train")
+    previous = previous if isinstance(previous, dict) else {}
     return (
         state.get("global_step", 0) >= target
         and previous.get("steps") == state.get("global_step")
@@ -453,7 +505,7 @@ def _complete(trainer: Any, checkpoint: Path, run_dir: Path) -> bool:
 def _already_trained(run_dir: Path, checkpoint: Optional[str], rank0: bool) -> dict:
     """The metrics of the finished run, marked as such: nothing is trained, saved or evaluated again."""
     path = run_dir / rundir.METRICS_FILE
-    metrics = json.loads(path.read_text())
+    metrics = _read_metrics(run_dir)
     log.info("already trained: %s is the schedule's last step; nothing to train", checkpoint)
     resumed = str(Path(checkpoint).resolve()) if checkpoint else None
     metrics["train"] = {**metrics["train"], "resumed_from": resumed, "already_complete": True}
@@ -487,8 +539,30 @@ class Preempted(FinetuneError):
             where = "nothing trained yet, nothing saved"
         super().__init__(
             f"stopped by {signal_name} at step {step}; {where}. To resume, run the same command again "
-            f"(or: python -m finetune.train {run_dir}); resume=false starts over"
+            f"(or: {rundir.command_line('python', '-m', 'finetune.train', run_dir)}); resume=false starts over"
         )
+
+
+def unresumable(checkpoint: Path, exc: BaseException) -> ConfigError:
+    """The one line for a checkpoint that verified but failed to load before the first step: which one, the
+    error, and what to resume from instead (the previous complete checkpoint, or a fresh start)."""
+    step = checkpoints.step_of(checkpoint)
+    earlier = [
+        p
+        for p in reversed(checkpoints.listing(checkpoint.parent))
+        if step is None or (checkpoints.step_of(p) or 0) < step
+    ]
+    previous = next((p for p in earlier if checkpoints.verify(p) is None), None)
+    instead = (
+        f"resume={previous.name} resumes from the previous complete checkpoint"
+        if previous
+        else "resume=false starts over (no earlier complete checkpoint)"
+    )
+    text = str(exc).strip().splitlines()
+    error = f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
+    return ConfigError(
+        f"checkpoint {checkpoint} could not be resumed ({error}), before its first step; {instead}"
+    )
 
 
 def interrupted_message(signal_name: str, run_dir: Union[str, Path]) -> str:
@@ -501,7 +575,7 @@ def interrupted_message(signal_name: str, run_dir: Union[str, Path]) -> str:
     )
     return (
         f"stopped by {signal_name} during {phase}, at once (nothing was saved by this stop); {where}. "
-        f"To resume, run the same command again (or: python -m finetune.train {run_dir})"
+        f"To resume, run the same command again (or: {rundir.command_line('python', '-m', 'finetune.train', run_dir)})"
     )
 
 

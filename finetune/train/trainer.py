@@ -36,7 +36,7 @@ from finetune.modeling.chunked_loss import add_chunked_loss_head
 from finetune.modeling.collator import NUM_TOKENS_KEY, PackedCollator
 from finetune.planner import Plan
 from finetune.rundir import checkpoints
-from finetune.train import throughput
+from finetune.train import quantized, throughput
 from finetune.train.callbacks import RunMonitor
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def engine_trainer_kwargs(run_dir: Path) -> dict[str, Any]:
         raise LaunchError(
             f"{Path(run_dir) / rundir.ENGINE_FILE}: the engine ({engine['engine']}) is set up for "
             f"{engine['world_size']} process(es), this rank's group has {world} (WORLD_SIZE): start the ranks "
-            f"with {Path(run_dir) / rundir.LAUNCH_SCRIPT} (written by mode=launch), or plan for {world} "
+            f"with {rundir.command_line('bash', Path(run_dir) / rundir.LAUNCH_SCRIPT)} (written by mode=launch), or plan for {world} "
             "(launch.nproc_per_node, launch.nnodes) and launch again"
         )
     kwargs = dict(engine["trainer_kwargs"])
@@ -213,7 +213,8 @@ class FinetuneTrainer(SFTTrainer):
         name = f"checkpoint-{self.state.global_step}"
         staging_root = folder / checkpoints.STAGING_DIR
         if self.args.should_save:
-            shutil.rmtree(staging_root / name, ignore_errors=True)
+            # Made empty here, so nothing the trainer writes into it can follow a link planted there.
+            rundir.make_fresh_folder(staging_root / name)
         self.accelerator.wait_for_everyone()
         output_dir, limit = self.args.output_dir, self.args.save_total_limit
         self.args.output_dir, self.args.save_total_limit = str(staging_root), None  # rotation is ours
@@ -315,9 +316,10 @@ def engine_record(trainer: Any) -> dict[str, Any]:
     record["fused_optimizer"] = bool(getattr(basic, "defaults", {}).get("fused"))
     record["loaded_partitioned"] = bool(getattr(trainer, "loaded_partitioned", False))  # zero.Init
     rank = int(os.environ.get("RANK", "0"))
-    record["ranks"] = gather_object(
-        [{"rank": rank, "pid": os.getpid(), "parameters_held": local, "parameters": full}]
-    )
+    mine = {"rank": rank, "pid": os.getpid(), "parameters_held": local, "parameters": full}
+    # QLoRA: this rank's share of the 4-bit base, and the digest of its weights as the engine gathers them
+    mine["quantized_base"] = quantized.record(trainer)
+    record["ranks"] = gather_object([mine])
     return record
 
 
@@ -394,9 +396,9 @@ def build_trainer(
     if "tensorboard" in cfg.train.report_to and args.process_index == 0:  # one writer: rank 0's events file
         from torch.utils.tensorboard import SummaryWriter
 
-        callbacks.append(
-            TensorBoardCallback(SummaryWriter(log_dir=str(Path(run_dir) / rundir.TENSORBOARD_DIR)))
-        )
+        log_dir = Path(run_dir) / rundir.TENSORBOARD_DIR
+        rundir.check_folder(log_dir)  # SummaryWriter creates and appends in place
+        callbacks.append(TensorBoardCallback(SummaryWriter(log_dir=str(log_dir))))
     trainer = FinetuneTrainer(
         model=model,
         args=args,

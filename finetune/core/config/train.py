@@ -56,8 +56,9 @@ class TrainStrategy:
     """Tokens per chunk of the chunked loss (the logits held at once)."""
     sharding: Optional[str] = choice(None, SHARDINGS)
     """A full copy on each GPU (none, ddp) or the states sharded across the GPUs (fsdp, zero3)."""
-    engine: str = choice("fsdp", SHARDED_ENGINES)
-    """Which engine runs a sharded plan: a key of finetune/core/parallelism.py's ENGINES that shards."""
+    engine: Optional[str] = choice(None, SHARDED_ENGINES)
+    """Which engine runs a sharded plan (a key of finetune/core/parallelism.py's ENGINES that shards); None: the
+    planner weighs every sharded engine and takes the fastest plan that fits."""
     offload_optimizer: Optional[bool] = None
     """Keep the optimizer states in host memory."""
     offload_params: Optional[bool] = None
