@@ -234,14 +234,17 @@ def test_the_recipe_fine_tunes_smollm2_with_a_task_gain_and_the_regression_check
     assert r.returncode == 0, r.stderr[-4000:]
     metrics = json.loads((run / "eval" / "metrics.json").read_text())
     base, trained, merged = metrics["base"], metrics["trained"], metrics["merged"]
-    assert base["exact_match"] <= 0.1 and trained["exact_match"] >= base["exact_match"] + 0.4, (base, trained)
+    # the task metric: exact match on the bundled task's held-out prompts (the replay rows mixed into the
+    # held-out split are long answers, scored apart as "other")
+    task = "exact_match_tasks"
+    assert base[task] <= 0.1 and trained[task] >= base[task] + 0.4, (base, trained)
     assert base["regression_checks_passed"] >= 0.8
     assert trained["regression_checks_kept"] >= 0.9, metrics["regression"]
     assert trained["loss"] < base["loss"]
     # merged == trained: the merge check held, and the merged model answers as the adapter model did
     check = json.loads((run / "export" / "merge_check.json").read_text())
     assert check["ok"] and check["top1_agreement"] == 1.0
-    for key in ("exact_match", "regression_checks_passed", "regression_checks_kept"):
+    for key in (task, "regression_checks_passed", "regression_checks_kept"):
         assert merged[key] == trained[key], key
     samples = [json.loads(line) for line in (run / "eval" / "samples.jsonl").read_text().splitlines()]
     assert all(s["merged"] == s["trained"] for s in samples)
