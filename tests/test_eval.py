@@ -69,10 +69,10 @@ def test_eval_yaml_matches_the_schema():
 # ---------------------------------------------------------------- regression set
 
 
-def test_bundled_regression_set_covers_the_three_kinds():
+def test_bundled_regression_set_covers_its_kinds():
     rows = regression.load()
     kinds = {r["category"] for r in rows}
-    assert kinds == {"instruction", "language", "no_refusal"} and len(rows) >= 15
+    assert kinds == {"facts", "arithmetic", "format", "language", "no_refusal"} and len(rows) >= 15
     assert len({r["id"] for r in rows}) == len(rows)
     assert all(r["messages"][-1]["role"] == "user" for r in rows)
 
@@ -97,7 +97,12 @@ def test_regression_flags_and_new_regressions(tmp_path):
     }
     assert regression.summary(rows, "trained") == {
         "regression_refusals": 1, "regression_empty": 1, "regression_checks_passed": 0.0,
+        "regression_checks_kept": 0.0,
     }  # fmt: skip
+    # kept: of the checks the base passes (b; c it fails), the share the fine-tune passes too
+    rows[1]["flags"]["trained"] = []
+    assert regression.summary(rows, "trained")["regression_checks_kept"] == 1.0
+    assert "regression_checks_kept" not in regression.summary(rows, "base")
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(

@@ -42,10 +42,25 @@ def package_dir(name: str) -> Path:
     return installed if installed.is_dir() else PACKAGE_DIR.parent / name
 
 
+# `${finetune_package:data/smollm2}`: a path inside the installed package (data a config group ships).
+PACKAGE_RESOLVER = "finetune_package"
+
+
+def _package_path(relative: str) -> str:
+    path = (PACKAGE_DIR / relative).resolve()
+    if PACKAGE_DIR not in path.parents and path != PACKAGE_DIR:
+        raise ConfigError(f"${{{PACKAGE_RESOLVER}:{relative}}}: not a path inside the finetune package")
+    return str(path)
+
+
 def register_configs() -> None:
-    """Register the schemas and the recipes (group `recipe`, package `_global_`) in Hydra's ConfigStore."""
+    """Register the schemas and the recipes (group `recipe`, package `_global_`) in Hydra's ConfigStore, and
+    the `finetune_package` resolver the shipped configs name their files with."""
     import yaml
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver(PACKAGE_RESOLVER, _package_path, replace=True)
 
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
@@ -81,23 +96,43 @@ _GROUPS = ("model", "method", "hardware", "data", "train", "plan", "launch", "ev
 DEFAULT_RECIPE = "tiny"
 
 
-def normalize_overrides(overrides: Sequence[str]) -> list[str]:
-    """The two spellings the product card promises, made plain Hydra overrides.
+# A model given by file rather than by group: `model.config_path=...` or `model.gguf_file=...`.
+_MODEL_FILE = re.compile(r"\+{0,2}model\.(config_path|gguf_file)=(.+)")
 
-    - no `+recipe=` and no model chosen: the embedded default recipe (`tiny`) is
-      added, so `hardware=h200` or `method=qlora` alone runs the embedded default
-      there; a job built around a model (model=...) starts from configs/config.yaml
-      alone, so no tiny-only value leaks into it;
+
+def normalize_overrides(overrides: Sequence[str]) -> list[str]:
+    """The spellings the product card promises, made plain Hydra overrides.
+
+    - no `+recipe=` and no model chosen: the embedded default recipe (`tiny`) is added, so `hardware=h200`
+      or `method=qlora` alone runs the embedded default there. A model chosen by group (model=...), by its
+      config.json (model.config_path=...) or by a GGUF file (model.gguf_file=...) starts from
+      configs/config.yaml alone, so no tiny-only value (seq_len, LoRA rank, learning rate, steps) leaks
+      into it;
+    - a model given by file, without model= or model.name=, is named after the file (the run directory
+      runs/<name>_<method>), not `tiny`; a config.json's model is then renamed by its config at resolve time
+      (finetune/modeling/models.py);
     - `smoke=true|false` sets `smoke.enabled` (`smoke` is a section with `steps` and `sibling` too).
     """
     out = []
     for item in overrides:
         m = re.fullmatch(r"smoke=(\w+)", item)
         out.append(f"smoke.enabled={m.group(1)}" if m else item)
-    chosen = any(re.match(r"\+{0,2}(recipe|model)=", item) for item in out)
-    if not chosen:
+    by_group = any(re.match(r"\+{0,2}(recipe|model)=", item) for item in out)
+    by_file = [m for m in (_MODEL_FILE.fullmatch(item) for item in out) if m and m.group(2) != "null"]
+    if not by_group and not by_file:
         out.insert(0, f"+recipe={DEFAULT_RECIPE}")
+    named = any(re.match(r"\+{0,2}model\.name=", item) for item in out)
+    if by_file and not by_group and not named:
+        out.append(f"model.name={_file_model_name(*by_file[-1].groups())}")
     return out
+
+
+def _file_model_name(key: str, value: str) -> str:
+    """A run-directory-safe name from the file: a GGUF file's stem, a config.json's folder."""
+    path = Path(value.split("/", 1)[1] if value.startswith("package:") and "/" in value else value)
+    stem = path.name.removesuffix(".gguf") if key == "gguf_file" else path.parent.name
+    name = re.sub(r"[^A-Za-z0-9._+-]+", "-", stem).strip("-._+")[:100]
+    return name or "model"
 
 
 def compose(overrides: Sequence[str]) -> Config:

@@ -2,8 +2,10 @@
 
 Each answer gets flags (`refusal`, `empty`, `check_failed`); a flag the
 fine-tuned (or merged) model raises where the base did not is a regression.
-The bundled set covers instruction following, answering in another language
-and benign prompts with alarming words that must not be refused.
+The bundled set holds general prompts with checkable answers (facts,
+arithmetic, following a format, other languages), each one SmolLM2-135M-Instruct
+answers correctly before fine-tuning (BENCHMARKS.md), and benign prompts with
+alarming words that must not be refused.
 """
 
 from __future__ import annotations
@@ -71,15 +73,24 @@ def flags(answer: str, check: Optional[str], refusal_pattern: str) -> list[str]:
 
 
 def summary(rows: Sequence[dict[str, Any]], variant: str) -> dict[str, Any]:
-    """Counts for one model over the regression rows of samples.jsonl (each with `flags` per model)."""
+    """Counts for one model over the regression rows of samples.jsonl (each with `flags` per model).
+
+    `regression_checks_kept` (not for the base): of the checks the base passes, the share this model passes
+    too, the number the fine-tune must hold up (a check the base fails says nothing about forgetting).
+    """
     checked = [r for r in rows if r.get("check")]
     own = [r["flags"].get(variant, []) for r in rows]
     passed = sum("check_failed" not in r["flags"].get(variant, []) for r in checked)
-    return {
+    out: dict[str, Any] = {
         "regression_refusals": sum("refusal" in f for f in own),
         "regression_empty": sum("empty" in f for f in own),
         "regression_checks_passed": round(passed / len(checked), 4) if checked else None,
     }
+    if variant != "base":
+        base_passed = [r for r in checked if "check_failed" not in r["flags"].get("base", ["check_failed"])]
+        kept = sum("check_failed" not in r["flags"].get(variant, ["check_failed"]) for r in base_passed)
+        out["regression_checks_kept"] = round(kept / len(base_passed), 4) if base_passed else None
+    return out
 
 
 def regressions(rows: Sequence[dict[str, Any]], variant: str) -> dict[str, list[str]]:

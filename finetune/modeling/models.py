@@ -14,7 +14,8 @@ can run code is logged.
 - evaluation and export load the base, the trained output and the merged model with
   `load_base`, `attach_adapter` and `load_variant` (the base loads as training loaded
   it, so `base` and `trained` differ only by what training changed);
-- the pipeline reads a `model.config_path` once with `model_from_config_json`.
+- the pipeline reads a `model.config_path` or `model.gguf_file` once with `resolve_model` (a GGUF file is
+  converted once into a cached safetensors folder, finetune/modeling/gguf.py, and loads from there).
 
 Precision: `method.precision` (`auto`: bf16 on GPUs, fp32 on the CPU); bf16 is used
 where the device runs it natively (CUDA with bf16, CPUs with AVX512-BF16 or AMX),
@@ -44,7 +45,8 @@ from finetune import rundir
 from finetune.core.architectures import ARCHITECTURES, refusal, unmodelled_option
 from finetune.core.config import Config, MethodConfig, ModelConfig
 from finetune.core.errors import ConfigError, DataError, LaunchError
-from finetune.modeling import tiny
+from finetune.modeling import gguf, tiny
+from finetune.planner import count_params
 
 if TYPE_CHECKING:
     import torch
@@ -67,18 +69,29 @@ ATTN_IMPLEMENTATIONS = {
 
 
 def is_tiny(model: ModelConfig) -> bool:
-    """The embedded default's model, built locally (`finetune.modeling.tiny`): no hub id, no config.json."""
-    return model.name == "tiny" and not model.hub_id and not model.config_path
+    """The embedded default's model, built locally (`finetune.modeling.tiny`): no hub id, config.json or GGUF."""
+    return model.name == "tiny" and not model.hub_id and not model.config_path and not model.gguf_file
+
+
+def local_folder(model: ModelConfig) -> Optional[Path]:
+    """The local folder the weights and tokenizer load from: a GGUF file's converted folder (built on first
+    use), or the folder of `model.config_path`; None for a hub id or the tiny model."""
+    if model.gguf_file:
+        return gguf.converted_dir(model.gguf_file)
+    if model.config_path:
+        return Path(model.config_path).parent
+    return None
 
 
 def model_source(model: ModelConfig) -> str:
     """What `from_pretrained` loads: the tiny model's folder (built on first use), a local folder, or a hub id."""
     if is_tiny(model):
         return str(tiny.model_dir(model))
+    folder = local_folder(model)
+    if folder is not None:
+        return str(folder)
     if model.hub_id:
         return model.hub_id
-    if model.config_path:
-        return str(Path(model.config_path).parent)
     raise ConfigError(f"model.hub_id is not set for model={model.name}: nothing to load the weights from")
 
 
@@ -86,7 +99,8 @@ def load_tokenizer(model: ModelConfig) -> Any:
     """The tokenizer whose chat template renders the data: the tiny one built locally, else the model's own."""
     if is_tiny(model):
         return tiny.load_tokenizer(model)
-    source = model.hub_id or (str(Path(model.config_path).parent) if model.config_path else None)
+    folder = local_folder(model)
+    source = str(folder) if folder is not None else model.hub_id
     if not source:
         raise ConfigError(
             f"model.hub_id is not set for model={model.name}: the data stage needs its tokenizer"
@@ -112,42 +126,66 @@ def load_tokenizer(model: ModelConfig) -> Any:
 # ---------------------------------------------------------------- a model's config.json
 
 
+def resolve_model(model: ModelConfig) -> ModelConfig:
+    """The architecture facts of a model given by a local config.json or a GGUF file, read from it; other
+    models as they are (their config group states them)."""
+    if model.gguf_file:
+        return model_from_gguf(model)
+    return model_from_config_json(model)
+
+
+def model_from_gguf(model: ModelConfig) -> ModelConfig:
+    """`model.gguf_file=...`: converted once (finetune/modeling/gguf.py), then read as a config.json is. The
+    model keeps the name it was composed with (the config group's, or the file's, `core/composition.py`)."""
+    path = gguf.converted_dir(model.gguf_file or "") / "config.json"
+    key = f"model.gguf_file={model.gguf_file}"
+    return model_from_hf_config(model, _auto_config(model, path, key), key, name=model.name)
+
+
 def model_from_config_json(model: ModelConfig) -> ModelConfig:
     """`model.config_path=PATH`: architecture facts from a local Hugging Face config.json.
 
     Read through transformers' AutoConfig, offline, so every key the file leaves out takes the model class's
     own default (Gemma's tied embeddings, a missing max_position_embeddings), exactly as loading the model
     would. The planner then gets a typed ModelConfig; families it does not model are refused here with one
-    line (finetune/core/architectures.py).
+    line (finetune/core/architectures.py). The model is named by its config (`_name_or_path`, else its
+    architecture and size), never by the folder the file happens to be in.
     """
     if not model.config_path:
         return model
     path = Path(model.config_path)
+    key = f"model.config_path={path}"
     if not path.is_file():
-        raise ConfigError(f"model.config_path={path}: no such file")
+        raise ConfigError(f"{key}: no such file")
     try:
-        json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"model.config_path={path}: not a readable JSON file ({exc})") from None
+        raise ConfigError(f"{key}: not a readable JSON file ({exc})") from None
+    named = raw.get("_name_or_path") if isinstance(raw, dict) else None
+    resolved = model_from_hf_config(model, _auto_config(model, path, key), key, name=model.name)
+    return replace(resolved, name=_config_name(named, resolved))
+
+
+def _auto_config(model: ModelConfig, path: Path, key: str) -> Any:
     from transformers import AutoConfig
 
     try:
-        hf = AutoConfig.from_pretrained(
+        return AutoConfig.from_pretrained(
             str(path), local_files_only=True, trust_remote_code=model.trust_remote_code
         ).get_text_config()
     except (OSError, ValueError, KeyError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"model.config_path={path}: transformers cannot read it ({first})") from None
-    return model_from_hf_config(model, hf, path)
+        raise ConfigError(f"{key}: transformers cannot read it ({first})") from None
 
 
-def model_from_hf_config(model: ModelConfig, hf: Any, path: Path) -> ModelConfig:
-    """The ModelConfig of a transformers config object (its class defaults included)."""
+def model_from_hf_config(model: ModelConfig, hf: Any, key: str, name: str) -> ModelConfig:
+    """The ModelConfig of a transformers config object (its class defaults included); `key` names the source
+    in errors."""
     model_type = hf.model_type
     experts = int(getattr(hf, "num_local_experts", 0) or getattr(hf, "num_experts", 0) or 0)
     why = refusal(model_type) or unmodelled_option(hf)
     if why is not None:
-        raise ConfigError(f"model.config_path={path}: {why}")
+        raise ConfigError(f"{key}: {why}")
     arch = ARCHITECTURES[model_type]
     heads = int(hf.num_attention_heads)
     hidden = int(hf.hidden_size)
@@ -155,7 +193,7 @@ def model_from_hf_config(model: ModelConfig, hf: Any, path: Path) -> ModelConfig
     try:
         return replace(
             model,
-            name=_model_name(hf, path, model),
+            name=name,
             architecture=model_type,
             hidden_size=hidden,
             num_layers=int(hf.num_hidden_layers),
@@ -177,7 +215,7 @@ def model_from_hf_config(model: ModelConfig, hf: Any, path: Path) -> ModelConfig
             hub_id=model.hub_id,
         )
     except (AttributeError, TypeError) as exc:
-        raise ConfigError(f"model.config_path={path}: {exc}") from None
+        raise ConfigError(f"{key}: {exc}") from None
 
 
 def _dense_layers(hf: Any, experts: int) -> int:
@@ -191,12 +229,19 @@ def _dense_layers(hf: Any, experts: int) -> int:
     return sum(1 for i in range(layers) if i in only or (i + 1) % step)
 
 
-def _model_name(hf: Any, path: Path, model: ModelConfig) -> str:
-    """The config's own name when it names one (not the file path transformers records), else its folder's."""
-    name = str(getattr(hf, "_name_or_path", "") or "")
-    if name and not Path(name).is_absolute() and Path(name) != path:
-        return name
-    return path.parent.name or model.name
+def _config_name(named: Any, model: ModelConfig) -> str:
+    """A config.json's own name when it records one (a hub id, not a path), else `<architecture>-<size>`
+    (llama-70.6B): what the plan and the reports call the model."""
+    if (
+        isinstance(named, str)
+        and named.strip()
+        and not Path(named).is_absolute()
+        and not named.startswith(".")
+    ):
+        return named.strip()
+    total = count_params(model).total
+    size = f"{total / 1e9:.1f}B" if total >= 1e9 else f"{total / 1e6:.0f}M"
+    return f"{model.architecture}-{size}"
 
 
 # ---------------------------------------------------------------- dtypes

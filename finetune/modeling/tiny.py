@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from finetune.core.architectures import ARCHITECTURES
 from finetune.core.config import ModelConfig
-from finetune.core.errors import ConfigError, DiskFullError, is_disk_full
+from finetune.core.errors import ConfigError
 from finetune.core.package import PACKAGE_DIR
-from finetune.rundir.files import free_bytes
+from finetune.modeling import cache
 
 if TYPE_CHECKING:
     import torch
@@ -68,7 +65,7 @@ def bundled_data_path(record_kind: str = "conversations") -> Path:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "tiny"
+    return cache.root() / "tiny"
 
 
 def _fingerprint(model_cfg: Optional[ModelConfig]) -> str:
@@ -76,32 +73,11 @@ def _fingerprint(model_cfg: Optional[ModelConfig]) -> str:
     h.update(f"build={BUILD_VERSION};seed={INIT_SEED}".encode())
     h.update(hashlib.sha256(bundled_data_path().read_bytes()).digest())
     if model_cfg is not None:
-        arch = {k: v for k, v in asdict(model_cfg).items() if k not in ("name", "hub_id", "config_path")}
+        sources = ("name", "hub_id", "config_path", "gguf_file")
+        arch = {k: v for k, v in asdict(model_cfg).items() if k not in sources}
         arch = {k: v for k, v in arch.items() if k not in ("allow_pickle_weights", "trust_remote_code")}
         h.update(json.dumps(arch, sort_keys=True).encode())
     return h.hexdigest()[:16]
-
-
-def _build_once(target: Path, build: Any) -> Path:
-    """Build into a temporary sibling and rename it into place, so a crash leaves no half-built cache."""
-    if target.is_dir():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
-    try:
-        build(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process won the race; use its copy
-            if not target.is_dir():
-                raise
-    except Exception as exc:  # safetensors' own error on a full disk is no OSError
-        if is_disk_full(exc):
-            raise DiskFullError(target, None, free_bytes(target.parent)) from None
-        raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _training_texts() -> list[str]:
@@ -148,7 +124,7 @@ def tokenizer_dir(vocab_size: int) -> Path:
         raise ConfigError(
             f"model.vocab_size={vocab_size} is too small for the tiny byte-level tokenizer (>= 262)"
         )
-    return _build_once(cache_root() / f"tokenizer-v{vocab_size}-{_fingerprint(None)}", build)
+    return cache.build_once(cache_root() / f"tokenizer-v{vocab_size}-{_fingerprint(None)}", build)
 
 
 def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerFast:
@@ -229,7 +205,7 @@ def model_dir(model_cfg: ModelConfig) -> Path:
         model.save_pretrained(out, safe_serialization=True)
         tok.save_pretrained(out)  # the model folder is self-contained, like a hub checkpoint
 
-    return _build_once(cache_root() / f"model-{_fingerprint(model_cfg)}", build)
+    return cache.build_once(cache_root() / f"model-{_fingerprint(model_cfg)}", build)
 
 
 def load_model(model_cfg: ModelConfig, dtype: Optional[torch.dtype] = None) -> PreTrainedModel:

@@ -37,10 +37,11 @@ def _enter(stage: str) -> None:
 
 
 def resolve(cfg: Config) -> Config:
-    """Facts read at the edge: a local config.json, this machine for hardware=local, its memory for hardware=cpu."""
+    """Facts read at the edge: a local config.json or GGUF file (converted once), this machine for
+    hardware=local, its memory for hardware=cpu."""
     hardware = machine.resolve_local(cfg.hardware, cfg.launch.nnodes or 1, cfg.resolved_run_dir)
     return replace(
-        cfg, model=models.model_from_config_json(cfg.model), hardware=machine.resolve_host_hardware(hardware)
+        cfg, model=models.resolve_model(cfg.model), hardware=machine.resolve_host_hardware(hardware)
     )
 
 

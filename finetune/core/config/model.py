@@ -2,22 +2,51 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from finetune.core.architectures import ARCHITECTURES
 from finetune.core.config.checks import check_choices, check_positive, choice
 from finetune.core.errors import ConfigError
 
+# `model.gguf_file=package:NAME/FILE`: FILE inside the installed package NAME (found without importing it).
+GGUF_PACKAGE_PREFIX = "package:"
+_PACKAGE_SPEC = re.compile(r"package:([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)/(.+)")
+
+
+def check_gguf_spec(spec: str) -> None:
+    """A path, or package:NAME/FILE with NAME an importable name and FILE inside it (no '..')."""
+    if not spec.strip():
+        raise ConfigError("model.gguf_file is empty: give a path or package:NAME/FILE")
+    if spec.startswith(GGUF_PACKAGE_PREFIX):
+        m = _PACKAGE_SPEC.fullmatch(spec)
+        if not m or ".." in Path(m.group(2)).parts or Path(m.group(2)).is_absolute():
+            raise ConfigError(
+                f"model.gguf_file={spec}: write package:NAME/FILE (NAME an installed Python package, FILE a "
+                "path inside it)"
+            )
+
+
+def gguf_package_spec(spec: str) -> Optional[tuple[str, str]]:
+    """(package, file inside it) of package:NAME/FILE; None for a plain path."""
+    m = _PACKAGE_SPEC.fullmatch(spec)
+    return (m.group(1), m.group(2)) if m else None
+
 
 @dataclass
 class ModelConfig:
     """Architecture facts, so the planner works offline. `config_path` reads a local config.json instead
-    (through transformers' AutoConfig: the model class's own defaults fill what the file leaves out)."""
+    (through transformers' AutoConfig: the model class's own defaults fill what the file leaves out);
+    `gguf_file` takes the model, its tokenizer and chat template from a GGUF file (finetune/modeling/gguf.py)."""
 
     name: str = "tiny"
     hub_id: Optional[str] = None
     config_path: Optional[str] = None
+    # A GGUF file (llama.cpp, Ollama): a path, or package:NAME/FILE for a file an installed package ships.
+    # Converted once into a safetensors folder in the cache (keyed by the file's hash); it wins over hub_id.
+    gguf_file: Optional[str] = None
     # A family of finetune/core/architectures.py; the planner refuses the mixtures of experts (mixtral).
     architecture: str = choice("llama", ARCHITECTURES)
     hidden_size: int = 64
@@ -47,6 +76,13 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "model")
+        if self.gguf_file is not None:
+            check_gguf_spec(self.gguf_file)
+            if self.config_path:
+                raise ConfigError(
+                    "model.gguf_file and model.config_path are both set: the GGUF file holds the config; "
+                    "choose one"
+                )
         for key in (
             "hidden_size",
             "num_layers",
