@@ -66,8 +66,8 @@ def test_missing_file_and_missing_package_are_one_line(tmp_path):
     [
         ("bert", "architecture 'bert' is not one transformers reads from GGUF"),
         (
-            "qwen3",
-            "qwen3 has q/k norms in every layer",
+            "gemma2",
+            "gemma2 has four norms a layer and logit soft-capping",
         ),  # transformers reads it; the planner does not model it
         ("falcon", "model_type 'falcon' is not one the planner models"),
     ],
