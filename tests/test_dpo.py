@@ -271,6 +271,7 @@ def test_preference_scores_by_implicit_reward():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # SFT then 150 DPO steps: about 10 minutes on the shared 2 cores
 def test_sft_then_dpo_runs_every_stage_on_the_cpu(tmp_path):
     """SFT (short), then `+recipe=tiny_dpo init_from=SFT_RUN` end to end on the CPU: plan, data, train, eval,
     export. The DPO run starts from the SFT adapter, which is also its reference."""

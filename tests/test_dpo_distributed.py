@@ -1,7 +1,7 @@
 """DPO on two CPU ranks (gloo): the planned engine really runs DPO, and trains like one process.
 
     pytest -m distributed tests/test_dpo_distributed.py                   # CI: ZeRO-3 against one process
-    pytest -m engine_matrix tests/test_dpo_distributed.py                 # the rest: DDP, ZeRO-3 offload, FSDP2
+    pytest -m extended tests/test_dpo_distributed.py                 # the rest: DDP, ZeRO-3 offload, FSDP2
 
 Driven as a user drives it (`mode=data`, then `mode=train` through the launcher), on the bundled preference
 set with LoRA. Every run takes 8 pairs a step (16 sequences: chosen and rejected); its DPO loss trajectory
@@ -92,7 +92,7 @@ def test_dpo_zero3_two_processes_train_like_one(root, reference):
     assert_like_one_process(run, reference)
 
 
-@pytest.mark.engine_matrix
+@pytest.mark.extended
 def test_dpo_ddp_two_processes_train_like_one(root, reference):
     run = pipeline_run(root, "ddp", "hardware.gpus_per_node=2")
     engine = run["metrics"]["train"]["engine"]
@@ -102,7 +102,7 @@ def test_dpo_ddp_two_processes_train_like_one(root, reference):
     assert ev["base"]["preference_accuracy"] == 0.0 and "preference_accuracy" in ev["trained"]
 
 
-@pytest.mark.engine_matrix
+@pytest.mark.extended
 def test_dpo_zero3_offload_two_processes_train_like_one(root, reference):
     run = pipeline_run(
         root, "zero3-offload", "hardware.gpus_per_node=2", "train.sharding=zero3", "train.engine=zero3",
@@ -113,7 +113,7 @@ def test_dpo_zero3_offload_two_processes_train_like_one(root, reference):
     assert_like_one_process(run, reference)
 
 
-@pytest.mark.engine_matrix
+@pytest.mark.extended
 def test_dpo_fsdp2_two_processes_train_like_one(root, reference):
     run = pipeline_run(root, "fsdp2", "hardware.gpus_per_node=2", "train.sharding=fsdp", "train.engine=fsdp")
     engine = run["metrics"]["train"]["engine"]

@@ -92,6 +92,7 @@ def test_training_stage_runs_grpo_and_records_the_rewards(tiny_cache: Path, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # over 20 minutes on the shared 2 cores
 def test_cli_runs_plan_data_train_eval_export(tiny_cache: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     done = run_cli(

@@ -195,6 +195,7 @@ DTYPES = {
 }
 
 
+@pytest.mark.extended  # six trainings of the real model: about 27 minutes on the shared 2 cores
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("method", ["lora", "qlora", "full"])
 def test_every_method_trains_the_real_model_a_few_steps(tmp_path, smollm2_data, method, precision):
@@ -235,6 +236,7 @@ def recipe_run(smollm2, tmp_path_factory):
     return run, json.loads((run / "eval" / "metrics.json").read_text())
 
 
+@pytest.mark.extended  # the whole recipe on the real model: 20 to 40 minutes on 2 shared cores
 def test_the_recipe_fine_tunes_smollm2_with_a_task_gain_and_merged_equal_to_trained(smollm2, recipe_run):
     """The targets of BENCHMARKS.md: the task metric up by at least 0.4 and merged scoring as trained;
     the template reaching the served folders."""
@@ -261,6 +263,7 @@ def test_the_recipe_fine_tunes_smollm2_with_a_task_gain_and_merged_equal_to_trai
     assert "vllm serve ./merged" in serve and f"vllm serve {models.local_folder(smollm2)}" in serve
 
 
+@pytest.mark.extended
 @pytest.mark.xfail(
     strict=True,
     reason="not met yet: the recipe keeps 14 of the base's 29 regression checks (BENCHMARKS.md, issue 21)",
