@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass, replace
@@ -608,6 +609,20 @@ def interrupted_message(signal_name: str, run_dir: Union[str, Path]) -> str:
     )
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A StreamHandler on `sys.stderr` as it is when each record comes, not when the handler was made: a run
+    in-process (a notebook, the tests) may swap stderr, and a handler kept on a closed stream turns every
+    later warning into a "--- Logging error ---" traceback."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def configure_rank_logging(rank0: bool) -> None:
     """Rank 0 speaks (our INFO lines, library warnings); other ranks only report errors, which
     would otherwise repeat every line once per rank. DeepSpeed's own calls to deprecated
@@ -616,7 +631,7 @@ def configure_rank_logging(rank0: bool) -> None:
 
     logger = logging.getLogger("finetune")
     if not logger.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         logger.addHandler(handler)
     logger.setLevel(logging.INFO if rank0 else logging.ERROR)
