@@ -140,6 +140,12 @@ def build_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dt
     """The shared arguments plus GRPO's. A batch (micro x accumulation x ranks) counts completions; it
     must hold whole groups of `grpo.num_generations`."""
     kwargs = common_kwargs(cfg, plan, run_dir, compute_dtype)
+    # TRL 1.16's GRPOConfig has no activation offloading (SFTConfig and DPOConfig do).
+    if kwargs.pop("activation_offloading", False):
+        raise ConfigError(
+            "plan.json: strategy.activation_offloading=true, which TRL's GRPOTrainer does not run; "
+            "set train.activation_offloading=false for objective=grpo"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     completions = kwargs["per_device_train_batch_size"] * kwargs["gradient_accumulation_steps"] * world
     if completions % cfg.grpo.num_generations:
