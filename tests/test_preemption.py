@@ -240,7 +240,7 @@ def test_sigterm_to_the_pipeline_during_the_data_stage_exits_75(tmp_path, tiny_c
     code = (
         "import sys, time\nfrom pathlib import Path\nfrom finetune.data import prepare\n"
         "def slow(*a, **k):\n    Path(sys.argv[1]).write_text('in')\n    time.sleep(120)\n"
-        "prepare.conversations = slow\nfrom finetune.pipeline.cli import main\nsys.exit(main(sys.argv[2:]))\n"
+        "prepare.RECORD_KINDS['conversations'] = slow\nfrom finetune.pipeline.cli import main\nsys.exit(main(sys.argv[2:]))\n"
     )
     flag, run = tmp_path / "flag", tmp_path / "run"
     proc = subprocess.Popen(
