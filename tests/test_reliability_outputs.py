@@ -366,13 +366,13 @@ def test_a_full_disk_saving_the_trained_adapter_keeps_the_previous_one(
 
 
 def test_a_full_disk_building_the_tiny_model_is_one_line(tmp_path):
-    from finetune.modeling import tiny
+    from finetune.modeling import cache
 
     def build(out: Path) -> None:
         _full_after_writing(str(out / "model.safetensors"))
 
     with pytest.raises(DiskFullError, match=f"^disk full: {tmp_path / 'model-x'}: .* free, needs more space"):
-        tiny._build_once(tmp_path / "model-x", build)
+        cache.build_once(tmp_path / "model-x", build)
     assert list(tmp_path.iterdir()) == []  # nothing half-built kept
 
 
