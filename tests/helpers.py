@@ -55,23 +55,20 @@ def tiny_cfg(*overrides: str, run_dir: Optional[Path] = None) -> Config:
 def plan_for(cfg: Config, **strategy: Any) -> Plan:
     """The planner's plan for `cfg` on this machine (hardware=cpu resolved as the pipeline does),
     with strategy fields overridden."""
-    from finetune.core.composition import load_profiles
-    from finetune.pipeline.stages import resolve
-    from finetune.planner import make_plan
+    from finetune.pipeline.stages import config_plan, resolve
 
     cfg = resolve(cfg)
-    plan = make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
+    plan = config_plan(cfg)
     return replace(plan, strategy=replace(plan.strategy, **strategy)) if strategy else plan
 
 
 def planned(*overrides: str) -> tuple[Config, Plan]:
     """The composed and resolved config for `overrides`, and its plan (as the pipeline plans it)."""
-    from finetune.core.composition import compose, load_profiles
-    from finetune.pipeline.stages import resolve
-    from finetune.planner import make_plan
+    from finetune.core.composition import compose
+    from finetune.pipeline.stages import config_plan, resolve
 
     cfg = resolve(compose(list(overrides)))
-    return cfg, make_plan(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles())
+    return cfg, config_plan(cfg)
 
 
 def fast_eval(**overrides: Any) -> EvalConfig:

@@ -39,6 +39,8 @@ def test_recipe_strategy_runs_as_planned_on_the_tiny_model(recipe, tmp_path, tin
         )
     assert plan.fits, plan.reasons
     s = plan.strategy
+    if s.sequence_parallel > 1:
+        pytest.skip(f"{recipe}: training with a sequence split is not built (README, Long context)")
     if s.optimizer == "paged_adamw_8bit":
         pytest.skip(f"{recipe} plans paged_adamw_8bit, which needs CUDA's paged memory")
     ranks = 1 if s.sharding == "none" else 2

@@ -25,7 +25,7 @@ from finetune.pipeline import compare
 from finetune.pipeline.plan_report import print_plan
 from finetune.planner import Plan, make_plan, rollout
 from finetune.planner.contract import GB
-from finetune.rundir import machine
+from finetune.rundir import machine, preflight
 
 # What the pipeline is doing now, for the one line a signal leaves (`cli.main`).
 current_stage = "the set-up"
@@ -67,12 +67,13 @@ def _precompute_reference(cfg: Config) -> Optional[bool]:
     return None if source == "auto" else source == "precompute"
 
 
-def _make_plan(cfg: Config, hardware: Any, seq_len: Optional[int]) -> Plan:
-    """The planner on this config's model, method, training and objective, on `hardware`."""
+def config_plan(cfg: Config, hardware: Any = None, seq_len: Optional[int] = None) -> Plan:
+    """The planner on this config's model, method, training, objective and packing, on `hardware` (None: the
+    config's own)."""
     return make_plan(
         cfg.model,
         cfg.method,
-        hardware,
+        hardware if hardware is not None else cfg.hardware,
         cfg.train,
         cfg.plan,
         load_profiles(),
@@ -89,7 +90,7 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
         seq_len = data_seq_len(run_dir)
         if seq_len is None:
             raise PlanError("train.seq_len=auto needs the data stage: run mode=data (or mode=all) first")
-    plan = _make_plan(cfg, cfg.hardware, seq_len)
+    plan = config_plan(cfg, cfg.hardware, seq_len)
     if cfg.objective.spec.generates:
         plan = _colocated_training_plan(cfg, plan, seq_len)
     plan = replace(plan, reasons=(*cfg.hardware.notes, *plan.reasons))  # hardware=local: what was detected
@@ -144,7 +145,7 @@ def _colocated_training_plan(cfg: Config, plan: Plan, seq_len: Optional[int]) ->
     if share >= 1:
         return plan
     budget = replace(hw, gpu_memory_gb=hw.gpu_memory_gb * (1 - share))
-    beside = _make_plan(cfg, budget, seq_len)
+    beside = config_plan(cfg, budget, seq_len)
     if not beside.fits:
         return plan
     why = f"GRPO colocate: training planned on {budget.gpu_memory_gb:.1f} GB a GPU, vLLM takes {share:.2f} of it"
@@ -187,8 +188,16 @@ def launch_ranks(cfg: Config, run_dir: Path, plan: Plan) -> int:
 
 def train_stage(cfg: Config, run_dir: Path, plan: Plan) -> int:
     """Train through the launcher, so one CPU process and 8 GPUs take the same path (`python -m finetune.train`)."""
-    # Data a previous mode=data left: checked here, in one line, before any rank starts.
+    # Data a previous mode=data left: checked here, in one line, before any rank starts; after the machine
+    # (a plan this machine cannot run is the first thing to say: preparing data would not help).
     if cfg.mode == "train":
+        preflight.check_machine(
+            cfg,
+            plan,
+            gpus=plan.layout.nproc_per_node,
+            device=plan.hardware.device,
+            allow_mismatch=cfg.launch.allow_mismatch,
+        )
         data_stage.check_prepared(run_dir)
     code = launch_ranks(cfg, run_dir, plan)
     if code == INTERRUPTED_EXIT_CODE:
