@@ -59,8 +59,7 @@ def conversations(cfg: Config, tokenizer: Any, inp: sources.Input, path: str, co
     hard = limits.hard_limit(cfg)
     char_limit = limits.max_chars(tokenizer, hard)
     with progress(console) as bar:
-        task = bar.add_task("read" if inp.dataset is None else "read (rows)", total=inp.size)
-        records = sources.records(inp, loaded, lambda n: bar.advance(task, n))
+        records = _records(inp, loaded, bar)
         kept = samples.collect(records, loaded, dc, control, char_limit, tally)
         samples.check_input(loaded, dc, path, tally)
         kept = samples.near_deduplicate(kept, dc, tally, bar)
@@ -74,6 +73,12 @@ def conversations(cfg: Config, tokenizer: Any, inp: sources.Input, path: str, co
     result = _stats(cfg, loaded, path, tally, char_limit, renderer, tokens, rows, bins)
     result["seconds"] = round(time.perf_counter() - t0, 3)
     return Prepared(result, tokens, rows, bins, eval_messages)
+
+
+def _records(inp: sources.Input, loaded: sources.Loaded, bar: Any) -> Iterable[sources.Record]:
+    """The input's records as they are read, with a progress task of the bytes (or a data set's rows) read."""
+    task = bar.add_task("read" if inp.dataset is None else "read (rows)", total=inp.size)
+    return sources.records(inp, loaded, lambda n: bar.advance(task, n))
 
 
 def progress(console):
@@ -216,8 +221,7 @@ def preferences(cfg: Config, tokenizer: Any, inp: sources.Input, path: str, cons
     char_limit = limits.max_chars(tokenizer, hard)
     loaded = sources.Loaded()
     with progress(console) as bar:
-        task = bar.add_task("read" if inp.dataset is None else "read (rows)", total=inp.size)
-        found = _read_pairs(sources.records(inp, loaded, lambda n: bar.advance(task, n)), loaded, dc)
+        found = _read_pairs(_records(inp, loaded, bar), loaded, dc)
     samples.check_input(loaded, dc, path, tally)
     if not found:
         raise DataError(f"data.path={path}: no preference pairs ({dict(tally.dropped) or 'no records'})")
@@ -469,8 +473,7 @@ def prompts(cfg: Config, tokenizer: Any, inp: sources.Input, path: str, console)
     char_limit = limits.max_chars(tokenizer, hard)
     loaded = sources.Loaded()
     with progress(console) as bar:
-        task = bar.add_task("read" if inp.dataset is None else "read (rows)", total=inp.size)
-        records = sources.records(inp, loaded, lambda n: bar.advance(task, n))
+        records = _records(inp, loaded, bar)
         kept = samples.collect(records, loaded, dc, control, char_limit, tally)
         samples.check_input(loaded, dc, path, tally)
         kept = samples.near_deduplicate(kept, dc, tally, bar)
