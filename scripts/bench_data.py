@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -138,7 +137,9 @@ def _child(args) -> None:
         "trl": lambda: run_trl(args.n, args.seq_len, args.num_proc, args.seed),
     }[args.only]
     result = fn()
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    from finetune.rundir import machine
+
+    result["peak_rss_mb"] = machine.peak_rss_bytes() / 2**20
     result["tokens_per_s"] = result["tokens"] / result["seconds"]
     print("RESULT " + json.dumps(result))
 

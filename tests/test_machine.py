@@ -318,3 +318,18 @@ def test_a_cpu_only_torch_beside_real_gpus_is_named(monkeypatch, tmp_path):
     fake.nvmlDeviceGetName = lambda h: b"NVIDIA H100 80GB HBM3"  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     assert machine.read_machine(tmp_path).no_gpu_reason.endswith("; NVML sees 2 x NVIDIA H100 80GB HBM3")
+
+
+def test_a_child_process_reports_its_own_peak_memory_not_its_parents():
+    """A CPU run is measured by its own high-water mark: ru_maxrss would carry the parent's across exec."""
+    import subprocess
+
+    ballast = bytearray(400 * 2**20)  # 400 MiB in this (parent) process, every page touched
+    for i in range(0, len(ballast), 4096):
+        ballast[i] = 1
+    code = "from finetune.rundir import machine; print(machine.peak_rss_bytes())"
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, check=True)
+    child_peak = int(out.stdout.strip())
+    assert 1e6 < child_peak < 200 * 2**20  # the child's interpreter and imports, far below the parent's ballast
+    assert machine.peak_rss_bytes() > len(ballast)  # and the parent's own mark does count its ballast
+    del ballast

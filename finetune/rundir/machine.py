@@ -9,7 +9,8 @@ else takes its `Machine`, a plain description, so tests pass fake machines:
 - `local_profile`: the `HardwareConfig` hardware=local plans with. Price and peak
   FLOP/s come from the profile whose GPU this is (`gpu_names` and memory), else stay
   None, and its notes say which;
-- `mismatch`: why this machine cannot start a plan (one line), or None.
+- `mismatch`: why this machine cannot start a plan (one line), or None;
+- `peak_rss_bytes`: this process's own peak resident set (what a CPU run is measured by).
 
 Sizes are decimal GB (1e9 bytes), as the plan counts them. Vendors' "80 GB" is closer
 to 80 GiB (an H100 80GB reports about 85.0e9 bytes, 79.2 GiB; an A100 40GB 42.4e9),
@@ -20,7 +21,9 @@ profile's figure and at most that figure in GiB plus the tolerance.
 from __future__ import annotations
 
 import os
+import resource
 import shutil
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,6 +37,24 @@ GIB_PER_GB = 2**30 / GB
 # How much less memory than the plan's figure a GPU may report and still count as that GPU.
 MEMORY_TOLERANCE = 0.05
 BF16_CAPABILITY = (8, 0)  # Ampere and later run bf16 natively
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set: VmHWM, the high-water mark of its own address space.
+
+    Not getrusage's ru_maxrss: Linux carries the parent's high-water mark into a child across exec, so a
+    training process started by a 1.5 GB parent (a long pytest run, a notebook) reports at least 1.5 GB
+    however little it uses (measured: 1,514 MB reported by a child whose VmHWM was 13 MB).
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # elsewhere (macOS: bytes, not kilobytes)
+    return kb if sys.platform == "darwin" else kb * 1024
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import signal
-import sys
 import threading
 import time
 from collections import deque
@@ -28,7 +26,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from finetune.rundir import checkpoints
+from finetune.rundir import checkpoints, machine
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +37,7 @@ def peak_memory_gb(device: str) -> float:
     """CUDA: the allocator's peak on this rank's GPU. CPU: the process's peak resident set size."""
     if device == "cuda" and torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / GB
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux, bytes on macOS
-    return kb * (1 if sys.platform == "darwin" else 1024) / GB
+    return machine.peak_rss_bytes() / GB
 
 
 class RunMonitor(TrainerCallback):
