@@ -328,8 +328,12 @@ def test_a_child_process_reports_its_own_peak_memory_not_its_parents():
     for i in range(0, len(ballast), 4096):
         ballast[i] = 1
     code = "from finetune.rundir import machine; print(machine.peak_rss_bytes())"
-    out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, check=True
+    )
     child_peak = int(out.stdout.strip())
-    assert 1e6 < child_peak < 200 * 2**20  # the child's interpreter and imports, far below the parent's ballast
+    assert (
+        1e6 < child_peak < 200 * 2**20
+    )  # the child's interpreter and imports, far below the parent's ballast
     assert machine.peak_rss_bytes() > len(ballast)  # and the parent's own mark does count its ballast
     del ballast
