@@ -115,7 +115,8 @@ def test_command_line_beats_recipe():
 def test_method_defaults():
     lora = compose(["model=tiny", "method=lora"]).method  # a model chosen: the groups alone, no recipe
     assert (lora.lora_rank, lora.lora_alpha, lora.lora_dropout) == (16, 32, 0.05)
-    assert lora.target_modules == [
+    assert lora.target_modules is None  # every projection of the model's architecture
+    assert lora.targets("llama") == [
         "q_proj",
         "k_proj",
         "v_proj",

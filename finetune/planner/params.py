@@ -114,7 +114,7 @@ def count_params(m: ModelConfig) -> ParamCounts:
 def check_target_modules(m: ModelConfig, method: MethodConfig) -> None:
     """Every `method.target_modules` name must be a linear module of the architecture's decoder layers."""
     valid = ARCHITECTURES[m.architecture].projections
-    unknown = [name for name in method.target_modules if name not in valid]
+    unknown = [name for name in method.targets(m.architecture) if name not in valid]
     if unknown:
         raise ConfigError(
             f"method.target_modules has {', '.join(unknown)}, which {m.architecture} layers do not have "
@@ -126,7 +126,7 @@ def lora_params(m: ModelConfig, method: MethodConfig) -> int:
     """r x (d_in + d_out) per targeted projection, over all decoder layers."""
     check_target_modules(m, method)
     shapes = projection_shapes(m)
-    per_layer = sum(method.lora_rank * sum(shapes[name]) for name in method.target_modules)
+    per_layer = sum(method.lora_rank * sum(shapes[name]) for name in method.targets(m.architecture))
     return per_layer * m.num_layers
 
 
