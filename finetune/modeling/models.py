@@ -402,8 +402,11 @@ def lora_config(method: MethodConfig, model: ModelConfig) -> Any:
     """PEFT's LoraConfig of the method on a model of `model`'s architecture (its projections by default)."""
     from peft import LoraConfig
 
+    # the fused 3-D experts are parameters, not linear modules: PEFT reaches them by name
+    experts = list(ARCHITECTURES[model.architecture].expert_parameters) if method.lora_experts else None
     return LoraConfig(
         r=method.lora_rank,
+        target_parameters=experts,
         lora_alpha=method.lora_alpha,
         lora_dropout=method.lora_dropout,
         target_modules=method.targets(model.architecture),

@@ -211,18 +211,26 @@ def _sparse_layer_bytes(shape: LayerShape, run: LayerRun) -> int:
     (4E) and 32 bytes per routed copy of indices (int64 top-k, sort and inverse permutation). LoRA on the
     experts (`expert_adapters`) folds B @ A into the expert weights, which then need grads: grouped_mm also
     keeps each copy's input to down_proj (I) and the permuted input once more (h); the folded weights
-    themselves are a per-layer constant (`folded_expert_bytes`). Attention's adapters are as Qwen3's.
+    themselves are a per-layer constant (`folded_expert_bytes`). Attention's adapters are as Qwen3's (their
+    dropout as measured there; the experts take none).
     """
-    if METHODS[run.method].trains_base_weights or run.lora_dropout:
-        raise ValueError("a sparse layer is measured for LoRA without dropout only")
+    if METHODS[run.method].trains_base_weights:
+        raise ValueError("a sparse layer is measured for LoRA only")
     dense = replace(shape, intermediate=0, experts=0, experts_per_token=0)
     attention_only = layer_bytes_per_token(dense, run)  # with the MLP's adapter terms at I = 0, removed next
     if run.checkpointing:
         return attention_only
     h, c, k, a = shape.hidden, run.dtype_bytes, shape.experts_per_token, run.adapter_bytes
     kept = 2 if run.autocast and a == 4 else a
-    # the dense formula at I = 0 adapts gate and up on the second norm's output: LoRA here adapts attention only
-    attention_only -= (c * h if a == c and not run.autocast else 2 * kept * h) + 3 * run.lora_rank * kept
+    # the dense formula at I = 0 still adapts gate and up on the second norm's output (its branches: dropout's
+    # output and mask, a cast to the adapter dtype, or the shared input); LoRA here adapts attention only
+    if run.lora_dropout:
+        gate_up = (kept + (1 if run.device == "cuda" else a)) * 2 * h
+    elif a != c:
+        gate_up = kept * 2 * h
+    else:
+        gate_up = c * h
+    attention_only -= gate_up + 3 * run.lora_rank * kept
     i = shape.intermediate
     routed = k * c * (h + 3 * i) + k * c + 4 * shape.experts + 32 * k
     if run.expert_adapters:

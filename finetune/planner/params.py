@@ -120,6 +120,10 @@ def check_target_modules(m: ModelConfig, method: MethodConfig) -> None:
             f"method.target_modules has {', '.join(unknown)}, which {m.architecture} layers do not have "
             f"(its linear modules: {', '.join(valid)})"
         )
+    if method.lora_experts and not ARCHITECTURES[m.architecture].expert_parameters:
+        raise ConfigError(
+            f"method.lora_experts=true: {m.architecture} has no fused experts the planner models (qwen3_moe has)"
+        )
 
 
 def lora_params(m: ModelConfig, method: MethodConfig) -> int:
@@ -127,7 +131,13 @@ def lora_params(m: ModelConfig, method: MethodConfig) -> int:
     check_target_modules(m, method)
     shapes = projection_shapes(m)
     per_layer = sum(method.lora_rank * sum(shapes[name]) for name in method.targets(m.architecture))
-    return per_layer * m.num_layers
+    experts = 0
+    if (
+        method.lora_experts
+    ):  # PEFT: r x E rows of A and columns of B per 3-D weight (gate_up h -> 2I, down I -> h)
+        h, i = m.hidden_size, m.moe_intermediate_size
+        experts = (m.num_layers - m.dense_layers) * method.lora_rank * m.num_experts * ((h + 2 * i) + (i + h))
+    return per_layer * m.num_layers + experts
 
 
 __all__ = ["LLAMA_PROJECTIONS", "ParamCounts", "check_target_modules", "count_params", "lora_params"]

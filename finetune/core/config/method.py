@@ -31,6 +31,9 @@ class MethodConfig:
     # The linear modules to adapt, by PEFT's names; None: every projection of the architecture's decoder
     # layers as finetune/core/architectures.py names them (Llama's seven, Phi's four fused ones): `targets`.
     target_modules: Optional[list[str]] = None
+    # A mixture of experts: LoRA on the fused expert weights too (PEFT's target_parameters; no dropout there),
+    # besides attention's projections; the router stays frozen.
+    lora_experts: bool = False
     # fp32 is PEFT's default (upcast adapters); bf16 saves ~30% of activation memory.
     adapter_dtype: str = choice("fp32", ("bf16", "fp32"))
     # QLoRA base quantization (bitsandbytes). compute_dtype: the dtype the 4-bit weights are
@@ -48,6 +51,11 @@ class MethodConfig:
             check_positive("method.lora_alpha", self.lora_alpha)
             if not 0.0 <= self.lora_dropout < 1.0:
                 raise ConfigError(f"method.lora_dropout={self.lora_dropout} must be in [0, 1)")
+            if self.lora_experts and self.lora_dropout:
+                raise ConfigError(
+                    f"method.lora_experts=true needs method.lora_dropout=0 (PEFT's LoRA on parameters has no "
+                    f"dropout; it is {self.lora_dropout})"
+                )
             if self.target_modules is not None and not self.target_modules:
                 raise ConfigError(
                     "method.target_modules is empty: name the projections to adapt (null: all of them)"
