@@ -8,12 +8,12 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from helpers import planned
 
 from finetune.core.config import ModelConfig
 from finetune.core.errors import ConfigError, PlanError
 from finetune.planner.activations import LayerRun, LayerShape, folded_expert_bytes, layer_bytes_per_token
 from finetune.planner.search import check_model
-from helpers import planned
 
 REPO = Path(__file__).resolve().parent.parent
 # Qwen3-30B-A3B: h 2048, 48 layers, q 32 x 128, kv 4 x 128, 128 experts of I 768, 8 routed
