@@ -124,3 +124,25 @@ def test_the_sparse_layer_formula_is_the_measured_bytes(experts):
     assert (at[128] - at[64]) // 64 == layer_bytes_per_token(sh, run) == (10_004 if experts else 8_468)
     # the constant: the folded expert weights (bf16) and grouped_mm's int32 offsets, 4 bytes an expert
     assert 2 * at[64] - at[128] == folded_expert_bytes(sh, run) + 4 * e
+
+
+def test_the_moe_recipes_plan_as_their_comments_say(tmp_path):
+    """qwen3_30b_a3b_lora: one H200 (LoRA on attention and experts), plan.json as the command line writes it;
+    its smoke sibling, the tiny Qwen3-MoE, on the CPU."""
+    import json
+
+    from helpers import run_cli
+
+    proc = run_cli("+recipe=qwen3_30b_a3b_lora", "mode=plan", f"run_dir={tmp_path / 'run'}", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert data["hardware"]["name"] == "h200" and data["fits"]
+    assert data["params"] == {"total": 30_532_122_624, "trainable": 642_514_944}
+    assert data["strategy"]["sharding"] == "none" and data["strategy"]["activation_checkpointing"]
+    cfg, _ = planned("+recipe=qwen3_30b_a3b_lora")
+    assert (cfg.smoke.sibling, cfg.method.lora_experts, cfg.method.lora_dropout) == ("tiny_moe", True, 0.0)
+    # without the experts' adapters it fits one H100, as the recipe's note says
+    _, h100 = planned("+recipe=qwen3_30b_a3b_lora", "hardware=h100", "method.lora_experts=false")
+    assert h100.fits and h100.params_trainable == ATTENTION_R16
+    smoke, tiny = planned("+recipe=tiny_moe")
+    assert smoke.model.architecture == "qwen3_moe" and smoke.hardware.device == "cpu" and tiny.fits
