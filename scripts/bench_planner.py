@@ -112,7 +112,9 @@ def model_config(case: Case) -> Any:
     if case.vocab_size is not None:
         changes["vocab_size"] = case.vocab_size
     if case.experts:
-        changes.update(architecture="qwen3_moe", num_experts=4, num_experts_per_token=2, moe_intermediate_size=48)
+        changes.update(
+            architecture="qwen3_moe", num_experts=4, num_experts_per_token=2, moe_intermediate_size=48
+        )
     return replace(m, **changes)
 
 
