@@ -3,6 +3,7 @@
     python scripts/bench_planner.py                # tiny, SmolLM2-135M, one decoder layer at 8B and 70B dims (minutes)
     python scripts/bench_planner.py --only smollm2 # SmolLM2-135M-Instruct's shape alone
     python scripts/bench_planner.py --quick        # tiny model only (~2 min), used by the tests
+    python scripts/bench_planner.py --only moe     # the tiny Qwen3-MoE, LoRA on attention and experts (~3 min)
     python scripts/bench_planner.py --json out.json
 
 Every row runs what the trainer runs (finetune/train), on the CPU in bf16 (the
@@ -81,10 +82,13 @@ class Case:
     chunk_size: int
     num_layers: Optional[int] = None  # None: the model config's own
     vocab_size: Optional[int] = None
+    # the shape as a Qwen3-MoE of 4 fused experts (2 routed), LoRA on attention and experts, no dropout
+    experts: bool = False
 
     @property
     def name(self) -> str:
-        parts = [self.method, "ckpt" if self.checkpointing else "", "chunked" if self.chunked_loss else "trl"]
+        parts = [self.method, "moe" if self.experts else "", "ckpt" if self.checkpointing else ""]
+        parts.append("chunked" if self.chunked_loss else "trl")
         return " ".join(p for p in parts if p)
 
     @property
@@ -107,6 +111,10 @@ def model_config(case: Case) -> Any:
         changes["num_layers"] = case.num_layers
     if case.vocab_size is not None:
         changes["vocab_size"] = case.vocab_size
+    if case.experts:
+        changes.update(
+            architecture="qwen3_moe", num_experts=4, num_experts_per_token=2, moe_intermediate_size=48
+        )
     return replace(m, **changes)
 
 
@@ -118,6 +126,9 @@ def cases(quick: bool) -> list[Case]:
                 out.append(Case("tiny", method, ckpt, chunked, tokens=256, chunk_size=64))
     if quick:
         return out
+    # the tiny model as a Qwen3-MoE (recipes/tiny_moe.yaml's shape), LoRA on attention and experts
+    for ckpt in (False, True):
+        out.append(Case("tiny", "lora", ckpt, True, tokens=256, chunk_size=64, experts=True))
     # SmolLM2-135M-Instruct whole (30 layers, its 49,152 vocabulary, tied embeddings): the real model the CPU
     # recipe fine-tunes (recipes/smollm2_135m_lora.yaml), each method once on the default loss path.
     for method in ("full", "lora", "qlora"):
@@ -228,8 +239,7 @@ def build_model(m: Any, case: Case, dropout: float = 0.05) -> Any:
     loss path patched in, and bf16 autocast around its forward (accelerate's mixed precision)."""
     import torch
     from measure_activations import _init_, _to_qlora
-    from transformers import LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers import AutoModelForCausalLM
 
     from finetune.modeling.chunked_loss import add_chunked_loss_head
     from finetune.modeling.tiny import hf_config
@@ -240,14 +250,14 @@ def build_model(m: Any, case: Case, dropout: float = 0.05) -> Any:
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg)
+            model = AutoModelForCausalLM.from_config(cfg)
     finally:
         torch.set_default_dtype(old)
     model = model.to_empty(device="cpu")
     if m.tie_embeddings:  # to_empty gives the head its own storage; the model shares the embedding's
         model.tie_weights()
     _init_(model)
-    model.model.rotary_emb = LlamaRotaryEmbedding(cfg)  # buffers are not initialised by to_empty
+    model.model.rotary_emb = type(model.model.rotary_emb)(cfg)  # buffers are not initialised by to_empty
     model.train()
     if not case.chunked_loss:
         from trl.trainer.utils import add_fused_lm_head
@@ -269,8 +279,9 @@ def build_model(m: Any, case: Case, dropout: float = 0.05) -> Any:
         lcfg = LoraConfig(
             r=16,
             lora_alpha=32,
-            lora_dropout=dropout,
-            target_modules=LORA_TARGETS,
+            lora_dropout=0.0 if case.experts else dropout,
+            target_modules=LORA_TARGETS[:4] if case.experts else LORA_TARGETS,
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if case.experts else None,
             bias="none",
             task_type="CAUSAL_LM",
         )
@@ -463,7 +474,11 @@ def planned(case: Case) -> dict[str, float]:
 
     m = model_config(case)
     method = MethodConfig(
-        name=case.method, precision="bf16", lora_dropout=0.05, adapter_dtype=case.adapter_dtype
+        name=case.method,
+        precision="bf16",
+        lora_dropout=0.0 if case.experts else 0.05,
+        adapter_dtype=case.adapter_dtype,
+        lora_experts=case.experts,
     )
     hw = HardwareConfig(name="bench", device="cpu", gpu_memory_gb=1e6)
     train = TrainConfig(seq_len=case.tokens, loss_chunk_size=case.chunk_size)

@@ -141,7 +141,7 @@ def make_adapter_run(run_dir: Path, model_cfg: Any, method: Any, seed: int = 0, 
 
     torch.manual_seed(seed)
     model = tiny.load_model(model_cfg)
-    peft_model = get_peft_model(model, lora_config(method))
+    peft_model = get_peft_model(model, lora_config(method, model_cfg))
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:

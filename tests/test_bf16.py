@@ -98,7 +98,7 @@ def test_heldout_loss_after_mixed_precision_wrapping_matches_plain_bf16(
     from finetune.modeling.models import lora_config
 
     model = tiny.load_model(tiny_model_cfg).to(torch.bfloat16)
-    model = get_peft_model(model, lora_config(MethodConfig(lora_dropout=0.0)))
+    model = get_peft_model(model, lora_config(MethodConfig(lora_dropout=0.0), tiny_model_cfg))
     evals = tiny_data[1].select(range(8))
     bare = heldout_loss(model, evals, pad_token_id=0)
     forward = model.forward.__func__

@@ -66,7 +66,7 @@ def test_stable_names():
     assert set(recipe_names()) == {
         "tiny", "llama8b_lora", "llama8b_lora_128k", "llama8b_qlora", "llama70b_qlora", "llama70b_lora",
         "llama70b_full", "qwen32b_lora", "qwen32b_full", "tiny_dpo", "llama8b_dpo", "llama70b_qlora_dpo",
-        "tiny_grpo", "llama8b_grpo", "llama8b_grpo_8gpu", "smollm2_135m_lora",
+        "tiny_grpo", "llama8b_grpo", "llama8b_grpo_8gpu", "smollm2_135m_lora", "tiny_moe", "qwen3_30b_a3b_lora",
     }  # fmt: skip
     assert set(group_choices("model")) == {
         "tiny",
@@ -81,6 +81,7 @@ def test_stable_names():
         "qwen3_8b",
         "gemma3_12b",
         "phi4",
+        "qwen3_30b_a3b",
     }
     assert set(group_choices("method")) == {"full", "lora", "qlora"}
     assert set(group_choices("objective")) == {"sft", "dpo", "grpo"}
@@ -115,7 +116,8 @@ def test_command_line_beats_recipe():
 def test_method_defaults():
     lora = compose(["model=tiny", "method=lora"]).method  # a model chosen: the groups alone, no recipe
     assert (lora.lora_rank, lora.lora_alpha, lora.lora_dropout) == (16, 32, 0.05)
-    assert lora.target_modules == [
+    assert lora.target_modules is None  # every projection of the model's architecture
+    assert lora.targets("llama") == [
         "q_proj",
         "k_proj",
         "v_proj",

@@ -215,5 +215,5 @@ def test_a_registered_method_loads_with_its_peft_options(dora_test: MethodSpec, 
     model, _ = load_for_training(cfg)
     assert model.peft_config["default"].use_dora is True
     magnitudes = [n for n, _ in model.named_parameters() if "lora_magnitude_vector" in n]
-    layers = cfg.model.num_layers * len(cfg.method.target_modules)
+    layers = cfg.model.num_layers * len(cfg.method.targets(cfg.model.architecture))
     assert len(magnitudes) == layers  # one DoRA magnitude vector per adapted projection

@@ -1,5 +1,6 @@
 """Mixtures of experts counted exactly (total and active a token), against hand counts and transformers'
-own classes; the planner still refuses them, in one line with both counts."""
+own classes; the planner refuses those it does not model (here: dense layers interleaved), in one line with both
+counts (tests/test_moe_plan.py plans Qwen3-30B-A3B)."""
 
 from __future__ import annotations
 

@@ -211,7 +211,7 @@ def test_lora_count_matches_peft():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf)
     peft_model = get_peft_model(
-        model, LoraConfig(r=16, lora_alpha=32, target_modules=cfg.method.target_modules)
+        model, LoraConfig(r=16, lora_alpha=32, target_modules=cfg.method.targets(m.architecture))
     )
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     assert lora_params(m, cfg.method) == trainable

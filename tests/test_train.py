@@ -292,7 +292,7 @@ def test_qlora_gradients_after_eval_match_dequantized_reference(tiny_cache, tiny
         target.weight.data = (
             bnb.functional.dequantize_4bit(w.data, w.quant_state).float().reshape(target.weight.shape)
         )
-    ref = get_peft_model(ref, lora_config(cfg.method))
+    ref = get_peft_model(ref, lora_config(cfg.method, cfg.model))
     ref.load_state_dict({n: p for n, p in model.named_parameters() if "lora_" in n}, strict=False)
     ref.train()
     ref(**batch).loss.backward()

@@ -37,6 +37,9 @@ class Architecture:
     sandwich_norms: bool = False
     # one qkv_proj and one gate_up_proj instead of q/k/v and gate/up (Phi-3/4)
     fused_projections: bool = False
+    # A mixture of experts whose sparse layer was measured: its fused 3-D expert weights, as PEFT's
+    # `target_parameters` names them (method.lora_experts). Empty: counted, not planned.
+    expert_parameters: tuple[str, ...] = ()
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -66,8 +69,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "mixtral": Architecture(
         "mixtral", "MixtralDecoderLayer", ("q_proj", "k_proj", "v_proj", "o_proj"), False, True
     ),
-    # Counted exactly, refused with total and active counts: Qwen3's attention (q/k norms), a router and
-    # fused experts in each sparse layer, dense MLPs where `mlp_only_layers` / `decoder_sparse_step` say
+    # Qwen3's attention (q/k norms), a router and fused experts ([E, 2I, h] gate_up, [E, h, I] down) in each
+    # sparse layer, dense MLPs where `mlp_only_layers` / `decoder_sparse_step` say (those are not planned)
     "qwen3_moe": Architecture(
         "qwen3_moe",
         "Qwen3MoeDecoderLayer",
@@ -75,6 +78,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         False,
         True,
         qk_norm=True,
+        expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
     ),  # fmt: skip
     # Qwen2's attention (q/k/v biases) and, besides the routed experts, a shared expert with a sigmoid gate
     "qwen2_moe": Architecture(

@@ -66,6 +66,11 @@ def generate(
                     chunk, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
                 )
                 enc = {k: v.to(device) for k, v in enc.items()}
+                # a mixture of experts whose config asks for router logits (TRL sets it for the auxiliary
+                # loss): transformers' load-balancing loss cannot take a cached step's logits with the whole
+                # attention mask, and generation needs none of it
+                if getattr(getattr(model, "config", None), "output_router_logits", False):
+                    enc["output_router_logits"] = False
                 out = model.generate(
                     **enc,
                     max_new_tokens=cfg.max_new_tokens,

@@ -51,7 +51,7 @@ def copy_adapter(cfg: Config, run_dir: Path, out: Path) -> dict[str, Any]:
         "weights_bytes": weights,
         "rank": cfg.method.lora_rank,
         "alpha": cfg.method.lora_alpha,
-        "target_modules": list(cfg.method.target_modules),
+        "target_modules": cfg.method.targets(cfg.model.architecture),
     }
 
 

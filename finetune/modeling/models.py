@@ -398,14 +398,18 @@ def disable_cpu_bf16_packing(model: Any) -> int:
     return count
 
 
-def lora_config(method: MethodConfig) -> Any:
+def lora_config(method: MethodConfig, model: ModelConfig) -> Any:
+    """PEFT's LoraConfig of the method on a model of `model`'s architecture (its projections by default)."""
     from peft import LoraConfig
 
+    # the fused 3-D experts are parameters, not linear modules: PEFT reaches them by name
+    experts = list(ARCHITECTURES[model.architecture].expert_parameters) if method.lora_experts else None
     return LoraConfig(
         r=method.lora_rank,
+        target_parameters=experts,
         lora_alpha=method.lora_alpha,
         lora_dropout=method.lora_dropout,
-        target_modules=list(method.target_modules),
+        target_modules=method.targets(model.architecture),
         bias="none",
         task_type="CAUSAL_LM",
         **dict(method.spec.lora_options),
@@ -445,7 +449,7 @@ def _peft_reading_deprecated_alias() -> Iterator[None]:
         yield
 
 
-def add_adapters(model: Any, method: MethodConfig) -> Any:
+def add_adapters(model: Any, method: MethodConfig, model_cfg: ModelConfig) -> Any:
     """PEFT's LoRA adapters on a frozen base, kept in `method.adapter_dtype` (PEFT upcasts them to fp32 by
     default; bf16 ones are cast back)."""
     import torch
@@ -453,7 +457,7 @@ def add_adapters(model: Any, method: MethodConfig) -> Any:
 
     with _peft_reading_deprecated_alias():
         model = get_peft_model(
-            model, lora_config(method), autocast_adapter_dtype=method.adapter_dtype == "fp32"
+            model, lora_config(method, model_cfg), autocast_adapter_dtype=method.adapter_dtype == "fp32"
         )
     if method.adapter_dtype == "bf16":
         for param in model.parameters():
@@ -526,7 +530,7 @@ def load_for_training(cfg: Config, sharded: bool = False) -> tuple[Any, torch.dt
             model = PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
         check_adapter_matches(model, start_adapter)
     elif spec.adapters:
-        model = add_adapters(model, method)
+        model = add_adapters(model, method, cfg.model)
     return model, compute_dtype
 
 

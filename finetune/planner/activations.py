@@ -39,7 +39,7 @@ the same bias (the flash kernel takes no mask).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from finetune.core.architectures import ARCHITECTURES
@@ -67,6 +67,10 @@ class LayerShape:
     sandwich_norms: bool = False
     # Phi-3/4's fused qkv_proj and gate_up_proj (four linear modules a layer instead of seven).
     fused_projections: bool = False
+    # A mixture of experts' sparse layer (Qwen3-MoE): `experts` fused experts of width `intermediate`, of
+    # which `experts_per_token` run per token (0: a dense MLP).
+    experts: int = 0
+    experts_per_token: int = 0
 
     @classmethod
     def of(cls, model: Any) -> LayerShape:
@@ -74,7 +78,7 @@ class LayerShape:
         arch = ARCHITECTURES[model.architecture]
         return cls(
             hidden=model.hidden_size,
-            intermediate=model.intermediate_size,
+            intermediate=model.moe_intermediate_size if model.num_experts else model.intermediate_size,
             heads=model.num_heads,
             kv_heads=model.num_kv_heads,
             head_dim=model.head_dim,
@@ -83,6 +87,8 @@ class LayerShape:
             qk_norm=arch.qk_norm,
             sandwich_norms=arch.sandwich_norms,
             fused_projections=arch.fused_projections,
+            experts=model.num_experts,
+            experts_per_token=model.num_experts_per_token,
         )
 
 
@@ -106,6 +112,8 @@ class LayerRun:
     device: str = "cpu"
     # rows carry position_ids (packed samples): transformers builds a block-diagonal mask for SDPA
     packed: bool = False
+    # LoRA on a mixture of experts' fused expert weights too (PEFT's target_parameters), not attention only
+    expert_adapters: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -135,6 +143,8 @@ def layer_bytes_per_token(shape: LayerShape, run: LayerRun) -> int:
     RMSNorm multiplies by (1 + weight) in fp32, so a trainable norm keeps its normalized input in fp32
     (2 x hidden more a norm; measured, as is everything else of Gemma's layer equal to Llama's).
     """
+    if shape.experts:
+        return _sparse_layer_bytes(shape, run)
     hidden, intermediate, heads = shape.hidden, shape.intermediate, shape.heads
     full = METHODS[run.method].trains_base_weights
     autocast, lora_rank, lora_dropout, device = run.autocast, run.lora_rank, run.lora_dropout, run.device
@@ -190,6 +200,50 @@ def layer_bytes_per_token(shape: LayerShape, run: LayerRun) -> int:
         # same-dtype adapters keep the base layers' own inputs: the two norm outputs and act*up (o's is SDPA's)
         adapter_inputs = c * (2 * h + inter) + o_copy
     return norms + attention + mlp + adapter_inputs + lora_a_outputs
+
+
+def _sparse_layer_bytes(shape: LayerShape, run: LayerRun) -> int:
+    """A Qwen3-MoE sparse layer (LoRA, no dropout): Qwen3's attention, and the routed MLP per token.
+
+    Measured (scripts/measure_activations.py, MOE_SHAPES; transformers' grouped_mm experts, the path its
+    models take): each of the k routed copies of a token keeps its permuted input (h), the gate_up output
+    (2I) and act(gate) (I) in the compute dtype, and its routing weight; the router keeps its fp32 softmax
+    (4E) and 32 bytes per routed copy of indices (int64 top-k, sort and inverse permutation). LoRA on the
+    experts (`expert_adapters`) folds B @ A into the expert weights, which then need grads: grouped_mm also
+    keeps each copy's input to down_proj (I) and the permuted input once more (h); the folded weights
+    themselves are a per-layer constant (`folded_expert_bytes`). Attention's adapters are as Qwen3's (their
+    dropout as measured there; the experts take none).
+    """
+    if METHODS[run.method].trains_base_weights:
+        raise ValueError("a sparse layer is measured for LoRA only")
+    dense = replace(shape, intermediate=0, experts=0, experts_per_token=0)
+    attention_only = layer_bytes_per_token(dense, run)  # with the MLP's adapter terms at I = 0, removed next
+    if run.checkpointing:
+        return attention_only
+    h, c, k, a = shape.hidden, run.dtype_bytes, shape.experts_per_token, run.adapter_bytes
+    kept = 2 if run.autocast and a == 4 else a
+    # the dense formula at I = 0 still adapts gate and up on the second norm's output (its branches: dropout's
+    # output and mask, a cast to the adapter dtype, or the shared input); LoRA here adapts attention only
+    if run.lora_dropout:
+        gate_up = (kept + (1 if run.device == "cuda" else a)) * 2 * h
+    elif a != c:
+        gate_up = kept * 2 * h
+    else:
+        gate_up = c * h
+    attention_only -= gate_up + 3 * run.lora_rank * kept
+    i = shape.intermediate
+    routed = k * c * (h + 3 * i) + k * c + 4 * shape.experts + 32 * k
+    if run.expert_adapters:
+        routed += k * c * (h + i)
+    return attention_only + routed
+
+
+def folded_expert_bytes(shape: LayerShape, run: LayerRun) -> int:
+    """PEFT's expert weights with LoRA folded in (W + B @ A, `torch.baddbmm`), one sparse layer's, saved for
+    backward in the compute dtype whatever the token count (measured); their gradient is as large."""
+    if not (shape.experts and run.expert_adapters):
+        return 0
+    return run.dtype_bytes * shape.experts * 3 * shape.hidden * shape.intermediate
 
 
 def attention_mask_bytes(*, tokens: int, rows: int, dtype_bytes: int = 2) -> int:

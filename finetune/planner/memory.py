@@ -51,6 +51,7 @@ from finetune.planner.activations import (
     LayerShape,
     attention_mask_bytes,
     autocast_weight_copy_bytes,
+    folded_expert_bytes,
     layer_bytes_per_token,
     model_bytes_per_token,
 )
@@ -396,6 +397,7 @@ def layer_run(job: Job, rt: Runtime, checkpointing: bool) -> LayerRun:
         checkpointing=checkpointing,
         device=rt.device,
         packed=rt.packed,
+        expert_adapters=method.lora_experts,
     )
 
 
@@ -414,11 +416,14 @@ def _once_per_token(job: Job, rt: Runtime) -> int:
 
 
 def _adapter_copies(job: Job, rt: Runtime) -> int:
-    """Autocast's bf16 copies of fp32 weights saved for backward, per decoder layer."""
+    """Autocast's bf16 copies of fp32 weights saved for backward, per decoder layer, and a mixture of experts'
+    expert weights with their LoRA folded in (method.lora_experts)."""
     if job.method.spec.trains_base_weights:
         return autocast_weight_copy_bytes(job.counts.linear_per_layer) if rt.fp32_residual else 0
+    folded = folded_expert_bytes(LayerShape.of(job.model), layer_run(job, rt, checkpointing=False))
     fp32_adapters = rt.autocast and rt.adapter_storage == 4 and not rt.engine.shards
-    return autocast_weight_copy_bytes(job.adapter // job.model.num_layers) if fp32_adapters else 0
+    copies = autocast_weight_copy_bytes(job.adapter // job.model.num_layers) if fp32_adapters else 0
+    return copies + folded
 
 
 def activations(job: Job, s: Strategy, rt: Runtime) -> float:
@@ -574,6 +579,8 @@ def working_set(job: Job, s: Strategy, rt: Runtime) -> float:
         working += compute * max(d_in * d_out for d_in, d_out in projection_shapes(job.model).values())
     if job.method.spec.trains_base_weights and rt.engine.shards:
         working += 2 * _one_layer_params(job.counts)
+    # LoRA on experts: the gradient of one layer's folded expert weights, as large as they are
+    working += folded_expert_bytes(LayerShape.of(job.model), layer_run(job, rt, checkpointing=False))
     return working
 
 

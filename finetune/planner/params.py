@@ -114,11 +114,15 @@ def count_params(m: ModelConfig) -> ParamCounts:
 def check_target_modules(m: ModelConfig, method: MethodConfig) -> None:
     """Every `method.target_modules` name must be a linear module of the architecture's decoder layers."""
     valid = ARCHITECTURES[m.architecture].projections
-    unknown = [name for name in method.target_modules if name not in valid]
+    unknown = [name for name in method.targets(m.architecture) if name not in valid]
     if unknown:
         raise ConfigError(
             f"method.target_modules has {', '.join(unknown)}, which {m.architecture} layers do not have "
             f"(its linear modules: {', '.join(valid)})"
+        )
+    if method.lora_experts and not ARCHITECTURES[m.architecture].expert_parameters:
+        raise ConfigError(
+            f"method.lora_experts=true: {m.architecture} has no fused experts the planner models (qwen3_moe has)"
         )
 
 
@@ -126,8 +130,14 @@ def lora_params(m: ModelConfig, method: MethodConfig) -> int:
     """r x (d_in + d_out) per targeted projection, over all decoder layers."""
     check_target_modules(m, method)
     shapes = projection_shapes(m)
-    per_layer = sum(method.lora_rank * sum(shapes[name]) for name in method.target_modules)
-    return per_layer * m.num_layers
+    per_layer = sum(method.lora_rank * sum(shapes[name]) for name in method.targets(m.architecture))
+    experts = 0
+    if (
+        method.lora_experts
+    ):  # PEFT: r x E rows of A and columns of B per 3-D weight (gate_up h -> 2I, down I -> h)
+        h, i = m.hidden_size, m.moe_intermediate_size
+        experts = (m.num_layers - m.dense_layers) * method.lora_rank * m.num_experts * ((h + 2 * i) + (i + h))
+    return per_layer * m.num_layers + experts
 
 
 __all__ = ["LLAMA_PROJECTIONS", "ParamCounts", "check_target_modules", "count_params", "lora_params"]

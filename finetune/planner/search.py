@@ -527,15 +527,32 @@ def _resolve_seq_len(model: ModelConfig, train: TrainConfig, seq_len: Optional[i
     return value
 
 
-def check_model(model: ModelConfig) -> None:
-    """Refuse, with one line, a model the memory model does not describe (a mixture of experts)."""
-    if model.num_experts or ARCHITECTURES[model.architecture].mixture_of_experts:
+def check_model(model: ModelConfig, method: Optional[MethodConfig] = None) -> None:
+    """Refuse, with one line, a mixture of experts the memory model does not describe: the sparse layer
+    measured is Qwen3-MoE's under LoRA (finetune/planner/activations.py), every layer sparse."""
+    arch = ARCHITECTURES[model.architecture]
+    if not (model.num_experts or arch.mixture_of_experts):
+        return
+    why = None
+    if not arch.expert_parameters:
+        why = f"{model.architecture}'s sparse layer was not measured (qwen3_moe's was)"
+    elif model.dense_layers:
+        why = f"its {model.dense_layers} dense layers among the sparse ones were not measured"
+    elif model.shared_expert_intermediate_size:
+        why = "a shared expert was not measured"
+    elif method is not None and method.spec.trains_base_weights:
+        why = f"method={method.name} on experts was not measured (LoRA is)"
+    elif method is not None and method.spec.quantized_base:
+        why = (
+            f"method={method.name} quantizes nn.Linear layers only: the fused experts, most of the weights, "
+            "would stay 16-bit (use method=lora)"
+        )
+    if why is not None:
         counts = count_params(model)
         raise PlanError(
             f"model {model.name}: a mixture of experts ({model.num_experts} experts, "
             f"{model.num_experts_per_token} routed per token; {counts.total:,} parameters, "
-            f"{counts.active:,} active a token) is not planned: the memory model covers dense decoders only "
-            "(expert weights, routed activations and expert parallelism are not built)"
+            f"{counts.active:,} active a token) is not planned: {why}"
         )
 
 
@@ -559,7 +576,7 @@ def make_plan(
     `objective` (default SFT) says how many sequences an example puts through the model and whether a
     reference model runs; `precompute_reference` fixes full fine-tuning's reference (None: chosen here).
     """
-    check_model(model)
+    check_model(model, method)
     n = _resolve_seq_len(model, train, seq_len)
     job = make_job(model, method, hardware, train, n, calibration, plan_cfg, objective, packing)
     job = replace(job, precompute_reference=precompute_reference)

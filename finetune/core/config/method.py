@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
+from finetune.core.architectures import ARCHITECTURES
 from finetune.core.config.checks import check_choices, check_positive, choice
 from finetune.core.errors import ConfigError
 from finetune.core.methods import METHODS, MethodSpec
@@ -27,9 +28,12 @@ class MethodConfig:
     lora_rank: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.05
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    # The linear modules to adapt, by PEFT's names; None: every projection of the architecture's decoder
+    # layers as finetune/core/architectures.py names them (Llama's seven, Phi's four fused ones): `targets`.
+    target_modules: Optional[list[str]] = None
+    # A mixture of experts: LoRA on the fused expert weights too (PEFT's target_parameters; no dropout there),
+    # besides attention's projections; the router stays frozen.
+    lora_experts: bool = False
     # fp32 is PEFT's default (upcast adapters); bf16 saves ~30% of activation memory.
     adapter_dtype: str = choice("fp32", ("bf16", "fp32"))
     # QLoRA base quantization (bitsandbytes). compute_dtype: the dtype the 4-bit weights are
@@ -47,13 +51,26 @@ class MethodConfig:
             check_positive("method.lora_alpha", self.lora_alpha)
             if not 0.0 <= self.lora_dropout < 1.0:
                 raise ConfigError(f"method.lora_dropout={self.lora_dropout} must be in [0, 1)")
-            if not self.target_modules:
-                raise ConfigError("method.target_modules is empty: name the projections to adapt")
+            if self.lora_experts and self.lora_dropout:
+                raise ConfigError(
+                    f"method.lora_experts=true needs method.lora_dropout=0 (PEFT's LoRA on parameters has no "
+                    f"dropout; it is {self.lora_dropout})"
+                )
+            if self.target_modules is not None and not self.target_modules:
+                raise ConfigError(
+                    "method.target_modules is empty: name the projections to adapt (null: all of them)"
+                )
 
     @property
     def spec(self) -> MethodSpec:
         """What this method is (finetune/core/methods.py): every distinction between methods is read from it."""
         return METHODS[self.name]
+
+    def targets(self, architecture: str) -> list[str]:
+        """The modules LoRA adapts on a model of `architecture`: `target_modules`, or all its projections."""
+        if self.target_modules is not None:
+            return list(self.target_modules)
+        return list(ARCHITECTURES[architecture].projections)
 
     @property
     def uses_adapters(self) -> bool:
