@@ -129,10 +129,10 @@ def test_a_rank_refuses_to_train_a_ring_split_in_one_line(tmp_path, monkeypatch)
 # ---------------------------------------------------------------- two CPU ranks through the pipeline
 
 STEPS = 3
-# Measured on 2 CPU cores, ZeRO-3 on two ranks with and without the split, the same 4 sequences a step
-# (see the report in BENCHMARKS.md, "Sequence split: training"): the largest relative difference of a
-# step's loss, and of the first step's gradient norm.
-TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
+# Measured on 2 CPU cores (2026-12-01), ZeRO-3 on two ranks with and without the split, the same 4 sequences
+# a step, 3 steps, the largest relative difference of a step's loss / gradient norm: fp32 9e-8 / 1.2e-7
+# (TRL's loss: 4.5e-7 / 1.2e-6); bf16 7.0e-4 / 7.9e-4 (DeepSpeed's bf16 weights, the all-to-alls' order).
+TOLERANCE = {"fp32": 1e-5, "bf16": 5e-3}
 
 
 def _run(root: Path, name: str, dtype: str, split: bool, chunked: bool = True) -> dict:
