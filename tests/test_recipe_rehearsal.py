@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 GPU_RECIPES = [n for n in recipe_names() if compose([f"+recipe={n}", "mode=plan"]).hardware.device == "cuda"]
 # CI rehearses one recipe per distinct engine path (ZeRO-3 with optimizer offload, FSDP2, QLoRA in one
 # process with checkpointing, DPO); the others repeat one of those paths with another shape, optimizer or
-# method and run with -m extended (CI's 60-minute budget).
+# method, or add a two-rank DeepSpeed run (llama8b_lora_128k's sequence split, under SDPA with unpacked rows:
+# no flash-attn on the CPU), and run with -m extended (CI's 60-minute budget).
 CI_REHEARSED = {"llama70b_full", "llama70b_lora", "llama70b_qlora", "llama8b_dpo"}
 REHEARSALS = [
     pytest.param(n, marks=() if n in CI_REHEARSED else pytest.mark.extended, id=n) for n in GPU_RECIPES
@@ -47,12 +48,17 @@ def test_recipe_strategy_runs_as_planned_on_the_tiny_model(recipe, tmp_path, tin
         )
     assert plan.fits, plan.reasons
     s = plan.strategy
-    if s.sequence_parallel > 1:
-        pytest.skip(f"{recipe}: training with a sequence split is not built (README, Long context)")
     if s.optimizer == "paged_adamw_8bit":
         pytest.skip(f"{recipe} plans paged_adamw_8bit, which needs CUDA's paged memory")
     ranks = 1 if s.sharding == "none" else 2
     accum = min(s.grad_accum_steps, 2)  # the accumulation count changes no code path; keep the run short
+    # the two ranks split each sequence (the tiny model's 4 query and 2 key/value heads divide by 2)
+    split = min(s.sequence_parallel, ranks)
+    split_args = (
+        [f"train.sequence_split={s.sequence_split}", "train.attention=sdpa", "data.packing=false"]
+        if split > 1
+        else []
+    )
     run_dir = tmp_path / "run"
     args = [
         f"run_dir={run_dir}",
@@ -71,7 +77,9 @@ def test_recipe_strategy_runs_as_planned_on_the_tiny_model(recipe, tmp_path, tin
         f"train.chunked_loss={str(s.chunked_loss).lower()}",
         f"train.micro_batch_size={s.micro_batch_size}",
         f"train.grad_accum_steps={accum}",
-        f"train.batch_size={s.micro_batch_size * accum * ranks}",
+        f"train.batch_size={s.micro_batch_size * accum * ranks // split}",
+        f"train.sequence_parallel={split}",
+        *split_args,
         SEQ_LEN,
         f"train.max_steps={STEPS}",
         f"train.save_steps={STEPS}",
@@ -84,7 +92,8 @@ def test_recipe_strategy_runs_as_planned_on_the_tiny_model(recipe, tmp_path, tin
     run_modes(args, tmp_path / "run", timeout=TIMEOUT_S)  # logs: run-data.log, run-train.log
 
     ran = json.loads((run_dir / "plan.json").read_text())["strategy"]
-    assert ran == {**vars(s), "grad_accum_steps": accum}  # the user-fixed settings planned as given
+    # the user-fixed settings planned as given
+    assert ran == {**vars(s), "grad_accum_steps": accum, "sequence_parallel": split}
     train = json.loads((run_dir / "metrics.json").read_text())["train"]
     engine = train["engine"]
     assert engine["world_size"] == ranks and len({r["pid"] for r in engine["ranks"]}) == ranks
@@ -106,6 +115,9 @@ def test_recipe_strategy_runs_as_planned_on_the_tiny_model(recipe, tmp_path, tin
     assert (engine["micro_batch_size"], engine["grad_accum_steps"]) == (s.micro_batch_size, accum)
     if s.sharding in ("zero3", "fsdp"):
         assert all(r["parameters_held"] < 0.6 * r["parameters"] for r in engine["ranks"])
+    if split > 1:  # each rank ran its forwards on its half of every sequence
+        assert engine["sequence_split"]["sp_size"] == split
+        assert [r["sequence_share"]["shard_widths"] for r in engine["ranks"]] == [[64], [64]]
 
     # The output was saved whole, and it learned: the worker scored it, or (weights split across ranks)
     # the eval stage does, from the saved adapter or model.

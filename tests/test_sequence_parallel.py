@@ -191,9 +191,10 @@ def test_ulysses_plan_writes_sp_size_into_engine_json_and_a_data_parallel_batch(
     }  # fmt: skip
     ds = json.loads(files.deepspeed.read_text())
     s = plan.strategy
-    # the two ranks share each sequence: one data-parallel rank
-    assert ds["train_batch_size"] == s.micro_batch_size * s.grad_accum_steps * 1
+    # the two ranks share each sequence: one data-parallel rank; the JSON counts every rank, as zero.Init and
+    # the Trainer check it (accelerate rewrites it for the data-parallel ranks before deepspeed.initialize)
     assert s.micro_batch_size * s.grad_accum_steps == 4
+    assert ds["train_batch_size"] == s.micro_batch_size * s.grad_accum_steps * 2
     pc = parallelism_config(engine["parallelism"])
     assert (pc.sp_size, pc.sp_backend, pc.sp_handler.sp_attn_implementation) == (2, "deepspeed", "sdpa")
     assert pc.sp_handler.sp_seq_length_is_variable is True
@@ -324,25 +325,3 @@ def test_metrics_record_the_split_as_accelerate_ran_it():
     }  # fmt: skip
     assert sequence_split_record(trainer(None, 0), base) is None
     assert sequence_split_record(trainer(ParallelismConfig(dp_shard_size=2), 0), base) is None
-
-
-def test_a_rank_refuses_to_train_a_split_plan_in_one_line(tmp_path, monkeypatch):
-    """Training with a split is not built (README, "Long context"): the rank says so before anything loads."""
-    import torch
-
-    from finetune import rundir
-    from finetune.core.errors import LaunchError
-    from finetune.train.sft_trainer import build_config as build_sft_config
-
-    cfg, plan = planned(
-        "hardware.gpus_per_node=2", "train.sharding=zero3", "train.sequence_parallel=2",
-        "train.sequence_split=ulysses", "data.packing=false", "train.seq_len=128",
-    )  # fmt: skip
-    run = tmp_path / "run"
-    run.mkdir()
-    rundir.save_config(cfg, run)
-    write_engine_files(cfg, plan, run)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(LaunchError) as err:
-        build_sft_config(cfg, plan, run, torch.float32)
-    assert "training with a sequence split is not built yet" in str(err.value) and "\n" not in str(err.value)

@@ -160,6 +160,9 @@ class SequenceSplit:
     packed_attentions: tuple[str, ...]
     # Runs on the CPU (gloo): what the tests can prove here.
     runs_on_cpu: bool
+    # The training stage trains with it: its loss reads each shard's pre-shifted labels and sums over the split
+    # (finetune/train/sft_trainer.py). False: planned and launched (engine.json) only, refused by the ranks.
+    trains: bool
     # How it exchanges a layer's attention tensors: `all_to_all` (queries, keys, values and the output, each
     # once a pass) or `ring` (each peer's keys and values, passed round the ring).
     exchange: str
@@ -183,18 +186,19 @@ SEQUENCE_SPLITS: dict[str, SequenceSplit] = {
     # turns [seq/N, all heads] into [seq, heads/N], one after turns it back. Masks are dropped: causality comes
     # from position_ids, so packed rows need an attention that reads them (accelerate's docs: SDPA attends
     # across packed samples, flash attention keeps them apart). Measured here: runs over gloo on two CPU ranks
-    # (tests/test_sequence_parallel.py).
+    # (tests/test_sequence_parallel.py), and trains through the pipeline (tests/test_sequence_parallel_training.py).
     "ulysses": SequenceSplit(
         "ulysses", "DeepSpeed Ulysses (ALST)", size_field="sp_size", backend="deepspeed",
         engine_needs="deepspeed", divides_heads=True, packed_attentions=("flash",), runs_on_cpu=True,
-        exchange="all_to_all", extra_saved_queries=1, engine_note="Ulysses runs under DeepSpeed (train.sharding=zero3)",
+        trains=True, exchange="all_to_all", extra_saved_queries=1, engine_note="Ulysses runs under DeepSpeed (train.sharding=zero3)",
     ),
     # torch.distributed.tensor.experimental.context_parallel via accelerate's cp_size: FSDP2 only, SDPA with
     # no mask or a causal one (a packed row's block mask is refused). Measured here: does not run on the CPU
-    # (aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy).
+    # (aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy), so its training path (the
+    # Trainer's context-parallel buffers, the chunked loss over them) is not built: planned and launched only.
     "ring": SequenceSplit(
         "ring", "torch ring context parallelism", size_field="cp_size", backend="torch",
         engine_needs="fsdp2", divides_heads=False, packed_attentions=(), runs_on_cpu=False,
-        exchange="ring", extra_saved_queries=0, engine_note="ring context parallelism runs under FSDP2 (train.sharding=fsdp)",
+        trains=False, exchange="ring", extra_saved_queries=0, engine_note="ring context parallelism runs under FSDP2 (train.sharding=fsdp)",
     ),
 }  # fmt: skip

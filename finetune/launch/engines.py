@@ -89,8 +89,10 @@ def deepspeed_config(cfg: Config, lay: Layout) -> dict[str, Any]:
     if s.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     ds: dict[str, Any] = {
-        # the ranks of a sequence split share each batch (accelerate writes the same before deepspeed.initialize)
-        "train_batch_size": s.micro_batch_size * s.grad_accum_steps * lay.mesh.data_parallel,
+        # Over every rank, a sequence split's too: zero.Init (while the model loads) and the Trainer check it
+        # against the world size; accelerate rewrites it for the data-parallel ranks (micro x accumulation x
+        # world / sp_size) just before deepspeed.initialize, which then knows the split's groups.
+        "train_batch_size": s.micro_batch_size * s.grad_accum_steps * lay.world_size,
         "train_micro_batch_size_per_gpu": s.micro_batch_size,
         "gradient_accumulation_steps": s.grad_accum_steps,
         "gradient_clipping": cfg.train.max_grad_norm,

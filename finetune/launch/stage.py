@@ -44,11 +44,13 @@ def describe(files: EngineFiles, lay: Layout) -> str:
     offload = [
         name for name, on in (("optimizer", s.offload_optimizer), ("parameters", s.offload_params)) if on
     ]
+    dp = lay.mesh.data_parallel  # a sequence split's ranks share each sequence
     parts = [
         lay.engine.label,
         f"{lay.nnodes} node(s) x {lay.nproc_per_node} process(es)",
-        f"micro-batch {s.micro_batch_size} x accumulation {s.grad_accum_steps} x {lay.world_size} rank(s)"
-        f" = {s.micro_batch_size * s.grad_accum_steps * lay.world_size} sequences a step",
+        f"micro-batch {s.micro_batch_size} x accumulation {s.grad_accum_steps} x {dp} data-parallel rank(s)"
+        f" = {s.micro_batch_size * s.grad_accum_steps * dp} sequences a step"
+        + (f", each split over {lay.mesh.sequence} ranks" if lay.mesh.sequence > 1 else ""),
         f"offload to CPU: {', '.join(offload) if offload else 'none'}",
         f"activation checkpointing: {'on' if s.activation_checkpointing else 'off'}",
     ]

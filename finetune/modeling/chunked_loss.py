@@ -350,7 +350,7 @@ def chunked_causal_lm_loss(
 def add_chunked_loss_head(model: Any, chunk_size: int = DEFAULT_CHUNK_SIZE, use_liger: bool = False) -> Any:
     """Teach a transformers causal LM `model(..., labels=y, chunked_loss=True, num_items_in_batch=n)`.
 
-    That call runs the backbone for its last hidden state and `chunked_causal_lm_loss` under the LM head,
+    `shift_labels=y` (already shifted, as a sequence split's shards carry them) replaces `labels`. That call runs the backbone for its last hidden state and `chunked_causal_lm_loss` under the LM head,
     inside the model's forward, and returns a `CausalLMOutputWithPast` holding only the loss (no
     logits). Inside the forward means inside every wrapper's hooks: DDP's, DeepSpeed ZeRO-3's (the
     head is gathered for the call with TRL's `maybe_gather_lm_head_ctx`; its gradient, made in the
@@ -381,7 +381,11 @@ def add_chunked_loss_head(model: Any, chunk_size: int = DEFAULT_CHUNK_SIZE, use_
         from transformers.modeling_outputs import CausalLMOutputWithPast
         from trl.trainer.utils import maybe_gather_lm_head_ctx
 
-        labels = kwargs.pop("labels")
+        # Under a sequence split each rank holds a shard of the sequence and its labels come pre-shifted
+        # (`shift_labels`, deepspeed's UlyssesSPDataLoaderAdapter): a shard's last token predicts the next
+        # shard's first, which only the whole sequence's shift knows.
+        labels = kwargs.pop("labels", None)
+        shift_labels = kwargs.pop("shift_labels", None)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         kwargs.pop("logits_to_keep", None)
         kwargs.pop("output_hidden_states", None)
@@ -400,6 +404,7 @@ def add_chunked_loss_head(model: Any, chunk_size: int = DEFAULT_CHUNK_SIZE, use_
                 chunk_size=chunk_size,
                 num_items_in_batch=num_items_in_batch,
                 lm_head_bias=bias,
+                shift_labels=shift_labels,
                 use_liger=use_liger,
             )
         return CausalLMOutputWithPast(loss=loss)

@@ -35,7 +35,7 @@ class PackedCollator:
     pad_to_multiple_of: int = 1
     flatten: bool = False
 
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         if self.flatten and len(rows) > 1:
             rows = [_concatenate(rows)]
         lengths = [len(r["input_ids"]) for r in rows]
@@ -56,7 +56,9 @@ class PackedCollator:
             "input_ids": input_ids,
             "labels": labels,
             "position_ids": position_ids,
-            NUM_TOKENS_KEY: torch.tensor(sum(lengths)),
+            # A plain int: a sequence split's loader (deepspeed's UlyssesSPDataLoaderAdapter) cuts every tensor
+            # along the sequence and copies other values to each shard.
+            NUM_TOKENS_KEY: sum(lengths),
         }
 
 

@@ -96,14 +96,14 @@ def common_kwargs(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.d
     # The engine (DeepSpeed JSON or FSDP2 settings, use_cpu, collective timeout), as the launcher wrote it
     # for the plan's layout: DeepSpeed asserts its batch = micro x accumulation x world size.
     kwargs.update(engine_trainer_kwargs(run_dir))
-    if "parallelism_config" in kwargs:
-        # Not built: the chunked loss takes `labels`, which accelerate's UlyssesSPDataLoaderAdapter replaces by
-        # pre-shifted `shift_labels`, and it would not sum over the split's ranks; TRL's path under a split
-        # makes the model's whole logits (transformers' deepspeed_sp_compute_loss), which the plan does not count.
+    split = s.split
+    if "parallelism_config" in kwargs and split is not None and not split.trains:
+        # The ring has no CPU kernel here, so its training path (the Trainer's context-parallel buffers, the
+        # loss over them) was never run: planned and launched only.
         raise LaunchError(
-            f"plan.json: strategy.sequence_split={s.sequence_split} over {s.sequence_parallel} ranks is planned "
-            "and its engine files written, but training with a sequence split is not built yet "
-            "(train.sequence_parallel=1 trains without one)"
+            f"plan.json: strategy.sequence_split={s.sequence_split} ({split.label}) over {s.sequence_parallel} "
+            "ranks is planned and its engine files written, but training with it is not built "
+            "(train.sequence_split=ulysses trains with a split)"
         )
     return kwargs
 
@@ -143,6 +143,13 @@ def parallelism_config(split: dict[str, Any]) -> ParallelismConfig:
     return ParallelismConfig(**kwargs)
 
 
+def sequence_degree(accelerator: Any) -> int:
+    """Ranks each sequence is split over by accelerate's Ulysses (`sp_size`; deepspeed's loader hands each rank a
+    contiguous shard of every sequence, its labels pre-shifted); 1 without a split."""
+    pc = getattr(accelerator, "parallelism_config", None)
+    return int(pc.sp_size) if pc is not None and pc.sp_enabled else 1
+
+
 class RunTrainerMixin:
     """What every objective's trainer shares, mixed in before TRL's trainer class (`class X(RunTrainerMixin,
     SFTTrainer)`): FSDP2 on CPU ranks, atomic checkpoints, and the run's state the stage reads back."""
@@ -158,6 +165,9 @@ class RunTrainerMixin:
         self.monitor = monitor
         self.last_checkpoint: Optional[Path] = None
         self.loaded_partitioned = False  # set by the stage: the model came from zero.Init
+        # Under a sequence split: the tokens this rank ran its training forwards on, and its shards' widths.
+        self.split_tokens = 0
+        self.split_widths: set[int] = set()
 
     def create_accelerator_and_postprocess(self) -> None:
         """FSDP2 on CPU ranks too: accelerate enables its FSDP plugin only for accelerator devices and
@@ -298,6 +308,11 @@ def engine_record(trainer: Any) -> dict[str, Any]:
     mine = {"rank": rank, "pid": os.getpid(), "parameters_held": local, "parameters": full}
     # QLoRA: this rank's share of the 4-bit base, and the digest of its weights as the engine gathers them
     mine["quantized_base"] = quantized.record(trainer)
+    if sequence_degree(trainer.accelerator) > 1:  # this rank's share of the sequences it trained on
+        mine["sequence_share"] = {
+            "tokens": int(getattr(trainer, "split_tokens", 0)),
+            "shard_widths": sorted(getattr(trainer, "split_widths", ())),
+        }
     record["ranks"] = gather_object([mine])
     return record
 
