@@ -286,3 +286,18 @@ class Capture:
     def __call__(self, argv, env, cwd) -> int:
         self.calls.append((list(argv), dict(env), cwd))
         return self.code
+
+
+# ---------------------------------------------------------------- GRPO
+
+COMPLETIONS_LOG_ENV = "FINETUNE_TEST_COMPLETIONS"
+
+
+def record_completions(prompts: list[str], completions: list[str], references: list[str]) -> list[float]:
+    """A GRPO reward (`grpo.rewards=[...,helpers.record_completions]`) that appends every completion it is
+    given to the file named by $FINETUNE_TEST_COMPLETIONS, one JSON string a line, and scores 0."""
+    import json
+
+    with open(os.environ[COMPLETIONS_LOG_ENV], "a") as f:
+        f.writelines(json.dumps(c) + "\n" for c in completions)
+    return [0.0] * len(completions)

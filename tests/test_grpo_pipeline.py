@@ -114,9 +114,8 @@ def test_cli_runs_plan_data_train_eval_export(tiny_cache: Path, tmp_path: Path) 
     assert json.loads((run / "plan.json").read_text())["fits"] is True
 
 
-def test_rollout_is_planned_and_a_server_split_is_refused_at_launch(tmp_path: Path) -> None:
+def test_rollout_is_planned_and_a_server_split_trains_on_the_gpus_it_leaves(tmp_path: Path) -> None:
     from finetune.core.composition import compose
-    from finetune.launch import stage as launch_stage
     from finetune.pipeline.stages import plan_stage, resolve
     from finetune.rundir import ROLLOUT_FILE
 
@@ -142,13 +141,17 @@ def test_rollout_is_planned_and_a_server_split_is_refused_at_launch(tmp_path: Pa
     rundir.save_config(cfg8, eight)
     plan8 = plan_stage(cfg8, eight, quiet=True)
     server = json.loads((eight / ROLLOUT_FILE).read_text())
-    assert (server["mode"], server["server_gpus"], server["train_gpus"]) == ("server", 1, 7)
-    from finetune.core.errors import LaunchError
-
-    with pytest.raises(
-        LaunchError, match=r"rollout is planned on a vLLM server, which launch.sh does not start yet"
-    ):
-        launch_stage.run(cfg8, eight, plan8)
+    # one GPU holds the 8B server; 3 more serve as data-parallel replicas so the 4 training ranks divide the
+    # 64 completions a step (launch.sh starts it: tests/test_grpo_server.py)
+    assert (server["mode"], server["server_gpus"], server["data_parallel"], server["train_gpus"]) == (
+        "server",
+        4,
+        4,
+        4,
+    )
+    s = plan8.strategy
+    assert (plan8.layout.world_size, s.micro_batch_size * s.grad_accum_steps * 4) == (4, 64)
+    assert plan8.reasons[0] == "GRPO server split: training on 4 of 8 GPUs, `trl vllm-serve` on 4"
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import re
 import shlex
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -118,8 +119,15 @@ def build_command(
     return Command(argv=tuple(argv), env=dict(env), cwd=os.getcwd())
 
 
-def launch_script(cmd: Command, lay: Layout, launch: LaunchConfig, header: list[str]) -> str:
-    """run_dir/launch.sh: the exact command with its environment; on several nodes NODE_RANK picks the node."""
+def launch_script(
+    cmd: Command,
+    lay: Layout,
+    launch: LaunchConfig,
+    header: list[str],
+    run: Optional[Callable[[str], list[str]]] = None,
+) -> str:
+    """run_dir/launch.sh: the exact command with its environment; on several nodes NODE_RANK picks the node.
+    `run` turns the command's shell line into the lines that run it (GRPO's server beside it); else `exec`."""
     lines = [
         "#!/usr/bin/env bash",
         *(shell_comment(h) for h in header),
@@ -131,5 +139,5 @@ def launch_script(cmd: Command, lay: Layout, launch: LaunchConfig, header: list[
         lines.append(
             f'NODE_RANK="${{NODE_RANK:-{launch.node_rank}}}"   # on node i: NODE_RANK=i bash launch.sh'
         )
-    lines.append(f"exec {cmd.shell()}")
+    lines += run(cmd.shell()) if run is not None else [f"exec {cmd.shell()}"]
     return "\n".join(lines) + "\n"

@@ -9,7 +9,6 @@ Ranks run `python -m finetune.train RUN_DIR` and read config.yaml and plan.json 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -22,7 +21,8 @@ from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.config.launch import LaunchConfig
 from finetune.core.errors import LaunchError
-from finetune.launch.commands import NODE_RANK_SLOT, Command, build_command, launch_script
+from finetune.launch import vllm_server
+from finetune.launch.commands import NODE_RANK_SLOT, Command, build_command, launch_script, python_of
 from finetune.launch.engines import EngineFiles, launch_of, layout, nccl_env, write_engine_files
 from finetune.launch.runner import (
     Probe,
@@ -34,6 +34,8 @@ from finetune.launch.runner import (
     wait_for_rendezvous,
 )
 from finetune.launch.slurm import sbatch_script
+from finetune.launch.vllm_server import ServerSpec
+from finetune.modeling import models
 from finetune.planner import Layout, Plan
 from finetune.rundir.machine import Machine
 from finetune.rundir.preflight import MachineCheck, check, check_machine, handoff
@@ -81,7 +83,7 @@ def run(
     run_dir = Path(run_dir).resolve()
     _check_run_dir(run_dir, plan, launch)
     lay = layout(plan, launch)
-    _check_rollout(run_dir, launch)
+    server = _rollout_server(cfg, run_dir, plan, launch)
     here = _check_this_machine(cfg, plan, launch, lay, read_machine)
     hand_down = precheck and not launch.dry_run and launch.scheduler == "none" and not launch.detach
     if hand_down:
@@ -92,7 +94,7 @@ def run(
     if launch.scheduler == "slurm":
         return _slurm(cfg, plan, launch, lay, files, run_dir, env, runner, which)
 
-    cmd, script = _write_launch_script(cfg.name, launch, lay, files, run_dir, env)
+    cmd, script = _write_launch_script(cfg.name, launch, lay, files, run_dir, env, server)
     _print_command(cmd, script, lay, launch)
     if launch.dry_run:
         print("dry run: nothing started")
@@ -109,21 +111,34 @@ def run(
     if launch.detach:
         return _detach(cfg.name, launch, script, run_dir, runner, which)
     # Not in launch.sh: a script run later, elsewhere or by hand, has its ranks check for themselves.
-    return _run_ranks(cmd, handoff(here) if hand_down else {}, runner)
+    checked = handoff(here) if hand_down else {}
+    if server is not None:
+        # the server's start, wait and stop are launch.sh's: it runs as written
+        cmd = Command(argv=("bash", str(script)), env=cmd.env, cwd=cmd.cwd)
+    return _run_ranks(cmd, checked, runner)
 
 
-def _check_rollout(run_dir: Path, launch: LaunchConfig) -> None:
-    """GRPO's server split (rollout.json) is planned and its server lifecycle built
-    (finetune/launch/vllm_server.py), but launch.sh does not start it yet: refused before anything starts,
-    rather than ranks waiting for a server no one started."""
-    path = run_dir / rundir.ROLLOUT_FILE
-    if launch.dry_run or not path.is_file():
-        return
-    if json.loads(rundir.read_own_text(path)).get("mode") == "server":
+def _rollout_server(cfg: Config, run_dir: Path, plan: Plan, launch: LaunchConfig) -> Optional[ServerSpec]:
+    """GRPO's server split (rollout.json `mode: server`): the `trl vllm-serve` launch.sh starts beside the
+    trainer on this node's GPUs; None for every other rollout (or none). SLURM's script does not start a
+    server yet: refused there before anything is submitted."""
+    rollout = rundir.load_rollout(run_dir)
+    if rollout is None or rollout["mode"] != "server" or not rollout.get("fits"):
+        return None
+    if launch.scheduler == "slurm" and not launch.dry_run:
         raise LaunchError(
-            f"{path}: the rollout is planned on a vLLM server, which launch.sh does not start yet; "
-            "use grpo.generation=colocate (one vLLM per training GPU) or grpo.generation=transformers"
+            f"{run_dir / rundir.ROLLOUT_FILE}: the rollout is planned on a vLLM server, which the SLURM script "
+            "does not start yet; run launch.sh on the node (launch.scheduler=none) or grpo.generation=colocate"
         )
+    settings = getattr(cfg, cfg.objective.spec.settings or "")
+    return vllm_server.server_spec(
+        rollout,
+        models.model_source(cfg.model),
+        settings,
+        gpus=plan.hardware.gpus_per_node,
+        max_model_len=plan.seq_len,
+        log=run_dir / rundir.VLLM_SERVER_LOG,
+    )
 
 
 def _check_run_dir(run_dir: Path, plan: Plan, launch: LaunchConfig) -> None:
@@ -171,9 +186,16 @@ def _print_engine(files: EngineFiles, lay: Layout, here: MachineCheck) -> None:
 
 
 def _write_launch_script(
-    name: str, launch: LaunchConfig, lay: Layout, files: EngineFiles, run_dir: Path, env: dict[str, str]
+    name: str,
+    launch: LaunchConfig,
+    lay: Layout,
+    files: EngineFiles,
+    run_dir: Path,
+    env: dict[str, str],
+    server: Optional[ServerSpec] = None,
 ) -> tuple[Command, Path]:
-    """The command for this node, and run_dir/launch.sh written to re-run it (on any node: NODE_RANK)."""
+    """The command for this node, and run_dir/launch.sh written to re-run it (on any node: NODE_RANK);
+    with GRPO's vLLM server beside the trainer when the plan split the GPUs."""
     cmd = build_command(launch, lay, files, run_dir, name, env)
     script_cmd = build_command(launch, lay, files, run_dir, name, env, node_rank=NODE_RANK_SLOT)
     script = run_dir / rundir.LAUNCH_SCRIPT
@@ -184,7 +206,15 @@ def _write_launch_script(
     # Only the owner may read a script that names where its secrets come from.
     rundir.atomic_write_text(
         script,
-        launch_script(script_cmd if lay.nnodes > 1 else cmd, lay, launch, header),
+        launch_script(
+            script_cmd if lay.nnodes > 1 else cmd,
+            lay,
+            launch,
+            header,
+            run=None
+            if server is None
+            else lambda trainer: vllm_server.script_lines(server, python_of(launch), trainer),
+        ),
         mode=0o700 if rundir.references_secrets(cmd.env) else 0o755,
     )
     return cmd, script

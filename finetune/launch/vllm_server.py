@@ -1,12 +1,13 @@
-"""GRPO's vLLM server beside the trainer: start it on its GPUs, wait until it answers, train, stop it.
+"""GRPO's vLLM server beside the trainer: the lines of launch.sh that start it, wait for it and stop it.
 
-`python -m finetune.launch.vllm_server SPEC.json -- TRAINER ARGV...` is what `launch.sh` runs in
-server mode: the spec (written by `write_spec`) holds the `trl vllm-serve` command line, the GPUs of
-each side and the health URL. The server runs in its own session with `CUDA_VISIBLE_DEVICES` set to
-its GPUs and its output in a log; the trainer runs with the other GPUs only after `GET /health` answers
-200 (what TRL's `VLLMClient.check_server` asks). Whatever ends the trainer (exit, crash, a signal),
-the server's whole process group is stopped: SIGTERM, then SIGKILL after a grace period. A server
-that exits or never answers within the timeout is one line, exit 2, nothing left running.
+For a server split (rollout.json `mode: server`), launch.sh starts `trl vllm-serve` in a session of its
+own with `CUDA_VISIBLE_DEVICES` set to the server's GPUs and its output in `vllm_server.log`, traps EXIT
+to stop that whole session (SIGTERM, then SIGKILL after a grace period: vLLM's workers go too), waits
+with `python -m finetune.launch.vllm_server wait` until `GET /health` answers 200 (what TRL's
+`VLLMClient.check_server` asks), and only then runs the trainer ranks on the other GPUs. SIGTERM/SIGINT
+to the script go to the trainer (it saves and exits 75) and the server is stopped after it. A server
+that exits or never answers within `grpo.vllm_server_timeout_s` is one line and exit 2, nothing left
+running. The lifecycle is in the script, not in a Python parent, so what runs is what a user reads.
 
 In TRL 1.16 `trl vllm-serve` execs vLLM's own `vllm serve` (with `VLLM_SERVER_DEV_MODE=1` and the
 weight-transfer flags TRL's client needs), so its process group is vLLM's.
@@ -14,28 +15,19 @@ weight-transfer flags TRL's client needs), so its process group is vLLM's.
 
 from __future__ import annotations
 
-import contextlib
-import json
+import argparse
 import os
-import signal
-import subprocess
+import shlex
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from finetune.core.errors import (
-    INTERRUPTED_EXIT_CODE,
-    FinetuneError,
-    Interrupted,
-    LaunchError,
-    interrupt_on_signals,
-)
-from finetune.launch.runner import die_with_parent
+from finetune.core.errors import FinetuneError, LaunchError
 
 # After SIGTERM, how long the server's process group may take to exit before SIGKILL.
 STOP_GRACE_S = 20.0
@@ -92,19 +84,6 @@ def split_gpus(server_gpus: int, total: int) -> tuple[list[int], list[int]]:
     return list(range(server_gpus)), list(range(server_gpus, total))
 
 
-def write_spec(path: Path, spec: ServerSpec) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(asdict(spec), indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def read_spec(path: Path) -> ServerSpec:
-    try:
-        return ServerSpec(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError) as exc:
-        raise LaunchError(f"{path}: not a vLLM server spec ({exc})") from None
-
-
 def http_ok(url: str, timeout: float) -> bool:
     """Does `url` answer 200?"""
     try:
@@ -118,33 +97,101 @@ def _devices(gpus: Sequence[int]) -> str:
     return ",".join(map(str, gpus))
 
 
-def stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM to the server's process group, SIGKILL if it is still there after `grace_s`."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace_s)
-    # children the server left behind in its group (vLLM's workers) go too
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+def server_spec(
+    rollout: dict[str, Any], model: str, grpo: Any, gpus: int, max_model_len: int, log: Path
+) -> ServerSpec:
+    """The server of a planned split (rollout.json) on this node's `gpus`: `trl vllm-serve` of `model`
+    with the plan's sizes, at the address the trainer connects to (`grpo.vllm_server_host` and port)."""
+    server_gpus, train_gpus = split_gpus(int(rollout["server_gpus"]), gpus)
+    argv = vllm_serve_argv(
+        model,
+        tensor_parallel=int(rollout["tensor_parallel"]),
+        data_parallel=int(rollout["data_parallel"]),
+        host=grpo.vllm_server_host,
+        port=grpo.vllm_server_port,
+        gpu_memory_utilization=float(rollout["vllm_gpu_memory_utilization"]),
+        max_model_len=max_model_len,
+    )
+    host = f"[{grpo.vllm_server_host}]" if ":" in grpo.vllm_server_host else grpo.vllm_server_host
+    return ServerSpec(
+        argv=argv,
+        server_gpus=server_gpus,
+        train_gpus=train_gpus,
+        health_url=f"http://{host}:{grpo.vllm_server_port}/health",
+        timeout_s=float(grpo.vllm_server_timeout_s),
+        log=str(log),
+    )
+
+
+def script_lines(spec: ServerSpec, python: str, trainer: str, grace_s: float = STOP_GRACE_S) -> list[str]:
+    """launch.sh's body for a server split: start, trap, wait, then the trainer (`trainer`: its shell line)."""
+    q = shlex.quote
+    log = q(spec.log)
+    server = " ".join(q(a) for a in spec.argv)
+    return [
+        f"# GRPO's rollout on a vLLM server (rollout.json): `trl vllm-serve` on GPUs {_devices(spec.server_gpus)}, "
+        f"the trainer on {_devices(spec.train_gpus)}.",
+        "# The server runs in a session of its own, stopped whole however this script ends (SIGTERM, then SIGKILL).",
+        "VLLM_SERVER_PID=''",
+        "TRAINER_PID=''",
+        "SIGNALLED=''",
+        "stop_vllm_server() {",
+        '  [ -n "$VLLM_SERVER_PID" ] || return 0',
+        '  kill -TERM -- "-$VLLM_SERVER_PID" 2>/dev/null || return 0',
+        f'  for _ in $(seq {max(1, int(grace_s * 2))}); do kill -0 -- "-$VLLM_SERVER_PID" 2>/dev/null || return 0; sleep 0.5; done',
+        '  kill -KILL -- "-$VLLM_SERVER_PID" 2>/dev/null || true',
+        "}",
+        "# SIGTERM/SIGINT: SIGTERM to the trainer, which saves and exits (75; a background job ignores SIGINT);",
+        "# before it started, stop here",
+        "on_signal() {",
+        '  if [ -z "$TRAINER_PID" ]; then exit "$1"; fi',
+        '  SIGNALLED=1; kill -TERM "$TRAINER_PID" 2>/dev/null || true',
+        "}",
+        "trap stop_vllm_server EXIT",
+        "trap 'on_signal 143' TERM",
+        "trap 'on_signal 130' INT",
+        f"CUDA_VISIBLE_DEVICES={_devices(spec.server_gpus)} setsid {server} >>{log} 2>&1 </dev/null &",
+        "VLLM_SERVER_PID=$!",
+        f'{q(python)} -m finetune.launch.vllm_server wait --pid "$VLLM_SERVER_PID" '
+        f"--timeout {spec.timeout_s:g} --log {log} {q(spec.health_url)} &",
+        'wait "$!"',
+        f"CUDA_VISIBLE_DEVICES={_devices(spec.train_gpus)} {trainer} &",
+        "TRAINER_PID=$!",
+        "# a signal interrupts `wait` (the trap passes it on): wait again until the trainer itself exits",
+        'while :; do code=0; wait "$TRAINER_PID" || code=$?; kill -0 "$TRAINER_PID" 2>/dev/null || break; done',
+        "# stopped by a signal it was passed: interrupted (75), as the launcher counts it",
+        'if [ -n "$SIGNALLED" ] && [ "$code" -ne 0 ]; then code=75; fi',
+        'exit "$code"',
+    ]
+
+
+def alive(pid: int) -> bool:
+    """Is `pid` running (not gone, not a zombie its parent has yet to reap)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def wait_until_up(
-    proc: subprocess.Popen,
+    running: Callable[[], bool],
     spec: ServerSpec,
     probe: Callable[[str, float], bool] = http_ok,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> None:
+    """Until `spec.health_url` answers 200; a LaunchError once the server is gone or the timeout passed."""
     deadline = clock() + spec.timeout_s
     while True:
-        code = proc.poll()
-        if code is not None:
-            raise LaunchError(
-                f"vLLM server exited with code {code} before answering {spec.health_url}; see {spec.log}"
-            )
+        if not running():
+            raise LaunchError(f"vLLM server exited before answering {spec.health_url}; see {spec.log}")
         if probe(spec.health_url, 2.0):
             return
         if clock() >= deadline:
@@ -155,68 +202,25 @@ def wait_until_up(
         sleep(0.5)
 
 
-def serve_while_training(
-    spec: ServerSpec,
-    train: Callable[[dict[str, str]], int],
-    probe: Callable[[str, float], bool] = http_ok,
-    grace_s: float = STOP_GRACE_S,
-) -> int:
-    """Start the server, wait for it, run `train(env)` with the training GPUs, stop the server whatever
-    happens; returns the trainer's exit code."""
-    with open(spec.log, "ab") as log:
-        proc = subprocess.Popen(
-            die_with_parent(spec.argv),
-            env={**os.environ, "CUDA_VISIBLE_DEVICES": _devices(spec.server_gpus)},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    try:
-        wait_until_up(proc, spec, probe)
-        return train({"CUDA_VISIBLE_DEVICES": _devices(spec.train_gpus)})
-    finally:
-        stop(proc, grace_s)
-
-
-def _run_trainer(argv: Sequence[str]) -> Callable[[dict[str, str]], int]:
-    """The trainer as a child; while it runs, SIGTERM/SIGINT go to it (it saves and exits 75)."""
-
-    def train(env: dict[str, str]) -> int:
-        proc = subprocess.Popen(die_with_parent(argv), env={**os.environ, **env})
-
-        def forward(signum: int, frame: object) -> None:
-            if proc.poll() is None:
-                proc.send_signal(signum)
-
-        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            return proc.wait()
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-
-    return train
-
-
 def main(argv: Sequence[str]) -> int:
-    """SPEC.json -- TRAINER ARGV...: the trainer's exit code, or 2 with one line."""
-    if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m finetune.launch.vllm_server SPEC.json -- TRAINER ARGV...", file=sys.stderr)
-        return 2
-    # a signal while the server starts still runs the `finally` that stops it
-    restore = interrupt_on_signals()
+    """`wait --pid PID --timeout S --log LOG URL`: 0 once the server answers, else 2 with one line."""
+    parser = argparse.ArgumentParser(prog="python -m finetune.launch.vllm_server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    wait = sub.add_parser("wait", help="wait until the vLLM server answers its health URL")
+    wait.add_argument("--pid", type=int, required=True)
+    wait.add_argument("--timeout", type=float, required=True)
+    wait.add_argument("--log", required=True)
+    wait.add_argument("url")
+    args = parser.parse_args(argv)
+    spec = ServerSpec(
+        argv=[], server_gpus=[], train_gpus=[], health_url=args.url, timeout_s=args.timeout, log=args.log
+    )
     try:
-        spec = read_spec(Path(argv[0]))
-        return serve_while_training(spec, _run_trainer(argv[2:]))
+        wait_until_up(lambda: alive(args.pid), spec)
     except FinetuneError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except Interrupted as exc:
-        print(f"stopped by {exc.signal_name}; the vLLM server was stopped", file=sys.stderr)
-        return INTERRUPTED_EXIT_CODE
-    finally:
-        restore()
+    return 0
 
 
 if __name__ == "__main__":

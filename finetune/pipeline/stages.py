@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,12 +19,12 @@ from finetune.core.config import RUNS_DIR, Config
 from finetune.core.errors import INTERRUPTED_EXIT_CODE, ConfigError, DataError, LaunchError, PlanError
 from finetune.core.markup import terminal_text
 from finetune.data import stage as data_stage
+from finetune.launch import rollout
 from finetune.launch import stage as launch_stage
 from finetune.modeling import models
 from finetune.pipeline import compare
 from finetune.pipeline.plan_report import print_plan
-from finetune.planner import Plan, make_plan, rollout
-from finetune.planner.contract import GB
+from finetune.planner import Plan, make_plan
 from finetune.rundir import machine, preflight
 
 # What the pipeline is doing now, for the one line a signal leaves (`cli.main`).
@@ -91,10 +91,19 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
         if seq_len is None:
             raise PlanError("train.seq_len=auto needs the data stage: run mode=data (or mode=all) first")
     plan = config_plan(cfg, cfg.hardware, seq_len)
-    if cfg.objective.spec.generates:
-        plan = _colocated_training_plan(cfg, plan, seq_len)
+
+    def replan(hardware: Any) -> Plan:
+        return config_plan(cfg, hardware, seq_len)
+
+    generates = cfg.objective.spec.generates
+    if generates:
+        plan = rollout.training_plan(cfg, plan, replan)
     plan = replace(plan, reasons=(*cfg.hardware.notes, *plan.reasons))  # hardware=local: what was detected
     plan = plan.with_processes(cfg.launch.nproc_per_node, cfg.launch.nnodes)  # the layout the launcher starts
+    # An objective that generates: where its rollout runs (rollout.json); a server split trains on fewer ranks.
+    sampling = rollout.plan_generation(cfg, run_dir, plan, replan) if generates else None
+    if sampling is not None:
+        plan = sampling[0]
     payload = plan.to_dict()
     rundir.write_json(run_dir / rundir.PLAN_FILE, payload)
     if cfg.plan.out:
@@ -108,73 +117,9 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
         print(
             f"plan written to {run_dir / rundir.PLAN_FILE}" + (f" and {cfg.plan.out}" if cfg.plan.out else "")
         )
-    if cfg.objective.spec.generates:
-        rollout_stage(cfg, run_dir, plan, quiet)
+        if sampling is not None:
+            print(rollout.describe(sampling[1]))
     return plan
-
-
-def _rollout_job(cfg: Config, run_dir: Optional[Path], plan: Plan) -> rollout.RolloutJob:
-    s, layout = plan.strategy, plan.layout
-    steps_per_generation = cfg.grpo.steps_per_generation or s.grad_accum_steps
-    # the data stage's prompts (p95 of their rendered lengths) when it ran, else the rest of seq_len
-    prompt_tokens = None
-    stats = run_dir / rundir.DATA_STATS_FILE if run_dir is not None else None
-    if stats is not None and stats.is_file():
-        prompt_tokens = json.loads(rundir.read_own_text(stats)).get("splits", {}).get("train", {}).get("p95")
-    if not prompt_tokens:
-        prompt_tokens = max(1, plan.seq_len - cfg.grpo.max_completion_length)
-    return rollout.rollout_job(
-        cfg.model,
-        cfg.grpo,
-        generation_batch_size=s.micro_batch_size * layout.world_size * steps_per_generation,
-        prompt_tokens=int(prompt_tokens),
-        steps_per_generation=max(1, steps_per_generation // s.grad_accum_steps),
-    )
-
-
-def _colocated_training_plan(cfg: Config, plan: Plan, seq_len: Optional[int]) -> Plan:
-    """GRPO colocated with vLLM on CUDA: the training side re-planned on what vLLM leaves of each GPU, so
-    the planner's micro-batch and checkpointing fit beside it. Unchanged when colocate is not asked
-    (`grpo.generation` transformers or server), off CUDA, or when no colocated plan fits (the rollout
-    stage then weighs a server split)."""
-    hw = cfg.hardware
-    if hw.device != "cuda" or cfg.grpo.generation in ("transformers", "server") or not hw.gpu_memory_gb:
-        return plan
-    job = _rollout_job(cfg, None, plan)
-    share = rollout.colocate_share(job, plan.layout.world_size, hw.gpu_memory_gb * GB)
-    if share >= 1:
-        return plan
-    budget = replace(hw, gpu_memory_gb=hw.gpu_memory_gb * (1 - share))
-    beside = config_plan(cfg, budget, seq_len)
-    if not beside.fits:
-        return plan
-    why = f"GRPO colocate: training planned on {budget.gpu_memory_gb:.1f} GB a GPU, vLLM takes {share:.2f} of it"
-    return replace(beside, hardware=hw, reasons=(why, *beside.reasons))
-
-
-def rollout_stage(cfg: Config, run_dir: Path, plan: Plan, quiet: bool = False) -> rollout.RolloutPlan:
-    """An objective that generates (GRPO): where the rollout runs and what it holds, into rollout.json.
-
-    The training side is the plan's per-GPU peak (micro-batches of completions at train.seq_len), taken as
-    the same on fewer GPUs: exact for one process and DDP, an underestimate for a sharded engine."""
-    job = _rollout_job(cfg, run_dir, plan)
-    hw = cfg.hardware
-    peak = plan.gpu_memory.total * GB
-    result = rollout.plan_rollout(
-        job,
-        device=hw.device,
-        gpus=plan.layout.world_size,
-        gpu_bytes=(hw.gpu_memory_gb or 0) * GB,
-        hbm_bytes_per_s=hw.hbm_tb_per_s * 1e12 if hw.hbm_tb_per_s else None,
-        train_peak=lambda n: peak,
-        # the target machine's vLLM cannot be seen from here: on CUDA the plan assumes it is installed
-        vllm_available=hw.device == "cuda",
-        requested=cfg.grpo.generation,
-    )
-    rundir.write_json(run_dir / rundir.ROLLOUT_FILE, asdict(result))
-    if not quiet:
-        print(f"rollout: {result.reason}" + ("" if result.fits else f"; does not fit: {result.alternative}"))
-    return result
 
 
 def launch_ranks(cfg: Config, run_dir: Path, plan: Plan) -> int:

@@ -160,9 +160,16 @@ def _colocate(
 
 
 def _server(
-    job: RolloutJob, gpus: int, gpu_bytes: float, hbm: Optional[float], train_peak: Callable[[int], float]
+    job: RolloutJob,
+    gpus: int,
+    gpu_bytes: float,
+    hbm: Optional[float],
+    train_peak: Callable[[int], float],
+    batch_size: Optional[int] = None,
 ) -> RolloutPlan:
-    """The smallest tensor-parallel server that holds the weights and the KV cache of a whole round."""
+    """The smallest tensor-parallel server that holds the weights and the KV cache of a whole round; then
+    data-parallel replicas of it until the GPUs left to train divide `batch_size` (TRL's 8 GPUs: 4 + 4), so
+    every training rank holds the same share of whole groups and no GPU idles."""
     usable = SERVER_GPU_MEMORY_UTILIZATION * gpu_bytes
     for tp in (1, 2, 4, 8, 16):
         if tp >= gpus:
@@ -172,24 +179,40 @@ def _server(
         need = job.weight_bytes / tp + job.kv_bytes(job.generation_batch_size) / tp + VLLM_OVERHEAD_BYTES
         if need > usable:
             continue
-        train_gpus = gpus - tp
+        dp = 1
+        while batch_size and gpus - tp * (dp + 1) > 0 and batch_size % (gpus - tp * dp):
+            dp += 1
+        server_gpus = tp * dp
+        train_gpus = gpus - server_gpus
+        if batch_size and batch_size % train_gpus:
+            return RolloutPlan(
+                "server",
+                False,
+                train_gpus=0,
+                reason=f"server: no split of {gpus} GPUs into a tensor-parallel-{tp} server and training ranks "
+                f"that divide train.batch_size={batch_size}",
+            )
         peak = train_peak(train_gpus)
         gen = (
-            _per_step(job, decode_seconds(job, job.weight_bytes / tp, job.generation_batch_size / tp, hbm))
+            _per_step(
+                job, decode_seconds(job, job.weight_bytes / tp, job.generation_batch_size / server_gpus, hbm)
+            )
             if hbm
             else None
         )
+        replicas = f" x {dp} data-parallel replicas" if dp > 1 else ""
         reason = (
-            f"server: `trl vllm-serve` on {tp} GPU(s) (tensor parallel {tp}: weights {job.weight_bytes / tp / 1e9:.1f} GB "
-            f"+ KV cache {job.kv_bytes(job.generation_batch_size) / tp / 1e9:.2f} GB + overhead a GPU), "
-            f"training on {train_gpus}: {peak / 1e9:.1f} GB of {gpu_bytes / 1e9:.1f} GB"
+            f"server: `trl vllm-serve` on {server_gpus} GPU(s) (tensor parallel {tp}{replicas}: weights "
+            f"{job.weight_bytes / tp / 1e9:.1f} GB + KV cache {job.kv_bytes(job.generation_batch_size) / tp / 1e9:.2f} GB "
+            f"+ overhead a GPU), training on {train_gpus}: {peak / 1e9:.1f} GB of {gpu_bytes / 1e9:.1f} GB"
         )
         return RolloutPlan(
             "server",
             peak <= gpu_bytes,
             train_gpus=train_gpus,
-            server_gpus=tp,
+            server_gpus=server_gpus,
             tensor_parallel=tp,
+            data_parallel=dp,
             vllm_bytes_per_gpu=need,
             vllm_gpu_memory_utilization=SERVER_GPU_MEMORY_UTILIZATION,
             train_budget_bytes=gpu_bytes,
@@ -216,10 +239,12 @@ def plan_rollout(
     train_peak: Callable[[int], float],
     vllm_available: bool,
     requested: str = "auto",
+    batch_size: Optional[int] = None,
 ) -> RolloutPlan:
     """Where the rollout runs. `train_peak(n)`: the training side's peak on each GPU when `n` GPUs train
-    (the planner's SFT model on `generation_batch_size` x (prompt + completion) tokens, plus the reference
-    model when `beta > 0`). `requested`: grpo.generation (`auto` lets this choose)."""
+        (the planner's SFT model on `generation_batch_size` x (prompt + completion) tokens, plus the reference
+        model when `beta > 0`). `requested`: grpo.generation (`auto` lets this choose). `batch_size`: completions
+    a step over the training ranks (train.batch_size), which a server split's training GPUs divide."""
     if device != "cuda" or not vllm_available or requested == "transformers":
         why = "no CUDA" if device != "cuda" else ("vLLM not installed" if not vllm_available else "asked for")
         peak = train_peak(gpus) + job.kv_bytes(job.generation_batch_size / gpus)
@@ -255,7 +280,7 @@ def plan_rollout(
                 alternative="grpo.generation=colocate",
             )
         return replace(colocate, alternative=f"a server split on more GPUs, or {smaller}")
-    server = _server(job, gpus, gpu_bytes, hbm_bytes_per_s, train_peak)
+    server = _server(job, gpus, gpu_bytes, hbm_bytes_per_s, train_peak, batch_size)
     if server.fits:
         if requested == "auto":
             return replace(server, reason=f"{server.reason} (colocate does not fit: {colocate.reason})")

@@ -75,6 +75,7 @@ from finetune.rundir.layout import (
     SMOKE_REPORT_FILE,
     TENSORBOARD_DIR,
     TRAIN_LOG_FILE,
+    VLLM_SERVER_LOG,
     checkpoint_dir,
     eval_dir,
     export_dir,
@@ -84,7 +85,14 @@ from finetune.rundir.layout import (
 from finetune.rundir.lock import held_fds, lock
 from finetune.rundir.ownership import check_replaceable, check_run_dir, is_owned, mark_owned, replace_tree
 from finetune.rundir.shell import command_line, export_line, references_secrets, shell_comment
-from finetune.rundir.state import check_resumable, load_config, load_engine, load_plan, save_config
+from finetune.rundir.state import (
+    check_resumable,
+    load_config,
+    load_engine,
+    load_plan,
+    load_rollout,
+    save_config,
+)
 
 
 def prepare(cfg: Config) -> Path:
@@ -147,6 +155,7 @@ __all__ = [
     "SMOKE_REPORT_FILE",
     "TENSORBOARD_DIR",
     "TRAIN_LOG_FILE",
+    "VLLM_SERVER_LOG",
     "atomic_write_bytes",
     "atomic_write_text",
     "check_folder",
@@ -164,6 +173,7 @@ __all__ = [
     "is_owned",
     "load_config",
     "load_engine",
+    "load_rollout",
     "load_plan",
     "lock",
     "make_fresh_folder",

@@ -9,6 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 CONFIG_FILE = "config.yaml"  # the resolved config every stage and rank reads
+VLLM_SERVER_LOG = (
+    "vllm_server.log"  # GRPO: the output of the `trl vllm-serve` launch.sh starts beside the trainer
+)
 ROLLOUT_FILE = "rollout.json"  # GRPO: where generation runs and what it holds (planner/rollout.py)
 PLAN_FILE = "plan.json"  # the plan (planner/MEMORY_MODEL.md, "The plan contract"), written by the plan stage
 DATA_DIR = "data"  # the data stage's prepared rows: data/train (packed), data/eval (one sample a row)

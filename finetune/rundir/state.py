@@ -8,7 +8,7 @@ import io
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from finetune.core.config import Config
 from finetune.core.errors import ConfigError, FinetuneError, LaunchError
@@ -16,7 +16,7 @@ from finetune.core.secrets import scrub
 from finetune.planner import Plan
 from finetune.rundir import checkpoints
 from finetune.rundir.files import atomic_write_text, read_own_text
-from finetune.rundir.layout import CONFIG_FILE, ENGINE_FILE, PLAN_FILE, checkpoint_dir
+from finetune.rundir.layout import CONFIG_FILE, ENGINE_FILE, PLAN_FILE, ROLLOUT_FILE, checkpoint_dir
 from finetune.rundir.shell import command_line
 
 
@@ -115,6 +115,20 @@ def load_engine(run_dir: Path) -> dict[str, Any]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise _damaged(path, exc, again) from None
     return engine
+
+
+def load_rollout(run_dir: Path) -> Optional[dict[str, Any]]:
+    """`rollout.json` (an objective that generates: where its rollout runs), or None where there is none."""
+    path = Path(run_dir) / ROLLOUT_FILE
+    if not path.is_file():
+        return None
+    try:
+        rollout = json.loads(read_own_text(path))
+        if not isinstance(rollout, dict) or not isinstance(rollout.get("mode"), str):
+            raise ValueError("not a rollout plan")
+    except (OSError, ValueError) as exc:
+        raise _damaged(path, exc, _rerun(run_dir, "mode=plan")) from None
+    return rollout
 
 
 def load_config(run_dir: Path) -> Config:

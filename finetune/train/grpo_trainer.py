@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
+from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.config.grpo import GrpoConfig
 from finetune.core.errors import ConfigError
@@ -77,9 +78,13 @@ def uses_vllm(mode: str) -> bool:
     return mode in ("colocate", "server")
 
 
-def generation_mode(cfg: Config) -> str:
-    """Where this run samples: `grpo.generation`, with `auto` resolved as the rollout plan does on this
-    machine (vLLM only on CUDA with vLLM installed; colocate unless a server was set up by the launcher)."""
+def generation_mode(cfg: Config, run_dir: Optional[Path] = None) -> str:
+    """Where this run samples: on the server the launcher started when the plan split the GPUs
+    (rollout.json), else `grpo.generation`, with `auto` resolved on this machine (vLLM only on CUDA with
+    vLLM installed)."""
+    planned = rundir.load_rollout(run_dir) if run_dir is not None else None
+    if planned is not None and planned.get("fits") and planned["mode"] == "server":
+        return "server"
     mode = cfg.grpo.generation
     if mode != "auto":
         return mode
@@ -110,8 +115,11 @@ def grpo_arguments(grpo: GrpoConfig, rewards: Sequence[Reward], generation: str)
         if generation == "colocate":
             kwargs["vllm_gpu_memory_utilization"] = grpo.vllm_gpu_memory_utilization
         else:
+            # the launcher's server (launch.sh) on this node, at the address it was started with
             kwargs.update(
-                vllm_server_port=grpo.vllm_server_port, vllm_server_timeout=grpo.vllm_server_timeout_s
+                vllm_server_host=grpo.vllm_server_host,
+                vllm_server_port=grpo.vllm_server_port,
+                vllm_server_timeout=grpo.vllm_server_timeout_s,
             )
     return kwargs
 
@@ -155,7 +163,9 @@ def build_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dt
         )
     kwargs.update(
         grpo_arguments(
-            cfg.grpo, reward_fns.resolve(cfg.grpo.rewards, cfg.grpo.reward_weights), generation_mode(cfg)
+            cfg.grpo,
+            reward_fns.resolve(cfg.grpo.rewards, cfg.grpo.reward_weights),
+            generation_mode(cfg, run_dir),
         )
     )
     # The held-out prompts are scored by the evaluation (base, trained, merged under the same sampling),

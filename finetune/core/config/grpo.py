@@ -53,6 +53,9 @@ class GrpoConfig:
     """auto | transformers | colocate | server (see the module docstring)."""
     vllm_gpu_memory_utilization: float = 0.3
     """colocate: the share of each GPU vLLM reserves (its weights and KV cache)."""
+    vllm_server_host: str = "127.0.0.1"
+    """server: the address `trl vllm-serve` listens on and the trainer connects to (the launcher starts it
+    on this node)."""
     vllm_server_port: int = 8000
     """server: the port `trl vllm-serve` listens on."""
     vllm_server_timeout_s: float = 240.0
