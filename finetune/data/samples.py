@@ -168,27 +168,33 @@ def collect(
         batch.clear()
         pending.clear()
 
-    for rec in records:
-        try:
-            msgs = to_messages(rec.data, dc)
-        except RecordError as exc:
-            loaded.add_bad(sources.BadRecord(rec.source, rec.line, exc.reason, str(exc)))
-            continue
-        sample = clean_sample(msgs, dc, control, char_limit, tally)
-        if sample is None:
-            continue
-        key = clean.conversation_key(sample)
-        digest = clean.exact_digest16(key)
-        if dc.dedup:
-            if digest in pending:
-                tally.dropped["duplicate"] += 1
+    try:
+        for rec in records:
+            try:
+                msgs = to_messages(rec.data, dc)
+            except RecordError as exc:
+                loaded.add_bad(sources.BadRecord(rec.source, rec.line, exc.reason, str(exc)))
                 continue
-            pending.add(digest)
-        batch.append((json.dumps(sample, ensure_ascii=False), key, digest))
-        if len(batch) == _BATCH:
+            sample = clean_sample(msgs, dc, control, char_limit, tally)
+            if sample is None:
+                continue
+            key = clean.conversation_key(sample)
+            digest = clean.exact_digest16(key)
+            if dc.dedup:
+                if digest in pending:
+                    tally.dropped["duplicate"] += 1
+                    continue
+                pending.add(digest)
+            batch.append((json.dumps(sample, ensure_ascii=False), key, digest))
+            if len(batch) == _BATCH:
+                flush()
+        if batch:
             flush()
-    if batch:
-        flush()
+    except BaseException:  # a read that fails (bad input, a signal): the scratch files closed
+        store.close()
+        if signatures is not None:
+            signatures.close()
+        raise
     n = len(store)
     return Kept(
         store,
