@@ -198,8 +198,8 @@ def collect(
     n = len(store)
     return Kept(
         store,
-        np.frombuffer(bytes(exact), dtype="S16"),
-        np.frombuffer(bytes(order), dtype="S20"),
+        np.frombuffer(exact, dtype="S16"),  # views of the bytearrays: no second copy
+        np.frombuffer(order, dtype="S20"),
         signatures,
         np.arange(n),
     )
