@@ -8,8 +8,8 @@ reply lengths, 1-6 turns, some system prompts), the same byte-level BPE
 tokenizer and the same Llama-3-shaped chat template, and produce
 assistant-only labels:
 
-- ours: `finetune.data.tokens.tokenize` (batched fast tokenizer under
-  `datasets.map`, masks by prefix rendering: the stock template has no
+- ours: `finetune.data.tokens.tokenize` (the fast tokenizer a batch of
+  1,024 at a time, masks by prefix rendering: the stock template has no
   `{% generation %}` markers) + best-fit-decreasing packing into rows with
   restarting position ids;
 - TRL: what `SFTTrainer` does with `assistant_only_loss=True, packing=True`:
@@ -31,6 +31,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,27 +50,27 @@ def run_ours(n: int, seq_len: int, num_proc: int, seed: int, markers: bool) -> d
     import numpy as np
 
     from finetune.data import pack, synthetic
+    from finetune.data import tokens as tokens_mod
     from finetune.data.render import IGNORE_INDEX, Renderer
     from finetune.data.tokens import tokenize
 
     convs, tok = _setup(n, seed, synthetic.LLAMA3_MARKERS if markers else synthetic.LLAMA3)
     renderer = Renderer(tok, "assistant")
     texts = [json.dumps(c, ensure_ascii=False) for c in convs]  # what the stage keeps of each sample
-    tokenize(texts[:2], renderer, 1)  # warm-up: imports and template compilation, as for TRL below
+    scratch = Path(tempfile.mkdtemp(prefix="bench-data-"))
+    batches = [texts[i : i + tokens_mod.BATCH] for i in range(0, len(texts), tokens_mod.BATCH)]
+    tokenize(
+        [texts[:2]], 2, renderer, 1, scratch
+    )  # warm-up: imports and template compilation, as for TRL below
     t0 = time.perf_counter()
-    ds = tokenize(texts, renderer, num_proc)
-    # What the stage does next: flat numpy views of the Arrow columns, BFD, vectorised row gathering.
-    ids_col = ds.data.column("input_ids").combine_chunks()
-    labels_col = ds.data.column("labels").combine_chunks()
-    offsets = ids_col.offsets.to_numpy().astype(np.int64)
-    starts, lengths = offsets[:-1], np.diff(offsets)
+    toks = tokenize(batches, len(texts), renderer, num_proc, scratch)
+    # What the stage does next: BFD over the kept lengths, vectorised row gathering (labels from the mask bits).
+    starts, lengths = toks.starts, toks.full_lengths
     keep = np.flatnonzero(lengths <= seq_len)
     kept_lengths = lengths[keep].tolist()
     bins = pack.order_bins(pack.best_fit_decreasing(kept_lengths, seq_len), kept_lengths, seed)
     groups = [[int(keep[i]) for i in b] for b in bins]
-    rows = pack.gather_rows(
-        {"tokens": ids_col.values.to_numpy(), "labels": labels_col.values.to_numpy()}, starts, lengths, groups
-    )
+    rows = pack.gather_rows({"tokens": toks.ids, "labels": toks.labels}, starts, lengths, groups)
     elapsed = time.perf_counter() - t0
     tokens = int(sum(kept_lengths))
     trainable = int((rows["labels"].combine_chunks().values.to_numpy() != IGNORE_INDEX).sum())

@@ -8,7 +8,7 @@
 
 For each size: a JSONL file of N distinct one-turn records (about 50 bytes a line, like issue 28's
 probe of 10 million records in 504 MB), then `python -m finetune mode=data data.path=FILE` in a child
-process (the tiny model's tokenizer, the default data settings: deduplication, near-duplicate removal,
+process (its VmHWM, read as `finetune/rundir/machine.py` reads it, and its process tree's RSS sampled; the tiny model's tokenizer, the default data settings: deduplication, near-duplicate removal,
 PII scrubbing, a 10% held-out split), run twice: a cache miss, then a hit (the entry checked and copied
 into a second run directory). The child's process tree's resident memory is sampled every 0.1 s.
 Prints one row per run (records, file size, kept samples, tokens, peak RSS, bytes per record, seconds),
@@ -69,9 +69,34 @@ def peak_rss(proc: subprocess.Popen, stop: threading.Event, out: list[int]) -> N
     out.append(peak)
 
 
+# The stage run as `python -m finetune` runs it, then its own VmHWM (rundir/machine.py's peak_rss_bytes,
+# read the same way here so that an older tree without it is measured alike) written to a file.
+_CHILD = """
+import sys
+from finetune.pipeline.cli import main
+try:
+    code = main(sys.argv[2:])
+finally:
+    with open("/proc/self/status") as status:
+        hwm = next(int(x.split()[1]) * 1024 for x in status if x.startswith("VmHWM:"))
+    with open(sys.argv[1], "w") as out:
+        out.write(str(hwm))
+sys.exit(code)
+"""
+
+
 def run_stage(tree: Path, data: Path, run_dir: Path, cache: Path, models: Path, extra: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "FINETUNE_CACHE": str(models), "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "finetune", "mode=data", f"data.path={data}", f"run_dir={run_dir}"]
+    hwm_file = run_dir.with_name(run_dir.name + ".vmhwm")
+    argv = [
+        sys.executable,
+        "-c",
+        _CHILD,
+        str(hwm_file),
+        "mode=data",
+        f"data.path={data}",
+        f"run_dir={run_dir}",
+    ]
     argv += [f"data.cache_dir={cache}", *extra]
     t0 = time.perf_counter()
     proc = subprocess.Popen(
@@ -93,6 +118,7 @@ def run_stage(tree: Path, data: Path, run_dir: Path, cache: Path, models: Path, 
         "hit": stats["cache"]["hit"],
         "entry": Path(stats["cache"]["dir"]),
         "peak": peak[0],
+        "vmhwm": int(hwm_file.read_text()),
         "seconds": seconds,
     }
 
@@ -162,7 +188,7 @@ def _library_way(keys: list[str], threshold: float) -> list[bool]:
 def _our_way(keys: list[str], threshold: float) -> list[bool]:
     from finetune.data import clean
 
-    return clean.near_duplicates(clean.signatures(keys), threshold).tolist()
+    return clean.near_duplicates(clean.Signatures.of(clean.signatures(keys), threshold)).tolist()
 
 
 def near_dup_parts(n: int, threshold: float = 0.85) -> list[tuple[str, float, float, bool]]:
@@ -220,7 +246,7 @@ def main() -> None:
             )
             rows.append((n, data.stat().st_size, r))
             print(
-                f"  {n:,} records, cache {'hit' if r['hit'] else 'miss'}: {r['peak'] / 1e9:.2f} GB, "
+                f"  {n:,} records, cache {'hit' if r['hit'] else 'miss'}: VmHWM {r['vmhwm'] / 1e9:.2f} GB, "
                 f"{r['seconds']:.0f} s",
                 file=sys.stderr,
             )
@@ -247,14 +273,15 @@ def main() -> None:
 
 def _table(rows: list) -> None:
     print(
-        "| records | file MB | cache | kept | tokens | peak RSS GB | bytes/record | bytes/token | seconds |"
+        "| records | file MB | cache | kept | tokens | VmHWM GB | sampled tree RSS GB | bytes/record "
+        "| bytes/token | seconds |"
     )
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for n, size, r in rows:
         print(
             f"| {n:,} | {size / 1e6:,.0f} | {'hit' if r['hit'] else 'miss'} | {r['kept']:,} | {r['tokens']:,} "
-            f"| {r['peak'] / 1e9:.2f} | {r['peak'] / n:,.0f} | {r['peak'] / max(r['tokens'], 1):,.0f} "
-            f"| {r['seconds']:,.0f} |"
+            f"| {r['vmhwm'] / 1e9:.2f} | {r['peak'] / 1e9:.2f} | {r['vmhwm'] / n:,.0f} "
+            f"| {r['vmhwm'] / max(r['tokens'], 1):,.0f} | {r['seconds']:,.0f} |"
         )
 
 

@@ -324,14 +324,19 @@ def test_bundled_data_through_the_command_line(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "run" / "data_stats.json").read_text())["cache"]["hit"] is True
 
 
-def test_tokenize_with_worker_processes_matches_one_process(tokenizer):
+def test_tokenize_with_worker_processes_matches_one_process(tokenizer, tmp_path):
+    import numpy as np
+
     from finetune.data.render import Renderer
 
     convs = [json.dumps(c) for c in synthetic.conversations(1100, seed=2, median_words=4, sigma=0.3)]
     renderer = Renderer(tokenizer)
-    one = tokens.tokenize(convs, renderer, num_proc=1)[:]
-    two = tokens.tokenize(convs, renderer, num_proc=2)[:]
-    assert one["input_ids"] == two["input_ids"] and one["labels"] == two["labels"]
+    batches = [convs[i : i + 100] for i in range(0, len(convs), 100)]
+    one = tokens.tokenize(batches, 1000, renderer, 1, tmp_path)
+    two = tokens.tokenize(batches, 1000, renderer, 2, tmp_path)
+    assert len(one.full_lengths) == 1100 and one.num_train == two.num_train == 1000
+    for name in ("ids", "mask_bits", "starts", "full_lengths", "trainable_full"):
+        assert np.array_equal(getattr(one, name), getattr(two, name)), name
 
 
 def test_no_eval_split_and_no_packing(tmp_path, tokenizer):

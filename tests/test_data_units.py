@@ -323,7 +323,7 @@ def test_near_duplicates_found_and_distinct_kept():
     base = [" ".join(rng.choices(words, k=80)) for _ in range(30)]
     near = [b.replace(b.split()[10], "changed", 1) for b in base[:10]]
     keys = base + near
-    dup = clean.near_duplicates(clean.signatures(keys), 0.8).tolist()
+    dup = clean.near_duplicates(clean.Signatures.of(clean.signatures(keys), 0.8)).tolist()
     assert dup[:30] == [False] * 30
     assert sum(dup[30:]) >= 9
 

@@ -4,19 +4,24 @@ Duplicates are judged on normalized text (Unicode NFKC, case-folded,
 whitespace collapsed) of the whole conversation, roles included. Near
 duplicates use MinHash LSH (`datasketch`) on word 3-gram shingles; a candidate
 the index returns is confirmed by its estimated Jaccard similarity, so the
-threshold means what it says.
+threshold means what it says. What the data stage holds a sample is fixed-size:
+a 16-byte digest in sorted runs (`SeenDigests`), 8 bytes a band of LSH bucket
+keys, and its MinHash row on disk (`Signatures`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import unicodedata
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import xxhash
 
 from finetune.data.formats import Messages
 
@@ -96,6 +101,40 @@ def exact_digest(key: str) -> bytes:
     return hashlib.sha1(key.encode()).digest()
 
 
+def exact_digest16(key: str) -> bytes:
+    """XXH3-128 of a conversation's key: 16 bytes, equal for exact duplicates (the streamed pass keeps it)."""
+    return xxhash.xxh3_128_digest(key.encode())
+
+
+class SeenDigests:
+    """A set of 16-byte digests held as a few sorted numpy runs (16 bytes a digest, about twice that while
+    two runs merge), where a Python set of bytes takes about 100: for exact duplicates among 10M samples.
+    Runs merge like a binary counter, so there are O(log n) of them and each digest is re-sorted O(log n)
+    times."""
+
+    def __init__(self) -> None:
+        self._runs: list[np.ndarray] = []
+
+    def add_new(self, digests: np.ndarray) -> np.ndarray:
+        """For each of `digests` (an 'S16' array, in order): True where it was seen neither before nor
+        earlier in this batch (the first occurrence wins); those are added."""
+        new = np.zeros(len(digests), dtype=bool)
+        new[np.unique(digests, return_index=True)[1]] = True
+        for run in self._runs:
+            pos = np.minimum(np.searchsorted(run, digests), len(run) - 1)
+            new &= run[pos] != digests
+        fresh = np.sort(digests[new])
+        if len(fresh):
+            self._runs.append(fresh)
+        while len(self._runs) > 1 and len(self._runs[-2]) <= 2 * len(self._runs[-1]):
+            last = self._runs.pop()
+            merged = np.concatenate([self._runs.pop(), last])
+            del last
+            merged.sort()
+            self._runs.append(merged)
+        return new
+
+
 def _shingles(key: str) -> list[bytes]:
     words = re.findall(r"\w+", key)
     if len(words) < 3:
@@ -119,6 +158,71 @@ def signatures(keys: Sequence[str]) -> np.ndarray:
     return out
 
 
+class Signatures:
+    """MinHash rows and their LSH bucket keys for one threshold, added a block at a time.
+
+    The keys (8 bytes a band and sample: 64 bytes with datasketch's 8 bands at 0.85) stay in memory; the
+    rows (512 bytes a sample) stay there too, or, given a file, are appended to it as they come and read
+    back a row at a time for the few candidate pairs only: held in memory they were half of what 10M tiny
+    samples kept (5 GB; scripts/bench_data_memory.py). Rows are read with `pread`, not memory-mapped, so
+    they never count in the process's resident memory.
+    """
+
+    def __init__(self, threshold: float, path: Optional[Path] = None) -> None:
+        self.threshold = threshold
+        self.bands = _bands(threshold)
+        self._key_blocks: list[np.ndarray] = []
+        self._keys: Optional[list[np.ndarray]] = None
+        self._memory: list[np.ndarray] = []
+        self._file = None if path is None else open(path, "w+b")  # noqa: SIM115 (closed by `close`)
+        self.count = 0
+
+    @classmethod
+    def of(cls, sig: np.ndarray, threshold: float) -> Signatures:
+        """An in-memory store of the rows of `sig` (uint32, NUM_PERM columns)."""
+        out = cls(threshold)
+        out.add(sig)
+        return out
+
+    def __len__(self) -> int:
+        return self.count
+
+    def add(self, block: np.ndarray) -> None:
+        """Rows for the next samples: their bucket keys computed, the rows kept or written."""
+        if not len(block):
+            return
+        self._key_blocks.append(np.stack([_band_keys(block[:, a:b], a, b) for a, b in self.bands]))
+        self._keys = None
+        if self._file is None:
+            self._memory.append(block)
+        else:
+            self._file.write(np.ascontiguousarray(block, dtype=np.uint32).tobytes())
+        self.count += len(block)
+
+    def keys(self, band: int) -> np.ndarray:
+        """The bucket key of every sample for band `band` (uint64)."""
+        if self._keys is None:
+            blocks = self._key_blocks
+            whole = np.concatenate(blocks, axis=1) if blocks else np.zeros((len(self.bands), 0), np.uint64)
+            self._key_blocks = [whole]
+            self._keys = list(whole)
+        return self._keys[band]
+
+    def row(self, i: int) -> np.ndarray:
+        """The MinHash row of sample `i`."""
+        if self._file is None:
+            if len(self._memory) > 1:
+                self._memory = [np.concatenate(self._memory)]
+            return self._memory[0][i]
+        self._file.flush()
+        size = NUM_PERM * 4
+        return np.frombuffer(os.pread(self._file.fileno(), size, i * size), dtype=np.uint32)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:
     """The Jaccard similarity two signatures estimate (as `MinHash.jaccard` computes it)."""
     return float(np.count_nonzero(a == b)) / float(len(a))
@@ -135,11 +239,10 @@ def _bands(threshold: float) -> list[tuple[int, int]]:
 _FOLD = np.random.default_rng(0x5EED).integers(1, 2**63, size=NUM_PERM, dtype=np.uint64) | np.uint64(1)
 
 
-def _bucket_keys(sig: np.ndarray, rows: np.ndarray, start: int, end: int) -> np.ndarray:
-    """One 64-bit key for each of `rows` for a band: rows with equal bands get equal keys (a rare equal key
-    for unequal bands only adds a candidate, which is checked band for band)."""
-    band = sig[rows, start:end].astype(np.uint64)
-    keys = (band * _FOLD[start:end]).sum(axis=1, dtype=np.uint64)
+def _band_keys(band: np.ndarray, start: int, end: int) -> np.ndarray:
+    """One 64-bit key for each row of `band` (columns [start, end) of signature rows): rows with equal bands
+    get equal keys (a rare equal key for unequal bands only adds a candidate, which is checked band for band)."""
+    keys = (band.astype(np.uint64) * _FOLD[start:end]).sum(axis=1, dtype=np.uint64)
     return keys ^ (keys >> np.uint64(29))
 
 
@@ -150,21 +253,22 @@ def _shared(keys: np.ndarray) -> np.ndarray:
     return np.isin(keys, repeated)
 
 
-def _similar(sig: np.ndarray, a: int, b: int, threshold: float, j: int, i: int) -> bool:
-    """Rows j and i of `sig` share band [a, b) and their estimated Jaccard similarity reaches `threshold`."""
-    return bool(np.array_equal(sig[j, a:b], sig[i, a:b])) and jaccard(sig[j], sig[i]) >= threshold
+def _similar(sig: Signatures, a: int, b: int, j: int, i: int) -> bool:
+    """Rows j and i of `sig` share band [a, b) and their estimated Jaccard similarity reaches its threshold."""
+    rj, ri = sig.row(j), sig.row(i)
+    return bool(np.array_equal(rj[a:b], ri[a:b])) and jaccard(rj, ri) >= sig.threshold
 
 
 # Ours beside datasketch's MinHashLSH, with its bands and the same answers: its in-memory index holds a
 # bytes key and a set per band and sample (measured in scripts/bench_data_memory.py: BENCHMARKS.md),
 # where these bucket keys take 8 bytes a band; only samples sharing a bucket are compared one by one.
-def near_duplicates(sig: np.ndarray, threshold: float, rows: Optional[np.ndarray] = None) -> np.ndarray:
+def near_duplicates(sig: Signatures, rows: Optional[np.ndarray] = None) -> np.ndarray:
     """For each of `rows` of `sig` (default: all), in order: True when it is a near duplicate of an earlier
     kept one (the first occurrence wins): it shares a whole LSH band with it, and their estimated Jaccard
     similarity reaches the threshold."""
     rows = np.arange(len(sig)) if rows is None else np.asarray(rows)
-    bands = _bands(threshold)
-    keys = [_bucket_keys(sig, rows, a, b) for a, b in bands]
+    bands = sig.bands
+    keys = [sig.keys(band)[rows] for band in range(len(bands))]
     candidates = np.zeros(len(rows), dtype=bool)
     for k in keys:
         candidates |= _shared(k)
@@ -172,7 +276,7 @@ def near_duplicates(sig: np.ndarray, threshold: float, rows: Optional[np.ndarray
     kept: list[dict[int, list[int]]] = [{} for _ in bands]
     for i in np.flatnonzero(candidates).tolist():
         hit = any(
-            _similar(sig, a, b, threshold, int(rows[j]), int(rows[i]))
+            _similar(sig, a, b, int(rows[j]), int(rows[i]))
             for (a, b), k, table in zip(bands, keys, kept)
             for j in table.get(int(k[i]), ())
         )
@@ -184,27 +288,25 @@ def near_duplicates(sig: np.ndarray, threshold: float, rows: Optional[np.ndarray
 
 
 def leaks(
-    train_exact: Sequence[bytes],
-    eval_exact: Sequence[bytes],
-    sig: Optional[np.ndarray],
+    train_exact: Sequence[bytes] | np.ndarray,
+    eval_exact: Sequence[bytes] | np.ndarray,
+    sig: Optional[Signatures],
     train_rows: np.ndarray,
     eval_rows: np.ndarray,
-    threshold: float,
 ) -> np.ndarray:
     """For each train item: True when it is an exact (same digest) or near duplicate of some eval item
     (their signatures are rows `train_rows` and `eval_rows` of `sig`)."""
-    in_eval = set(eval_exact)
-    out = np.fromiter((d in in_eval for d in train_exact), dtype=bool, count=len(train_exact))
+    train_exact, eval_exact = np.asarray(train_exact), np.asarray(eval_exact)
+    out = np.isin(train_exact, eval_exact) if len(train_exact) else np.zeros(0, dtype=bool)
     if sig is None or not len(eval_rows):
         return out
-    for a, b in _bands(threshold):
-        eval_keys = _bucket_keys(sig, eval_rows, a, b)
-        train_keys = _bucket_keys(sig, train_rows, a, b)
+    train_rows, eval_rows = np.asarray(train_rows), np.asarray(eval_rows)
+    for band, (a, b) in enumerate(sig.bands):
+        eval_keys = sig.keys(band)[eval_rows]
+        train_keys = sig.keys(band)[train_rows]
         table: dict[int, list[int]] = {}
         for j, key in enumerate(eval_keys.tolist()):
             table.setdefault(key, []).append(int(eval_rows[j]))
         for i in np.flatnonzero(~out & np.isin(train_keys, eval_keys)).tolist():
-            out[i] = any(
-                _similar(sig, a, b, threshold, j, int(train_rows[i])) for j in table[int(train_keys[i])]
-            )
+            out[i] = any(_similar(sig, a, b, j, int(train_rows[i])) for j in table[int(train_keys[i])])
     return out

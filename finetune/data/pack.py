@@ -67,15 +67,17 @@ def position_ids(seq_lengths: Sequence[int]) -> list[int]:
     return [p for n in seq_lengths for p in range(n)]
 
 
-# Tokens gathered at a time: the index arrays stay near 200 MB however many tokens the data has.
-_GATHER_TOKENS = 1 << 23
+# Tokens gathered at a time: the index arrays (about 60 bytes a token, the labels made from the ids and
+# the mask bits included) stay near 60 MB however many tokens the data has.
+_GATHER_TOKENS = 1 << 20
 
 
 def gather_rows(
     columns: dict[str, Any], starts: Any, lengths: Any, groups: list[list[int]]
 ) -> dict[str, Any]:
     """Arrow list columns for rows made of samples: row r of column c holds `columns[c][starts[i]:starts[i]+lengths[i]]`
-    for each i in groups[r], one after another.
+    for each i in groups[r], one after another. A column is an array, or a function from token positions to
+    their values (the labels, made from the ids and the mask bits).
 
     Returns every column, `position_ids` (restarting at each sample) and `seq_lengths`, each a
     `pyarrow.ChunkedArray` of int32 lists. Vectorised with numpy (no Python object per token), a few
@@ -105,7 +107,8 @@ def gather_rows(
         index = np.repeat(firsts, lens) + within
         row_offsets = np.concatenate([[0], np.cumsum(lens)])[sample_bounds[r0 : r1 + 1] - s0]
         for name, values in columns.items():
-            chunks[name].append(lists(row_offsets, np.asarray(values)[index]))
+            picked = values(index) if callable(values) else np.asarray(values)[index]
+            chunks[name].append(lists(row_offsets, picked))
         chunks["position_ids"].append(lists(row_offsets, within))
         chunks["seq_lengths"].append(lists(sample_bounds[r0 : r1 + 1] - s0, lens))
         r0 = r1

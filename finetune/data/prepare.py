@@ -20,9 +20,10 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 import numpy as np
 
@@ -34,7 +35,7 @@ from finetune.data.control import ControlTokens, special_tokens, template_marker
 from finetune.data.formats import Messages, RecordError
 from finetune.data.limits import Rows
 from finetune.data.render import Renderer
-from finetune.data.tokens import Tokens, tokenize_splits
+from finetune.data.tokens import BATCH, Tokens, check_labels, tokenize
 
 
 @dataclass
@@ -48,8 +49,11 @@ class Prepared:
     eval_messages: list[str]  # the conversation of each eval row (JSON text), for generation from its prompt
 
 
-def conversations(cfg: Config, tokenizer: Any, inp: sources.Input, path: str, console) -> Prepared:
-    """Conversation records prepared for SFT: cleaned, split, tokenized with masked labels, limited, packed."""
+def conversations(
+    cfg: Config, tokenizer: Any, inp: sources.Input, path: str, console, scratch: Optional[Path] = None
+) -> Prepared:
+    """Conversation records prepared for SFT: cleaned, split, tokenized with masked labels, limited, packed;
+    what the pass holds per sample beyond a fixed size goes to files under `scratch` (removed when done)."""
     dc = cfg.data
     t0 = time.perf_counter()
     tally = samples.Tally()
@@ -58,21 +62,39 @@ def conversations(cfg: Config, tokenizer: Any, inp: sources.Input, path: str, co
     control = ControlTokens(special_tokens(tokenizer) | template_markers(renderer.template_texts()))
     hard = limits.hard_limit(cfg)
     char_limit = limits.max_chars(tokenizer, hard)
-    with progress(console) as bar:
+    with samples.scratch_folder(scratch) as where, progress(console) as bar:
         records = _records(inp, loaded, bar)
-        kept = samples.collect(records, loaded, dc, control, char_limit, tally)
-        samples.check_input(loaded, dc, path, tally)
-        kept = samples.near_deduplicate(kept, dc, tally, bar)
-        train_convs, eval_convs = samples.split(kept, dc, tally)
-        del kept  # the signatures: a MinHash row a sample, not needed from here on
-    tokens = tokenize_splits(train_convs, eval_convs, renderer, dc.train_on, dc.num_proc)
-    del train_convs
-    rows = limits.apply(tokens, cfg, hard, tally.dropped)
+        kept = samples.collect(records, loaded, dc, control, char_limit, tally, where)
+        try:
+            samples.check_input(loaded, dc, path, tally)
+            kept = samples.near_deduplicate(kept, dc, tally, bar)
+            train_rows, eval_rows = samples.split(kept, dc, tally)
+            tokens = tokenize(
+                _batches(kept.store, train_rows, eval_rows, bar),
+                len(train_rows),
+                renderer,
+                dc.num_proc,
+                where,
+            )
+            check_labels(tokens, dc.train_on)
+            rows = limits.apply(tokens, cfg, hard, tally.dropped)
+            eval_messages = kept.store.texts(eval_rows[rows.evals - tokens.num_train])
+        finally:
+            kept.close()
     bins = _bins(rows, dc)
-    eval_messages = [eval_convs[i - tokens.num_train] for i in rows.evals.tolist()]
     result = _stats(cfg, loaded, path, tally, char_limit, renderer, tokens, rows, bins)
     result["seconds"] = round(time.perf_counter() - t0, 3)
     return Prepared(result, tokens, rows, bins, eval_messages)
+
+
+def _batches(store: samples.TextStore, train_rows: Any, eval_rows: Any, bar: Any) -> Iterator[list[str]]:
+    """The texts of the training rows, then the eval rows, `tokens.BATCH` at a time, with a progress task."""
+    task = bar.add_task("render+tokenize", total=len(train_rows) + len(eval_rows))
+    for rows in (train_rows, eval_rows):
+        for i in range(0, len(rows), BATCH):
+            batch = store.texts(rows[i : i + BATCH])
+            yield batch
+            bar.advance(task, len(batch))
 
 
 def _records(inp: sources.Input, loaded: sources.Loaded, bar: Any) -> Iterable[sources.Record]:
@@ -207,7 +229,9 @@ class PreparedPairs:
     evals: list[dict]  # the same, plus `messages` (prompt + chosen, JSON) and `rejected` (JSON)
 
 
-def preferences(cfg: Config, tokenizer: Any, inp: sources.Input, path: str, console) -> PreparedPairs:
+def preferences(
+    cfg: Config, tokenizer: Any, inp: sources.Input, path: str, console, scratch: Optional[Path] = None
+) -> PreparedPairs:
     """Preference records prepared for DPO: mapped to pairs (bad ones located), each side cleaned as SFT's
     conversations are, deduplicated, split by prompt (no prompt of an eval pair is trained on), tokenized
     with the chat template, and held to the length limit (the longer side decides: dropped, or both
@@ -220,6 +244,7 @@ def preferences(cfg: Config, tokenizer: Any, inp: sources.Input, path: str, cons
     hard = limits.hard_limit(cfg)
     char_limit = limits.max_chars(tokenizer, hard)
     loaded = sources.Loaded()
+    del scratch  # preference pairs are held in memory, as read (not streamed to disk)
     with progress(console) as bar:
         found = _read_pairs(_records(inp, loaded, bar), loaded, dc)
     samples.check_input(loaded, dc, path, tally)
@@ -323,7 +348,11 @@ def _split_by_prompt(
     if evals and train:
         train_keys = [clean.conversation_key(p.prompt) for p in train]
         eval_sorted = sorted(eval_keys)
-        sig = clean.signatures(train_keys + eval_sorted) if dc.near_dedup else None
+        sig = (
+            clean.Signatures.of(clean.signatures(train_keys + eval_sorted), dc.near_dedup_threshold)
+            if dc.near_dedup
+            else None
+        )
         rows = np.arange(len(train_keys) + len(eval_sorted))
         leak = clean.leaks(
             [clean.exact_digest(k) for k in train_keys],
@@ -331,7 +360,6 @@ def _split_by_prompt(
             sig,
             rows[: len(train_keys)],
             rows[len(train_keys) :],
-            dc.near_dedup_threshold,
         )
         tally.dropped["eval_leak"] += int(leak.sum())
         train = [p for p, bad in zip(train, leak.tolist()) if not bad]
@@ -460,7 +488,9 @@ class PreparedPrompts:
     evals: list[dict]  # the same, plus `messages`
 
 
-def prompts(cfg: Config, tokenizer: Any, inp: sources.Input, path: str, console) -> PreparedPrompts:
+def prompts(
+    cfg: Config, tokenizer: Any, inp: sources.Input, path: str, console, scratch: Optional[Path] = None
+) -> PreparedPrompts:
     """Conversation records as GRPO prompts: cleaned, deduplicated and split as SFT's conversations are (so no
     eval prompt is trained on); the last assistant turn is the reference answer; a prompt whose rendering plus
     grpo.max_completion_length cannot fit train.seq_len is dropped (`too_long`)."""
@@ -472,15 +502,18 @@ def prompts(cfg: Config, tokenizer: Any, inp: sources.Input, path: str, console)
     hard = limits.hard_limit(cfg)
     char_limit = limits.max_chars(tokenizer, hard)
     loaded = sources.Loaded()
-    with progress(console) as bar:
+    with samples.scratch_folder(scratch) as where, progress(console) as bar:
         records = _records(inp, loaded, bar)
-        kept = samples.collect(records, loaded, dc, control, char_limit, tally)
-        samples.check_input(loaded, dc, path, tally)
-        kept = samples.near_deduplicate(kept, dc, tally, bar)
-        train_texts, eval_texts = samples.split(kept, dc, tally)
-        del kept
-    train_convs = [json.loads(t) for t in train_texts]
-    eval_convs = [json.loads(t) for t in eval_texts]
+        kept = samples.collect(records, loaded, dc, control, char_limit, tally, where)
+        try:
+            samples.check_input(loaded, dc, path, tally)
+            kept = samples.near_deduplicate(kept, dc, tally, bar)
+            train_rows, eval_rows = samples.split(kept, dc, tally)
+            # GRPO's prompts are held as messages from here on (one a row of the prepared data)
+            train_convs = [json.loads(t) for t in kept.store.texts(train_rows)]
+            eval_convs = [json.loads(t) for t in kept.store.texts(eval_rows)]
+        finally:
+            kept.close()
     seq_len = hard if cfg.train.seq_len == "auto" else int(cfg.train.seq_len)
     budget = seq_len - cfg.grpo.max_completion_length
     if budget <= 0:

@@ -108,7 +108,7 @@ class Renderer:
         except ImportError:  # a private helper: fall back to the public path if it moves
             self._compiled = None
 
-    def __getstate__(self) -> dict:  # compiled templates do not pickle (datasets.map with num_proc)
+    def __getstate__(self) -> dict:  # compiled templates do not pickle (data.num_proc worker processes)
         return {**self.__dict__, "_compiled": None, "_recompile": True}
 
     def __setstate__(self, state: dict) -> None:

@@ -107,7 +107,7 @@ def _save_rows(prepared: Prepared, out: Path) -> None:
     from datasets import Dataset
 
     tokens, rows = prepared.tokens, prepared.rows
-    columns = {"input_ids": tokens.ids, "labels": tokens.labels}
+    columns = {"input_ids": tokens.ids, "labels": tokens.labels}  # ids uint16/32 and a function: int32 out
     groups = [[int(rows.train[i]) for i in b] for b in prepared.bins]
     train = pack.gather_rows(columns, tokens.starts, rows.lengths, groups)
     Dataset(

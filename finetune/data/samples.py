@@ -1,8 +1,9 @@
 """Samples before any token: records mapped to conversations, cleaned, deduplicated, split into train and eval.
 
 Records are mapped, cleaned and exactly deduplicated in one pass as they are read (`collect`), and
-only what is kept is held, compactly (`Kept`: a JSON text, two digests and a MinHash signature a
-sample), so memory follows what is kept, not the input. Every step keeps input order and counts what
+only what is kept is held, by a fixed size a sample (`Kept`: two digests, LSH bucket keys and an
+offset, about 120 bytes; its JSON text and MinHash row go to a scratch file), so memory follows how
+many samples are kept, not the input. Every step keeps input order and counts what
 it drops in a `Tally`, under a reason that means one thing (checks run in a fixed order, so a sample
 is counted once, by its first problem). The held-out split follows deduplication and is seeded by
 the conversations' keys, so it does not change with input order; train keeps no exact or near
@@ -13,9 +14,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import tempfile
+from array import array
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -38,35 +45,86 @@ class Tally:
     with_control: int = 0
 
 
+class TextStore:
+    """The kept samples' JSON texts, appended to a file as they are kept, with an 8-byte end offset each in
+    memory: their text is the largest part of a tiny sample, and tokenizing reads it back in batches."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "w+b")  # noqa: SIM115 (closed by `close`)
+        self._ends = array("q")
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def add(self, text: str) -> None:
+        self._file.write(text.encode())
+        self._ends.append(self._file.tell())
+
+    def texts(self, rows: Sequence[int] | np.ndarray) -> list[str]:
+        """The texts of `rows` (a batch: read with one `pread` over the span they cover when it is short)."""
+        self._file.flush()
+        ends = np.frombuffer(self._ends, dtype=np.int64)
+        rows = np.asarray(rows, dtype=np.int64)
+        if not len(rows):
+            return []
+        starts = np.where(rows > 0, ends[np.maximum(rows - 1, 0)], 0)
+        stops = ends[rows]
+        lo, hi = int(starts.min()), int(stops.max())
+        fd = self._file.fileno()
+        if hi - lo <= 4 * int((stops - starts).sum()) + (1 << 16):
+            span = os.pread(fd, hi - lo, lo)
+            return [span[a - lo : b - lo].decode() for a, b in zip(starts.tolist(), stops.tolist())]
+        return [os.pread(fd, b - a, a).decode() for a, b in zip(starts.tolist(), stops.tolist())]
+
+    def close(self) -> None:
+        self._file.close()
+
+
 @dataclass
 class Kept:
-    """Conversations kept, in input order, each held compactly: its JSON text (what tokenizing reads), the
-    SHA-1 of its normalized text (`exact`: duplicates and eval leaks) and of the seed and that text
-    (`order`: the held-out split), 20 bytes each, and its MinHash signature (row `rows[i]` of
-    `signatures`, when deduplication or the split needs one; selections share the matrix, never copy it)."""
+    """Conversations kept, in input order, each held compactly: its JSON text on disk (`store`: what
+    tokenizing reads), the XXH3-128 of its normalized text (`exact`: duplicates and eval leaks, 16 bytes)
+    and the SHA-1 of the seed and that text (`order`: the held-out split, 20 bytes), and its MinHash row
+    (`signatures`, when deduplication or the split needs one). `rows[i]` is sample i's row in the store and
+    the signatures; selections share them, never copy them."""
 
-    texts: list[str]
-    exact: list[bytes]
-    order: list[bytes]
-    signatures: Optional[np.ndarray]
+    store: TextStore
+    exact: np.ndarray  # 'S16'
+    order: np.ndarray  # 'S20'
+    signatures: Optional[clean.Signatures]
     rows: np.ndarray
 
     def __len__(self) -> int:
-        return len(self.texts)
+        return len(self.rows)
 
-    def select(self, picks: Sequence[int]) -> Kept:
-        picks = list(picks)
-        return Kept(
-            [self.texts[i] for i in picks],
-            [self.exact[i] for i in picks],
-            [self.order[i] for i in picks],
-            self.signatures,
-            self.rows[np.asarray(picks, dtype=np.int64)],
-        )
+    def select(self, picks: Sequence[int] | np.ndarray) -> Kept:
+        picks = np.asarray(picks, dtype=np.int64)
+        return Kept(self.store, self.exact[picks], self.order[picks], self.signatures, self.rows[picks])
+
+    def close(self) -> None:
+        self.store.close()
+        if self.signatures is not None:
+            self.signatures.close()
 
 
-# Keys whose MinHash signatures are computed together (their text is held only this long).
-_SIGNATURE_BATCH = 4096
+@contextmanager
+def scratch_folder(where: Optional[Path]) -> Iterator[Path]:
+    """A folder for what the streamed pass writes to disk (the kept texts, their MinHash rows), removed when
+    done; `where` is the data stage's, inside the cache entry being built, else a temporary one."""
+    if where is None:
+        with tempfile.TemporaryDirectory(prefix="finetune-data-") as tmp:
+            yield Path(tmp)
+        return
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        yield where
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+# Samples cleaned before their duplicates are looked up and their MinHash signatures computed together: what
+# the pass holds beyond the fixed-size part of each kept sample.
+_BATCH = 4096
 
 
 def collect(
@@ -76,51 +134,75 @@ def collect(
     control: ControlTokens,
     char_limit: int,
     tally: Tally,
+    scratch: Path,
 ) -> Kept:
     """One pass over the records as they are read: each mapped to messages (one that cannot be is bad
     input, counted in `loaded`), cleaned (`clean_sample`), exact duplicates dropped (data.dedup; the
-    first occurrence wins); what is kept is held compactly (`Kept`), so memory follows what is kept."""
+    first occurrence wins); what is kept is held compactly (`Kept`: texts and signatures written under
+    `scratch`), so memory follows what is kept, by a fixed size a sample."""
     need_signatures = dc.near_dedup or dc.eval_fraction > 0
-    texts: list[str] = []
-    exact: list[bytes] = []
-    order: list[bytes] = []
-    seen: set[bytes] = set()
-    blocks: list[np.ndarray] = []
-    pending: list[str] = []
-    for rec in records:
-        try:
-            msgs = to_messages(rec.data, dc)
-        except RecordError as exc:
-            loaded.add_bad(sources.BadRecord(rec.source, rec.line, exc.reason, str(exc)))
-            continue
-        sample = clean_sample(msgs, dc, control, char_limit, tally)
-        if sample is None:
-            continue
-        key = clean.conversation_key(sample)
-        digest = clean.exact_digest(key)
-        if dc.dedup:
-            if digest in seen:
-                tally.dropped["duplicate"] += 1
+    store = TextStore(scratch / "texts.jsonl")
+    signatures = (
+        clean.Signatures(dc.near_dedup_threshold, scratch / "signatures.u32") if need_signatures else None
+    )
+    seen = clean.SeenDigests()
+    exact, order = bytearray(), bytearray()
+    # Candidates since the last flush: their JSON text, key and digest; `pending` their digests, so a
+    # duplicate within the batch is dropped as it is read and costs nothing.
+    batch: list[tuple[str, str, bytes]] = []
+    pending: set[bytes] = set()
+
+    def flush() -> None:
+        digests = np.frombuffer(b"".join(d for _, _, d in batch), dtype="S16")
+        new = seen.add_new(digests) if dc.dedup else np.ones(len(batch), dtype=bool)
+        tally.dropped["duplicate"] += int(len(batch) - new.sum())
+        keys = []
+        for (text, key, digest), is_new in zip(batch, new.tolist()):
+            if is_new:
+                store.add(text)
+                exact.extend(digest)
+                order.extend(hashlib.sha1(f"{dc.seed}:{key}".encode()).digest())
+                keys.append(key)
+        if signatures is not None and keys:
+            signatures.add(clean.signatures(keys))
+        batch.clear()
+        pending.clear()
+
+    try:
+        for rec in records:
+            try:
+                msgs = to_messages(rec.data, dc)
+            except RecordError as exc:
+                loaded.add_bad(sources.BadRecord(rec.source, rec.line, exc.reason, str(exc)))
                 continue
-            seen.add(digest)
-        texts.append(json.dumps(sample, ensure_ascii=False))
-        exact.append(digest)
-        order.append(hashlib.sha1(f"{dc.seed}:{key}".encode()).digest())
-        if need_signatures:
-            pending.append(key)
-            if len(pending) == _SIGNATURE_BATCH:
-                blocks.append(clean.signatures(pending))
-                pending = []
-    signatures = None
-    if need_signatures:
-        blocks.append(clean.signatures(pending))
-        signatures = np.empty((len(texts), clean.NUM_PERM), dtype=np.uint32)
-        done = 0
-        while blocks:  # block by block, each freed once copied: never two copies of them all
-            block = blocks.pop(0)
-            signatures[done : done + len(block)] = block
-            done += len(block)
-    return Kept(texts, exact, order, signatures, np.arange(len(texts)))
+            sample = clean_sample(msgs, dc, control, char_limit, tally)
+            if sample is None:
+                continue
+            key = clean.conversation_key(sample)
+            digest = clean.exact_digest16(key)
+            if dc.dedup:
+                if digest in pending:
+                    tally.dropped["duplicate"] += 1
+                    continue
+                pending.add(digest)
+            batch.append((json.dumps(sample, ensure_ascii=False), key, digest))
+            if len(batch) == _BATCH:
+                flush()
+        if batch:
+            flush()
+    except BaseException:  # a read that fails (bad input, a signal): the scratch files closed
+        store.close()
+        if signatures is not None:
+            signatures.close()
+        raise
+    n = len(store)
+    return Kept(
+        store,
+        np.frombuffer(exact, dtype="S16"),  # views of the bytearrays: no second copy
+        np.frombuffer(order, dtype="S20"),
+        signatures,
+        np.arange(n),
+    )
 
 
 def check_input(loaded: sources.Loaded, dc: DataConfig, path: str, tally: Tally) -> None:
@@ -193,27 +275,32 @@ def near_deduplicate(kept: Kept, dc: DataConfig, tally: Tally, progress) -> Kept
     if not dc.near_dedup or kept.signatures is None or not len(kept):
         return kept
     task = progress.add_task("near-duplicates", total=1)
-    dup = clean.near_duplicates(kept.signatures, dc.near_dedup_threshold, kept.rows)
+    dup = clean.near_duplicates(kept.signatures, kept.rows)
     progress.advance(task)
     tally.dropped["near_duplicate"] += int(dup.sum())
-    return kept.select(np.flatnonzero(~dup).tolist())
+    return kept.select(np.flatnonzero(~dup))
 
 
-def split(kept: Kept, dc: DataConfig, tally: Tally) -> tuple[list[str], list[str]]:
-    """(train, eval) conversations as JSON texts: held out by seed, after deduplication; then no exact or
-    near duplicate of an eval sample stays in train."""
+def split(kept: Kept, dc: DataConfig, tally: Tally) -> tuple[np.ndarray, np.ndarray]:
+    """(train, eval) conversations as rows of `kept.store`, each in input order: held out by seed, after
+    deduplication; then no exact or near duplicate of an eval sample stays in train."""
     n = len(kept)
     n_eval = round(dc.eval_fraction * n)
     if dc.eval_fraction > 0 and n >= 2:
         n_eval = min(max(n_eval, 1), n - 1)
-    # By the SHA-1 of seed and text, so the split does not change with input order.
-    order = sorted(range(n), key=kept.order.__getitem__)
-    eval_idx, train_idx = sorted(order[:n_eval]), sorted(order[n_eval:])
-    if eval_idx:
-        train, evals = kept.select(train_idx), kept.select(eval_idx)
+    # By the SHA-1 of seed and text, so the split does not change with input order (a stable sort, as
+    # `sorted` is: equal digests keep input order).
+    order = np.argsort(kept.order, kind="stable")
+    eval_idx, train_idx = np.sort(order[:n_eval]), np.sort(order[n_eval:])
+    del order
+    if len(eval_idx):
         leak = clean.leaks(
-            train.exact, evals.exact, kept.signatures, train.rows, evals.rows, dc.near_dedup_threshold
+            kept.exact[train_idx],
+            kept.exact[eval_idx],
+            kept.signatures,
+            kept.rows[train_idx],
+            kept.rows[eval_idx],
         )
         tally.dropped["eval_leak"] += int(leak.sum())
-        train_idx = [i for i, bad in zip(train_idx, leak.tolist()) if not bad]
-    return [kept.texts[i] for i in train_idx], [kept.texts[i] for i in eval_idx]
+        train_idx = train_idx[~leak]
+    return kept.rows[train_idx], kept.rows[eval_idx]

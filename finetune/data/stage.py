@@ -148,7 +148,8 @@ def _build(
             inp = inp if inp is not None else sources.open_input(path, input_fp)[0]
             # The objective's record kind (finetune/core/objectives.py) chooses the preparation.
             prepare_kind = prepare.RECORD_KINDS[cfg.objective.spec.record_kind]
-            prepared = prepare_kind(cfg, tokenizer, inp, path, console)
+            # Its scratch files (texts, MinHash rows, token ids) live in the entry being built, gone before the manifest.
+            prepared = prepare_kind(cfg, tokenizer, inp, path, console, scratch=tmp / ".scratch")
             prepared.stats["input"]["fingerprint"] = input_fp
             rows.save(prepared, tmp)
             prepared.stats["cache"] = {"fingerprint": key, "hit": False, "dir": str(cache_root / key)}

@@ -1,99 +1,150 @@
 """Conversations to tokens: rendered with the chat template, labels masked, tokenized in batches.
 
-From here on a sample is a (start, length) slice of flat numpy arrays of token
-ids and labels, train samples first, then eval; nothing is copied per sample.
-The first label of every sample is masked (`IGNORE_INDEX`): a sample never
+From here on a sample is a (start, length) slice of flat numpy arrays, train
+samples first, then eval; nothing is held per sample but its start, length and
+count of trainable labels. Token ids take 2 bytes a token where the vocabulary
+fits in uint16, else 4; the label mask one bit (a label is its token's id or
+`IGNORE_INDEX`). The first label of every sample is masked: a sample never
 predicts its first token, nor (packed) one from the sample before it.
+
+Batches of texts are tokenized one at a time (or by `num_proc` worker processes,
+a few batches in flight), each turned into compact arrays before the next, and
+the ids appended to a scratch file read back once at the end: the tokenizer's
+and the batch's Python lists exist for one batch only, and no second copy of
+all the ids is made while joining them.
 """
 
 from __future__ import annotations
 
 import json
+from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from finetune.core.errors import DataError
 from finetune.data.render import IGNORE_INDEX, Renderer
 
+# Conversations tokenized in one call: the heap a batch leaves is bounded by it.
+BATCH = 1024
+
 
 @dataclass
 class Tokens:
-    """Every sample rendered, masked and tokenized (train first, then eval): (start, length) slices of flat
-    numpy token arrays, with a running count of trainable labels."""
+    """Every sample rendered, masked and tokenized (train first, then eval): (start, length) slices of a flat
+    array of token ids and a bit array of the label mask, with each sample's count of trainable labels."""
 
-    ids: Any
-    labels: Any
-    starts: Any
-    full_lengths: Any  # before any length limit
-    trainable_cum: Any
+    ids: np.ndarray  # uint16 or uint32
+    mask_bits: np.ndarray  # np.packbits of the label mask (1: trained on), one bit a token
+    starts: np.ndarray  # int64
+    full_lengths: np.ndarray  # int32, before any length limit
+    trainable_full: np.ndarray  # int32: trainable labels in each whole sample
     num_train: int  # the first `num_train` samples are the training split
 
-    def trainable(self, lengths: Any) -> Any:
-        """Trainable labels in each sample's first `lengths` tokens."""
-        return self.trainable_cum[self.starts + lengths] - self.trainable_cum[self.starts]
+    def trainable(self, lengths: Any) -> np.ndarray:
+        """Trainable labels in each sample's first `lengths` tokens (counted from the bits where cut)."""
+        lengths = np.asarray(lengths)
+        out = self.trainable_full.astype(np.int64)
+        for i in np.flatnonzero(lengths < self.full_lengths).tolist():
+            start = int(self.starts[i])
+            out[i] = int(self.mask(np.arange(start, start + int(lengths[i]))).sum())
+        return out
+
+    def mask(self, index: np.ndarray) -> np.ndarray:
+        """The label mask at token positions `index` (bool)."""
+        index = np.asarray(index, dtype=np.int64)
+        return ((self.mask_bits[index >> 3] >> (7 - (index & 7)).astype(np.uint8)) & 1).astype(bool)
+
+    def labels(self, index: np.ndarray) -> np.ndarray:
+        """The labels at token positions `index`: the token id where trained on, else IGNORE_INDEX (int32)."""
+        return np.where(self.mask(index), self.ids[index].astype(np.int32), np.int32(IGNORE_INDEX))
 
 
-def tokenize(texts: list[str], renderer: Renderer, num_proc: int = 1):
-    """Render + mask + tokenize conversations (JSON texts) with `datasets.map` (batched, fast tokenizer,
-    `num_proc` workers); int32 token columns, the texts dropped from the result."""
-    from datasets import Dataset, Features, Sequence, Value
-
-    ds = Dataset.from_dict({"messages": texts})
-    token_list = Sequence(Value("int32"))
-    return ds.map(
-        _encode_batch,
-        batched=True,
-        batch_size=256,
-        num_proc=num_proc if num_proc > 1 and len(texts) > 1000 else None,
-        fn_kwargs={"renderer": renderer},
-        remove_columns=["messages"],
-        features=Features({"input_ids": token_list, "labels": token_list}),
-        keep_in_memory=True,
-        load_from_cache_file=False,
-        desc="data: render+tokenize",
-    )
+def id_dtype(vocab_size: int) -> Any:
+    """uint16 while every id fits, else uint32."""
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
 
-def _encode_batch(batch: dict, renderer: Renderer) -> dict:
-    input_ids, labels = renderer.encode([json.loads(m) for m in batch["messages"]])
-    for lab in labels:  # the first token of a sample is never predicted (and never from the previous sample)
-        if lab:
-            lab[0] = IGNORE_INDEX
-    return {"input_ids": input_ids, "labels": labels}
+def _encode_batch(texts: list[str], renderer: Renderer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(flat ids as int64, flat mask, lengths) of a batch of conversations (JSON texts)."""
+    input_ids, labels = renderer.encode([json.loads(t) for t in texts])
+    lengths = np.fromiter((len(x) for x in input_ids), dtype=np.int32, count=len(input_ids))
+    total = int(lengths.sum())
+    ids = np.fromiter((t for x in input_ids for t in x), dtype=np.int64, count=total)
+    flat_labels = np.fromiter((t for x in labels for t in x), dtype=np.int64, count=total)
+    mask = flat_labels != IGNORE_INDEX
+    starts = np.cumsum(lengths, dtype=np.int64) - lengths
+    mask[starts[lengths > 0]] = False  # never predict a sample's first token
+    return ids, mask, lengths
 
 
-def _running_count(flags: Any) -> Any:
-    """[0, flags[0], flags[0] + flags[1], ...]: int32 while it fits (half of int64's memory a token)."""
-    import numpy as np
+def _encoded(batches: Iterable[list[str]], renderer: Renderer, num_proc: int) -> Iterator[tuple]:
+    """Each batch encoded, in order: here, or by `num_proc` worker processes with 2 batches each in flight
+    (a pool's own map reads its whole input ahead; this holds only what is in flight)."""
+    if num_proc <= 1:
+        for texts in batches:
+            yield _encode_batch(texts, renderer)
+        return
+    from concurrent.futures import ProcessPoolExecutor
 
-    dtype = np.int32 if len(flags) < np.iinfo(np.int32).max else np.int64
-    out = np.zeros(len(flags) + 1, dtype=dtype)
-    np.cumsum(flags, dtype=dtype, out=out[1:])
-    return out
+    with ProcessPoolExecutor(num_proc) as pool:
+        pending: deque = deque()
+        for texts in batches:
+            pending.append(pool.submit(_encode_batch, texts, renderer))
+            if len(pending) >= 2 * num_proc:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
-def tokenize_splits(
-    train_convs: list[str], eval_convs: list[str], renderer: Renderer, train_on: str, num_proc: int
+def tokenize(
+    batches: Iterable[list[str]], num_train: int, renderer: Renderer, num_proc: int, scratch: Path
 ) -> Tokens:
-    """Both splits tokenized into one `Tokens`; raises when no sample has a label to learn."""
-    import numpy as np
-
-    encoded = tokenize(train_convs + eval_convs, renderer, num_proc)
-    ids_col = encoded.data.column("input_ids").combine_chunks()
-    labels_col = encoded.data.column("labels").combine_chunks()
-    offsets = ids_col.offsets.to_numpy().astype(np.int64)
-    labels_flat = labels_col.values.to_numpy()
+    """Render + mask + tokenize batches of conversations (JSON texts; the first `num_train` samples are the
+    training split) into compact `Tokens`; the ids pass through `scratch/ids.bin`."""
+    dtype = id_dtype(len(renderer.tokenizer))
+    limit = np.iinfo(dtype).max
+    path = scratch / "ids.bin"
+    lengths: list[np.ndarray] = []
+    trainable: list[np.ndarray] = []
+    bits: list[np.ndarray] = []
+    tail = np.zeros(0, dtype=bool)  # mask bits not yet a whole byte
+    with path.open("wb") as f:
+        for ids, mask, lens in _encoded(batches, renderer, num_proc):
+            if len(ids) and int(ids.max()) > limit:
+                raise DataError(
+                    f"token id {int(ids.max())} beyond the tokenizer's {len(renderer.tokenizer)} entries"
+                )
+            f.write(ids.astype(dtype).tobytes())
+            lengths.append(lens)
+            ends = np.cumsum(lens, dtype=np.int64)
+            counted = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+            trainable.append((counted[ends] - counted[ends - lens]).astype(np.int32))
+            joined = np.concatenate([tail, mask])
+            whole = len(joined) // 8 * 8
+            bits.append(np.packbits(joined[:whole]))
+            tail = joined[whole:]
+    bits.append(np.packbits(tail))
+    full_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
     tokens = Tokens(
-        ids=ids_col.values.to_numpy(),
-        labels=labels_flat,
-        starts=offsets[:-1],
-        full_lengths=np.diff(offsets),
-        trainable_cum=_running_count(labels_flat != IGNORE_INDEX),
-        num_train=len(train_convs),
+        ids=np.fromfile(path, dtype=dtype),
+        mask_bits=np.concatenate(bits),
+        starts=np.cumsum(full_lengths, dtype=np.int64) - full_lengths,
+        full_lengths=full_lengths,
+        trainable_full=np.concatenate(trainable) if trainable else np.zeros(0, np.int32),
+        num_train=num_train,
     )
-    if not tokens.trainable(tokens.full_lengths).any():
+    path.unlink()
+    return tokens
+
+
+def check_labels(tokens: Tokens, train_on: str) -> None:
+    """Raises when no sample has a label to learn."""
+    if not tokens.trainable_full.any():
         raise DataError(
             f"every sample has an empty label mask (data.train_on={train_on}, {len(tokens.full_lengths)} "
             "samples): training would see zero loss; check the chat template and the assistant turns"
         )
-    return tokens
