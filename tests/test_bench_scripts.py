@@ -175,7 +175,7 @@ def test_bench_dpo_overhead_quick_runs_both_sides_on_the_same_pairs(tmp_path: Pa
     """finetune's DPO step and the plain TRL DPOTrainer script train the same pairs: the first DPO loss is log 2
     on both (a fresh adapter: the policy is its reference), and the table gives the ratio."""
     out = tmp_path / "overhead.json"
-    proc = _script(str(SCRIPTS / "bench_dpo_overhead.py"), "--quick", "--json", str(out))
+    proc = _script(str(SCRIPTS / "bench_dpo_overhead.py"), "--quick", "--json", str(out), timeout=1500)
     assert "| training loop | **overhead** |" in proc.stdout
     result = json.loads(out.read_text())
     assert result["steps"] == 2
