@@ -4,6 +4,7 @@
     python scripts/bench_planner.py --only smollm2 # SmolLM2-135M-Instruct's shape alone
     python scripts/bench_planner.py --quick        # tiny model only (~2 min), used by the tests
     python scripts/bench_planner.py --only moe     # the tiny Qwen3-MoE, LoRA on attention and experts (~3 min)
+    python scripts/bench_planner.py --only dpo     # DPO: TRL's step per method, and whole runs' peak RSS vs plan
     python scripts/bench_planner.py --json out.json
 
 Every row runs what the trainer runs (finetune/train), on the CPU in bf16 (the
@@ -84,12 +85,25 @@ class Case:
     vocab_size: Optional[int] = None
     # the shape as a Qwen3-MoE of 4 fused experts (2 routed), LoRA on attention and experts, no dropout
     experts: bool = False
+    # sft: one packed row of `tokens`; dpo: TRL's DPO step, a chosen and a rejected row of up to `tokens` each
+    objective: str = "sft"
 
     @property
     def name(self) -> str:
-        parts = [self.method, "moe" if self.experts else "", "ckpt" if self.checkpointing else ""]
-        parts.append("chunked" if self.chunked_loss else "trl")
+        loss = "chunked" if self.chunked_loss else "trl"
+        parts = [self.method, "moe" if self.experts else "", "ckpt" if self.checkpointing else "", loss]
+        parts.append("dpo" if self.dpo else "")
         return " ".join(p for p in parts if p)
+
+    @property
+    def dpo(self) -> bool:
+        return self.objective == "dpo"
+
+    @property
+    def dropout(self) -> float:
+        """LoRA dropout: 0.05 (the method's default); none for DPO (TRL's disable_dropout, as the trainer sets)
+        and for expert LoRA (PEFT's target_parameters refuses dropout)."""
+        return 0.0 if self.dpo or self.experts else 0.05
 
     @property
     def adapter_dtype(self) -> str:
@@ -129,6 +143,9 @@ def cases(quick: bool) -> list[Case]:
     # the tiny model as a Qwen3-MoE (recipes/tiny_moe.yaml's shape), LoRA on attention and experts
     for ckpt in (False, True):
         out.append(Case("tiny", "lora", ckpt, True, tokens=256, chunk_size=64, experts=True))
+    # DPO (TRL's DPOTrainer step: the fused head on both rows, the reference forward under no_grad), one per method
+    for method in ("full", "lora", "qlora"):
+        out.append(Case("tiny", method, False, False, tokens=256, chunk_size=64, objective="dpo"))
     # SmolLM2-135M-Instruct whole (30 layers, its 49,152 vocabulary, tied embeddings): the real model the CPU
     # recipe fine-tunes (recipes/smollm2_135m_lora.yaml), each method once on the default loss path.
     for method in ("full", "lora", "qlora"):
@@ -234,9 +251,16 @@ def optimizer_state_tensors(opt: Any) -> list[Any]:
     return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
-def build_model(m: Any, case: Case, dropout: float = 0.05) -> Any:
+# The per-token fields TRL's fused head computes: SFTTrainer's, DPOTrainer's policy, DPOTrainer's reference copy.
+SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")
+DPO_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
+REFERENCE_OUTPUTS = ("log_probs",)
+
+
+def build_model(m: Any, case: Case, outputs: Optional[tuple[str, ...]] = None) -> Any:
     """A random-init LlamaForCausalLM of `m`'s dimensions prepared as finetune/train prepares `case.method`, its
     loss path patched in, and bf16 autocast around its forward (accelerate's mixed precision)."""
+    dropout = case.dropout
     import torch
     from measure_activations import _init_, _to_qlora
     from transformers import AutoModelForCausalLM
@@ -262,7 +286,8 @@ def build_model(m: Any, case: Case, dropout: float = 0.05) -> Any:
     if not case.chunked_loss:
         from trl.trainer.utils import add_fused_lm_head
 
-        add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))  # as SFTTrainer, before PEFT
+        # as SFTTrainer / DPOTrainer, on the base model (before PEFT)
+        add_fused_lm_head(model, outputs=outputs or (DPO_OUTPUTS if case.dpo else SFT_OUTPUTS))
     if case.method == "full":
         model = model.float()  # finetune/modeling/models.py: fp32 weights, bf16 autocast in the trainer
         model.requires_grad_(True)
@@ -322,6 +347,58 @@ def loss_step(model: Any, ids: Any, labels: Any, case: Case, position_ids: Any =
     return -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
 
 
+def preference_batch(vocab: int, tokens: int) -> dict[str, Any]:
+    """One pair as TRL's DataCollatorForPreference batches it: [chosen, rejected] rows sharing a prompt (the first
+    quarter), the rejected answer shorter and right-padded, so the attention mask is not all ones."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    prompt, short = tokens // 4, tokens - tokens // 8
+    ids = torch.randint(1, vocab, (2, tokens), generator=g)
+    ids[1, :prompt] = ids[0, :prompt]
+    attention = torch.ones(2, tokens, dtype=torch.long)
+    attention[1, short:] = 0
+    ids[1, short:] = 0
+    completion = attention.clone()
+    completion[:, :prompt] = 0
+    return dict(input_ids=ids, attention_mask=attention, completion_mask=completion)
+
+
+def dpo_step(model: Any, reference: Any, batch: dict[str, Any], policy_hidden: Any = None) -> Any:
+    """TRL's DPOTrainer._compute_loss (sigmoid loss, beta 0.1): the policy's fused-head log-probs of both rows,
+    then the reference's under no_grad (a PEFT model with its adapter disabled, or the frozen copy).
+
+    `policy_hidden`: start from the policy's final hidden states (the loss term alone), the head applied to them
+    as the fused forward applies it; the reference forward still runs whole (the plan counts it in that term).
+    """
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    kwargs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    if policy_hidden is None:
+        logps = model(**kwargs, labels=labels, fused_lm_head=True).log_probs.sum(dim=1)
+    else:
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+        head = _decoder_layers(model)[2]
+        h = policy_hidden[:, :-1].reshape(-1, policy_hidden.shape[-1])  # the CPU path scores every position
+        target = labels[:, 1:]
+        out = ChunkedLogProbFunction.apply(
+            h, head.weight, None, target.clamp(min=0).reshape(-1), 1.0, 32768, None, 1.0, DPO_OUTPUTS
+        )
+        logps = out[0].view(target.shape).masked_fill(target == -100, 0).sum(dim=1)
+    disabled = (
+        reference.disable_adapter() if hasattr(reference, "disable_adapter") else contextlib.nullcontext()
+    )
+    with torch.no_grad(), disabled:
+        ref = reference(**kwargs, labels=labels, fused_lm_head=True).log_probs.sum(dim=1)
+    chosen, rejected = (logps - ref).chunk(2)
+    return -F.logsigmoid(0.1 * (chosen - rejected)).mean()
+
+
 def loss_alone(hidden: Any, head: Any, labels: Any, case: Case) -> Any:
     """The loss from the final hidden states, as each path runs it inside the autocast forward."""
     import torch
@@ -349,12 +426,18 @@ def measure(case: Case) -> dict[str, Any]:
     torch.manual_seed(0)
     t0 = time.time()
     model = build_model(m, case)
+    # DPO's reference: with adapters the same model, its adapter disabled; with full fine-tuning a frozen copy in
+    # the policy's dtype (TRL's create_model_from_path with dtype=model.dtype), its fused head scoring log-probs only
+    reference = model
+    if case.dpo and case.method == "full":
+        reference = build_model(m, case, outputs=REFERENCE_OUTPUTS).requires_grad_(False)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, foreach=False)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, m.vocab_size, (1, case.tokens), generator=g)
     labels = ids.clone()
     position_ids = packed_position_ids(case.tokens)
+    batch = preference_batch(m.vocab_size, case.tokens)
 
     # Zero gradients and one optimizer step on them create the held state of a step in progress (gradients kept,
     # as under gradient accumulation; Adam moments) without a second, unmeasured backward: bf16 backward matmuls
@@ -364,30 +447,48 @@ def measure(case: Case) -> dict[str, Any]:
     opt.step()
     opt.zero_grad(set_to_none=False)
 
-    params = list(model.parameters())
+    params = list(model.parameters()) + (list(reference.parameters()) if reference is not model else [])
     frozen = [p for p in params if not p.requires_grad] + quant_state_tensors(model)
     grads = [p.grad for p in trainable if p.grad is not None]
     state = optimizer_state_tensors(opt)
+    # full fine-tuning: the stored weights, and DPO's frozen reference copy
     weights = storage_bytes(frozen if case.method != "full" else params + quant_state_tensors(model))
     trainable_state = storage_bytes((trainable if case.method != "full" else []) + grads + state)
-    held = storage_bytes(params + quant_state_tensors(model) + grads + state + list(model.buffers()))
+    buffers = list(model.buffers()) + (list(reference.buffers()) if reference is not model else [])
+    held = storage_bytes(params + quant_state_tensors(model) + grads + state + buffers)
 
     # step 2, measured: saved tensors from the first decoder layer to the final norm, live bytes throughout
     layers, backbone, head = _decoder_layers(model)
     exclude = params + quant_state_tensors(model)
     saved = SavedBytes(exclude)
     final: dict[str, Any] = {}
+    calls = {"backbone": 0, "norm": 0}
+
+    # the policy's forward only (DPO's reference forward reruns the same backbone under no_grad: it saves nothing)
+    def first(name: str) -> bool:
+        calls[name] += 1
+        return calls[name] == 1
+
     hooks = [
-        backbone.register_forward_pre_hook(lambda mod, args: (saved.__enter__(), None)[1]),
+        backbone.register_forward_pre_hook(
+            lambda mod, args: (first("backbone") and saved.__enter__(), None)[1]
+        ),
         backbone.norm.register_forward_hook(
-            lambda mod, args, out: (saved.__exit__(None, None, None), final.update(hidden=out))[1]
+            lambda mod, args, out: (
+                first("norm") and (saved.__exit__(None, None, None), final.update(hidden=out)),
+                None,
+            )[1]
         ),
         layers[0].register_forward_pre_hook(
-            lambda mod, args, kwargs: final.update(mask=kwargs.get("attention_mask")), with_kwargs=True
+            lambda mod, args, kwargs: (final.setdefault("mask", kwargs.get("attention_mask")), None)[1],
+            with_kwargs=True,
         ),
     ]
     with LiveBytes() as live:
-        loss = loss_step(model, ids, labels, case, position_ids)
+        if case.dpo:
+            loss = dpo_step(model, reference, batch)
+        else:
+            loss = loss_step(model, ids, labels, case, position_ids)
         loss.backward()
     for h in hooks:
         h.remove()
@@ -402,7 +503,10 @@ def measure(case: Case) -> dict[str, Any]:
     # the loss alone: from the final hidden states, forward and backward, under autocast as in the model's forward
     h = final.pop("hidden").detach().requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16), LiveBytes() as loss_live:
-        loss = loss_alone(h, head, labels, case)
+        if case.dpo:  # the policy's head on both rows, the whole reference forward, the DPO loss
+            loss = dpo_step(model, reference, batch, policy_hidden=h)
+        else:
+            loss = loss_alone(h, head, labels, case)
         loss.backward()
     # TRL's function keeps the hidden states for its backward: a view of its input on the CPU (counted here), a
     # masked copy on CUDA
@@ -419,6 +523,7 @@ def measure(case: Case) -> dict[str, Any]:
     )
     return dict(
         case=case.name,
+        objective=case.objective,
         shape=case.shape,
         method=case.method,
         checkpointing=case.checkpointing,
@@ -470,28 +575,89 @@ def planned(case: Case) -> dict[str, float]:
     """The planner's terms (bytes) for the case's exact shape, strategy and tokens, on the CPU in bf16; the total
     is the four terms and the working set above the loss peak (the overhead's fixed and allocator shares left out)."""
     from finetune.core.config import HardwareConfig, MethodConfig, TrainConfig
+    from finetune.core.objectives import OBJECTIVES
     from finetune.planner import Strategy, make_job, memory, tensors_gb
+    from finetune.planner.memory import runtime
 
     m = model_config(case)
     method = MethodConfig(
         name=case.method,
         precision="bf16",
-        lora_dropout=0.0 if case.experts else 0.05,
+        lora_dropout=case.dropout,
         adapter_dtype=case.adapter_dtype,
         lora_experts=case.experts,
     )
     hw = HardwareConfig(name="bench", device="cpu", gpu_memory_gb=1e6)
     train = TrainConfig(seq_len=case.tokens, loss_chunk_size=case.chunk_size)
-    job = make_job(m, method, hw, train, case.tokens)
+    job = make_job(m, method, hw, train, case.tokens, objective=OBJECTIVES[case.objective])
     s = Strategy(
         activation_checkpointing=case.checkpointing, chunked_loss=case.chunked_loss, micro_batch_size=1
     )
-    mem, _ = memory(job, s)
+    # this script counts allocated bytes (LiveBytes), not the resident pages a run's peak RSS counts
+    rt = replace(runtime(job, s), resident=False)
+    mem, _ = memory(job, s, rt)
     terms = {t: getattr(mem, t) * GB for t in TERMS}
-    terms["total"] = tensors_gb(job, s) * GB
+    terms["total"] = tensors_gb(job, s, rt) * GB
     terms["working_set"] = terms["total"] - sum(terms[t] for t in TERMS)
     terms["overhead"] = mem.overhead * GB
     return terms
+
+
+# ---------------------------------------------------------------- whole DPO runs: the peak RSS against the plan
+
+RUN_METHODS = ("full", "lora", "qlora")
+
+
+def dpo_run(method: str, root: Path, steps: int = 4) -> dict[str, Any]:
+    """`python -m finetune +recipe=tiny_dpo method=METHOD` (mode=data, then mode=train) for a few steps, as a user
+    runs it on the CPU (fp32, the recipe's 32 pairs a micro-batch): metrics.json's peak (the training process's
+    VmHWM, finetune/rundir/machine.py) against the plan's total, fixed share and allocator share included."""
+    import os
+    import subprocess
+
+    run_dir = root / f"dpo-{method}"
+    args = [
+        "+recipe=tiny_dpo", f"method={method}", f"run_dir={run_dir}", f"data.cache_dir={root / 'data-cache'}",
+        f"train.max_steps={steps}", "train.save_steps=1000", "train.eval_steps=1000", "train.report_to=[]",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0 = time.time()
+    for mode in ("data", "train"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "finetune", f"mode={mode}", *args],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            raise RuntimeError(f"dpo {method} mode={mode} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    train = json.loads((run_dir / "metrics.json").read_text())["train"]
+    plan = json.loads((run_dir / "plan.json").read_text())
+    return dict(
+        method=method,
+        precision=train["precision"],
+        micro_batch_size=plan["strategy"]["micro_batch_size"],
+        seq_len=plan["seq_len"],
+        planned_gb=plan["gpu_memory_gb"],
+        measured_gb=train["peak_memory_gb"],
+        seconds=round(time.time() - t0, 1),
+    )
+
+
+def run_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| method | precision | pairs a micro-batch | seq_len | planned: tensors + fixed + allocator | planned total"
+        " | measured peak RSS | error |",
+        "|---|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        g = r["planned_gb"]
+        tensors = g["weights"] + g["trainable_state"] + g["activations"] + g["logits"]
+        e = error(r["measured_gb"], g["total"])
+        lines.append(
+            f"| {r['method']} | {r['precision']} | {r['micro_batch_size']} | {r['seq_len']} | "
+            f"{tensors:.3f} + {g['overhead']:.3f} | {g['total']:.3f} GB | {r['measured_gb']:.3f} GB | "
+            f"{'-' if e is None else f'{e:+.1%}'} |"
+        )
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- report
@@ -587,12 +753,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--json", type=Path, help="also write every measurement here")
     parser.add_argument("--only", help="run only cases whose shape or name contains this")
     parser.add_argument(
+        "--runs", action="store_true", help="also the whole DPO runs (peak RSS against the plan; minutes)"
+    )
+    parser.add_argument(
         "--report", type=Path, help="print the report of an earlier --json run, measuring nothing"
     )
     args = parser.parse_args(argv)
     if args.report:
         saved = json.loads(args.report.read_text())
         report(saved["environment"], saved["rows"])
+        if saved.get("dpo_runs"):
+            print("\n" + run_table(saved["dpo_runs"]))
         return 0
 
     import torch
@@ -611,12 +782,25 @@ def main(argv: Optional[list[str]] = None) -> int:
             flush=True,
         )
     report(environment(), rows)
+    runs: list[dict[str, Any]] = []
+    if args.runs or (not args.quick and (not args.only or "dpo" in args.only)):
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="bench-planner-dpo-") as tmp:
+            for method in RUN_METHODS:
+                runs.append(dpo_run(method, Path(tmp)))
+                print(f"  dpo run {method}: {runs[-1]['seconds']}s", file=sys.stderr, flush=True)
+        print(
+            "\nDPO runs (python -m finetune +recipe=tiny_dpo, 4 steps, one process): the plan's total against"
+        )
+        print("metrics.json's peak (the training process's VmHWM)\n")
+        print(run_table(runs))
     trl_tile = None
     if not args.quick and not args.only:
         trl_tile = measure_trl_tile()
         print(f"\nTRL's tile folding on the CPU, beyond the tile and the accumulators: {trl_tile} fp32 tiles")
     if args.json:
-        payload = dict(environment=environment(), rows=rows, trl_tile_fp32_copies=trl_tile)
+        payload = dict(environment=environment(), rows=rows, dpo_runs=runs, trl_tile_fp32_copies=trl_tile)
         args.json.write_text(json.dumps(payload, indent=1, default=str))
     return 0
 

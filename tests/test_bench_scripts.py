@@ -168,3 +168,18 @@ def test_bench_library_parts_measures_each_kept_part(tmp_path: Path):
     assert "| reduce_bucket_size | 500,000,000 | 67,108,864 | 67,108,864 |" in out
     assert "| transformers get_last_checkpoint | checkpoint-2 (truncated) |" in out
     assert "| finetune checkpoints.last_complete (manifest sizes + SHA-256) | checkpoint-1 |" in out
+
+
+@pytest.mark.extended  # two processes' start-up and data stage: ~1.5 min on 2 idle cores
+def test_bench_dpo_overhead_quick_runs_both_sides_on_the_same_pairs(tmp_path: Path):
+    """finetune's DPO step and the plain TRL DPOTrainer script train the same pairs: the first DPO loss is log 2
+    on both (a fresh adapter: the policy is its reference), and the table gives the ratio."""
+    out = tmp_path / "overhead.json"
+    proc = _script(str(SCRIPTS / "bench_dpo_overhead.py"), "--quick", "--json", str(out), timeout=1500)
+    assert "| training loop | **overhead** |" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["steps"] == 2
+    for side in ("finetune", "plain"):
+        (run,) = result[side]
+        assert run["first_loss"] == pytest.approx(0.6931, abs=1e-3)
+        assert run["loop"] > 0 and run["whole"] >= run["loop"]

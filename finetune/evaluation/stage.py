@@ -45,9 +45,10 @@ from finetune.modeling.models import (
     VARIANTS,
     attach_adapter,
     available_variants,
+    base_source,
+    initial_output,
     load_tokenizer,
     load_variant,
-    model_source,
     trained_dir,
 )
 
@@ -162,7 +163,11 @@ class _Models:
 
 def _models(cfg: Config, run_dir: Path, present: Sequence[str]) -> _Models:
     trained = outputs.identity_of(trained_dir(cfg, run_dir)) if "trained" in present else None
-    records: dict[str, dict] = {"base": {"model": cfg.model.name, "source": model_source(cfg.model)}}
+    start_adapter = initial_output(cfg)[0]
+    base = {"model": cfg.model.name, "source": base_source(cfg)}
+    if start_adapter is not None:  # the base scored is init_from's adapter on the base (models.load_start)
+        base["adapter"] = str(start_adapter.resolve())
+    records: dict[str, dict] = {"base": base}
     if trained is not None:
         records["trained"] = trained.to_dict()
     skipped = {}
@@ -194,7 +199,7 @@ def _key(variant: str, record: Any) -> Any:
     if not isinstance(record, dict):
         return None
     if variant == "base":
-        return record.get("source")
+        return (record.get("source"), record.get("adapter"))
     if variant == "trained":
         return record.get("sha256")
     return (record.get("made_from") or {}).get("sha256")
@@ -293,12 +298,15 @@ def _evaluate_variants(
     result: dict[str, Any] = {}
     model = None
     pairs = preference.applies(eval_dataset)
-    # Preference pairs: every model is scored against the base's log-probabilities (the reference).
+    started_on_adapter = initial_output(cfg)[0] is not None
+    # Preference pairs: every model is scored against the base's log-probabilities (the reference): the model
+    # training started from (`load_start`), so under init_from the SFT'd model, as DPO's own reference was.
     reference = (
         None if not pairs or "base" in todo else _base_log_probs(cfg, run_dir, eval_dataset, tokenizer)
     )
     for v in todo:
-        reuse = v == "trained" and cfg.method.uses_adapters and model is not None
+        # the trained adapter goes onto the base just scored, unless that base wore init_from's adapter
+        reuse = v == "trained" and cfg.method.uses_adapters and model is not None and not started_on_adapter
         model = attach_adapter(model, trained_dir(cfg, run_dir)) if reuse else None
         if model is None:
             gc.collect()
@@ -309,7 +317,7 @@ def _evaluate_variants(
             mine = preference.log_probs(model, eval_dataset, tokenizer.pad_token_id)
             reference = reference if reference is not None else mine
             result[v].update(preference.scores(mine, reference, cfg.dpo.beta))
-        if not (v == "base" and "trained" in todo and cfg.method.uses_adapters):
+        if not (v == "base" and "trained" in todo and cfg.method.uses_adapters and not started_on_adapter):
             model = None  # keep the base only to put the adapter on it next
 
     model = None

@@ -594,9 +594,25 @@ def device_map(cfg: Config) -> Optional[Any]:
     return None
 
 
+def base_source(cfg: Config) -> str:
+    """Where the weights under the adapters come from: the model's source, or under `init_from` that run's
+    fully trained model or merged export (training loaded it instead of the base)."""
+    return initial_output(cfg)[1] or model_source(cfg.model)
+
+
+def load_start(cfg: Config, dtype: torch.dtype, devices: Optional[Any] = None) -> Any:
+    """The model training started from, which the evaluation scores as `base`: the base, or under
+    `init_from=RUN_DIR` that run's output (its adapter on the base, or its model / merged export), so the report
+    says whether this run helped over its starting point (SFT, then DPO)."""
+    base = load_base(cfg, dtype, quantized=cfg.method.spec.quantized_base, devices=devices)
+    start_adapter = initial_output(cfg)[0]
+    return attach_adapter(base, start_adapter) if start_adapter is not None else base
+
+
 def load_base(cfg: Config, dtype: torch.dtype, quantized: bool = False, devices: Optional[Any] = None) -> Any:
-    """The base model in `dtype`; `quantized`: NF4 4-bit with `dtype` as compute dtype (QLoRA's base)."""
-    source = model_source(cfg.model)
+    """The weights under the adapters in `dtype` (`base_source`); `quantized`: NF4 4-bit with `dtype` as compute
+    dtype (QLoRA's base)."""
+    source = base_source(cfg)
     if not quantized:
         return load_pretrained(cfg.model, source, dtype=dtype, device_map=devices)
     model = load_pretrained(
@@ -651,7 +667,7 @@ def load_variant(cfg: Config, run_dir: Path, variant: str, base: Optional[Any] =
     """One of base / trained / merged, ready for `eval()`. `base`: reuse a loaded base for `trained`."""
     dtype, devices = eval_dtype(cfg), device_map(cfg)
     if variant == "base":
-        return load_base(cfg, dtype, quantized=cfg.method.spec.quantized_base, devices=devices)
+        return load_start(cfg, dtype, devices=devices)
     if variant == "trained":
         path = trained_dir(cfg, run_dir)
         if cfg.method.uses_adapters:

@@ -62,6 +62,8 @@ from finetune.planner.params import ParamCounts, count_params, lora_params, proj
 # TRL's fused LM head (trl/kernels/chunked_logprob.py): tiles of this many tokens x vocabulary entries.
 TRL_TILE_TOKENS = 4096
 TRL_TILE_VOCAB = 32768
+# Bytes of a memory page on the CPU (x86-64 and most arm64 Linux kernels): what the resident set grows by.
+CPU_PAGE_BYTES = 4096
 # ZeRO-3's optimizer sub-group (our DeepSpeed JSON's sub_group_size): one fp32 gradient buffer of this size.
 ZERO3_SUB_GROUP = 1_000_000_000
 
@@ -177,7 +179,7 @@ def reference_forward_peak(job: Job, s: Strategy, rt: Runtime) -> float:
     m = job.model
     one_layer = _layer(job, rt, checkpointing=False) * tokens
     hidden = 2 * rt.compute * tokens * m.hidden_size
-    tile = rt.compute * min(tokens, TRL_TILE_TOKENS) * TRL_TILE_VOCAB + 24 * tokens
+    tile = trl_tile_buffer(job, rt, tokens) + 24 * tokens
     gathered = (
         2 * rt.compute * _one_layer_params(job.counts) if reference_copy(job, s) and rt.engine.shards else 0
     )
@@ -197,6 +199,10 @@ class Runtime:
     adapter_compute: int  # adapters as they multiply (the gathered dtype under FSDP2 / ZeRO-3)
     fp32_residual: bool  # full fine-tuning's fp32 weights under autocast: the residual stream stays fp32
     packed: bool = True  # rows carry position_ids: transformers builds a block-diagonal mask for SDPA
+    # What the plan's total is measured by: on the CPU the process's resident set, which holds only the pages a
+    # tensor has written (TRL's tile buffer, wider than a small vocabulary, is mostly never touched); on CUDA the
+    # allocator's bytes. A measurement of allocated bytes on the CPU (scripts/bench_planner.py) sets it False.
+    resident: bool = False
 
 
 def runtime(job: Job, s: Strategy) -> Runtime:
@@ -221,6 +227,7 @@ def runtime(job: Job, s: Strategy) -> Runtime:
         engine, job.hw.device, compute, autocast, full_weights, stored, adapter_compute, fp32_residual,
         # a split drops the attention mask (Ulysses: causality from position_ids; ring: no packed rows)
         packed=s.split is None,
+        resident=job.hw.device == "cpu",
     )  # fmt: skip
 
 
@@ -498,6 +505,19 @@ def _head_dtype(job: Job, rt: Runtime) -> int:
     return rt.compute
 
 
+def trl_tile_buffer(job: Job, rt: Runtime, tokens: int) -> float:
+    """Bytes of TRL's tile buffer (`mm_buf` in trl/kernels/chunked_logprob.py), one in the forward and one in the
+    backward: [min(tokens, 4096), 32768] in the compute dtype, whatever the vocabulary. A vocabulary narrower than
+    32,768 writes only the first `vocab` values of each row, so on the CPU (a fresh mmap'd allocation) each row
+    makes resident only the pages those values span: 4,096 rows of the tiny model's 512 fp32 logits hold 17 MB
+    of the 537 MB allocated. CUDA's allocator counts every byte."""
+    m, c = job.model, rt.compute
+    rows = min(tokens, TRL_TILE_TOKENS)
+    if not rt.resident or m.vocab_size >= TRL_TILE_VOCAB:
+        return float(c * rows * TRL_TILE_VOCAB)
+    return float(rows * math.ceil(c * m.vocab_size / CPU_PAGE_BYTES) * CPU_PAGE_BYTES)
+
+
 def loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
     """Peak bytes of the loss (the contract's `logits` term), on top of the saved activations.
 
@@ -542,8 +562,7 @@ def loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
         if c == 2:  # no fp32-output matmul on the CPU: the head's chunk (and a trained head's rows) go fp32
             cpu_tiles += 4 * tile_vocab * h + (4 * tile_tokens * h if trainable else 0)
     tile_casts = (c * tile_tokens * h if hidden != c else 0) + (c * tile_vocab * h if head != c else 0)
-    buffer = c * tile_tokens * TRL_TILE_VOCAB  # the tile buffer is 32,768 wide whatever the vocabulary
-    forward = buffer + tile_casts + cpu_tiles
+    forward = trl_tile_buffer(job, rt, tokens) + tile_casts + cpu_tiles
     grads = 4 * tokens * h + (4 * vocab * h if trainable else 0)  # fp32 accumulators
     backward = grads + forward
     end = (

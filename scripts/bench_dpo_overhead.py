@@ -1,0 +1,184 @@
+"""Framework overhead per DPO step: finetune's worker against a plain TRL DPOTrainer script, same work.
+
+    python scripts/bench_dpo_overhead.py                 # 3 interleaved pairs of 20 steps each
+    python scripts/bench_dpo_overhead.py --pairs 5 --steps 40
+    python scripts/bench_dpo_overhead.py --quick         # 1 pair of 2 steps: that both sides run (the tests)
+
+Both sides train the tiny_dpo recipe (LoRA r32 on the tiny model, fp32 on the CPU, 32 pairs a micro-batch,
+TRL's sigmoid loss, beta 0.1, the base with the adapter disabled as the reference) on the same tokenized pairs
+the data stage wrote, with the same model, LoRA config, batch, learning rate, schedule, optimizer and thread
+count; each runs in its own process, alternating (finetune, plain, finetune, plain, ...) so machine noise hits
+both alike. The plain script is what a user writes with TRL + PEFT; its one departure from TRL's defaults is
+skipping TRL's tokenization (`_prepare_dataset`), since the pairs arrive tokenized, as they do for finetune.
+Neither evaluates nor saves inside the measured loop.
+
+Two figures a run: the loop (the first step's start to the last step's end, over the steps: finetune's
+`loop_seconds` in metrics.json, the plain script's own callback), the per-step overhead; and the whole
+`train()` call over the steps (set-up and the end-of-run evaluation and checkpoint included). Prints medians
+and the overhead ratio. Target (issue 22): within 3% per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "+recipe=tiny_dpo"
+
+# The baseline a user would write by hand with TRL + PEFT: no finetune code in the loop (the run directory's
+# config, tokenizer and prepared pairs are read with finetune's helpers, outside it).
+PLAIN = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+    from finetune.rundir import load_config
+    from finetune.modeling.tiny import load_model, load_tokenizer
+    from finetune.data.stage import load_prepared
+
+    run_dir, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    torch.set_num_threads(1)
+    cfg = load_config(run_dir)
+    plan = json.load(open(f"{run_dir}/plan.json"))["strategy"]
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_model(cfg.model, torch.float32)
+    m = cfg.method
+    model = get_peft_model(model, LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
+                                              target_modules=list(m.target_modules), task_type="CAUSAL_LM"))
+    train, held_out = load_prepared(run_dir)
+
+    class Pretokenized(DPOTrainer):  # the pairs are tokenized already (prompt_ids, chosen_ids, rejected_ids)
+        def _prepare_dataset(self, dataset, *args, **kwargs):
+            return dataset
+
+    class Loop(TrainerCallback):  # first step's start to last step's end
+        def on_train_begin(self, *a, **k): self.start = time.perf_counter()
+        def on_step_end(self, *a, **k): self.seconds = time.perf_counter() - self.start
+
+    d = cfg.dpo
+    args = DPOConfig(output_dir=f"{run_dir}/plain", per_device_train_batch_size=plan["micro_batch_size"],
+                     gradient_accumulation_steps=plan["grad_accum_steps"], learning_rate=m.learning_rate,
+                     lr_scheduler_type=cfg.train.lr_scheduler, warmup_steps=cfg.train.warmup_ratio,
+                     max_steps=steps, logging_steps=cfg.train.logging_steps, save_strategy="steps", save_steps=10**6,
+                     eval_strategy="steps", eval_steps=10**6, per_device_eval_batch_size=plan["micro_batch_size"],
+                     weight_decay=m.weight_decay, max_grad_norm=cfg.train.max_grad_norm,
+                     report_to=[], use_cpu=True, seed=cfg.train.seed, optim="adamw_torch", remove_unused_columns=False,
+                     bf16=False, train_sampling_strategy="sequential", logging_first_step=True, disable_tqdm=True,
+                     beta=d.beta, loss_type=[d.loss_type], label_smoothing=d.label_smoothing, max_length=None,
+                     padding_free=False, disable_dropout=True, precompute_ref_log_probs=False)
+    loop = Loop()
+    trainer = Pretokenized(model=model, args=args, train_dataset=train, eval_dataset=held_out,
+                           processing_class=tokenizer, callbacks=[loop],
+                           data_collator=DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id))
+    result = trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    json.dump({"steps": result.global_step, "seconds": result.metrics["train_runtime"], "loop_seconds": loop.seconds,
+               "first_loss": losses[0]}, open(out, "w"))
+    """
+)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _run(argv: list[str]) -> None:
+    r = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"{' '.join(argv[:4])} ... exited with {r.returncode}:\n{r.stderr[-3000:]}")
+
+
+def finetune_run(run_dir: Path, steps: int) -> dict[str, float]:
+    """Seconds per step (loop, whole train()) and the first logged loss of one `python -m finetune mode=train`."""
+    _run([sys.executable, "-m", "finetune", RECIPE, f"run_dir={run_dir}", "mode=train", "resume=false",
+          f"train.max_steps={steps}", "train.save_steps=1000000", "train.eval_steps=1000000"])  # fmt: skip
+    train = json.loads((run_dir / "metrics.json").read_text())["train"]
+    history = json.loads((run_dir / "checkpoints" / f"checkpoint-{steps}" / "trainer_state.json").read_text())
+    first = next(h["loss"] for h in history["log_history"] if "loss" in h)
+    return dict(
+        loop=train["loop_seconds"] / train["steps"],
+        whole=train["train_seconds"] / train["steps"],
+        first_loss=first,
+    )
+
+
+def plain_run(run_dir: Path, steps: int, script: Path) -> dict[str, float]:
+    """The same figures for one run of the plain script."""
+    out = run_dir / "plain.json"
+    _run([sys.executable, str(script), str(run_dir), str(steps), str(out)])
+    r = json.loads(out.read_text())
+    return dict(
+        loop=r["loop_seconds"] / r["steps"], whole=r["seconds"] / r["steps"], first_loss=r["first_loss"]
+    )
+
+
+def table(ours: list[dict[str, float]], plain: list[dict[str, float]]) -> str:
+    lines = ["| figure | runner | median ms/step | min ms/step |", "|---|---|---:|---:|"]
+    for key, figure in (
+        ("loop", "training loop"),
+        ("whole", "whole train() (set-up, end-of-run eval and save)"),
+    ):
+        a = statistics.median(r[key] for r in ours)
+        b = statistics.median(r[key] for r in plain)
+        lines.append(f"| {figure} | finetune | {a * 1e3:.1f} | {min(r[key] for r in ours) * 1e3:.1f} |")
+        lines.append(
+            f"| {figure} | plain TRL + PEFT | {b * 1e3:.1f} | {min(r[key] for r in plain) * 1e3:.1f} |"
+        )
+        ratios = sorted((o[key] - p[key]) / p[key] for o, p in zip(ours, plain))
+        lines.append(
+            f"| {figure} | **overhead** | {100 * (a - b) / b:+.1f}% | pairs: "
+            + ", ".join(f"{100 * r:+.1f}%" for r in ratios)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="1 pair of 2 steps")
+    parser.add_argument("--json", type=Path, help="also write every run's figures here")
+    args = parser.parse_args(argv)
+    pairs, steps = (1, 2) if args.quick else (args.pairs, args.steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        script = Path(tmp) / "plain_trl_dpo.py"
+        script.write_text(PLAIN)
+        for mode in ("data", "plan"):
+            subprocess.run(
+                [sys.executable, "-m", "finetune", RECIPE, f"run_dir={run_dir}", f"mode={mode}"],
+                cwd=ROOT, env=_env(), check=True, capture_output=True,
+            )  # fmt: skip
+        ours, plain = [], []
+        for i in range(pairs):
+            ours.append(finetune_run(run_dir, steps))
+            plain.append(plain_run(run_dir, steps, script))
+            print(
+                f"pair {i + 1}: loop ms/step finetune {ours[-1]['loop'] * 1e3:.1f}, "
+                f"plain {plain[-1]['loop'] * 1e3:.1f}; first loss finetune {ours[-1]['first_loss']:.4f}, "
+                f"plain {plain[-1]['first_loss']:.4f}",
+                flush=True,
+            )
+    print(f"\n{steps} DPO steps a run ({RECIPE}), {pairs} interleaved pair(s)\n")
+    print(table(ours, plain))
+    if args.json:
+        args.json.write_text(json.dumps(dict(steps=steps, finetune=ours, plain=plain), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
