@@ -80,8 +80,9 @@ def evaluate(
     try:
         loss = heldout_loss(model, eval_dataset, tokenizer.pad_token_id, batch_size)
         result: dict[str, Any] = {} if loss is None else {"loss": loss}
-        if "messages" in eval_dataset.column_names and len(eval_dataset):
-            n = len(eval_dataset) if max_generate is None else min(max_generate, len(eval_dataset))
+        n = len(eval_dataset) if max_generate is None else min(max_generate, len(eval_dataset))
+        # eval.num_samples=0: the loss alone, no answers generated
+        if "messages" in eval_dataset.column_names and n:
             pairs = [split_prompt(json.loads(eval_dataset[i]["messages"])) for i in range(n)]
             prompts = [p for p, _ in pairs]
             references = [r for _, r in pairs]

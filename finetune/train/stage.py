@@ -417,6 +417,8 @@ def _train_metrics(
         "final_loss": _final_loss(state.log_history),
         "tokens_per_second": round(monitor.tokens_per_second, 2),
         "peak_memory_gb": round(monitor.measured_gb(), 4),
+        # what is held against the plan: on the CPU the peak less the RSS before the data and model loaded
+        "compared_memory_gb": round(monitor.compared_gb(), 4),
         "planned_memory_gb": round(plan.gpu_memory.total, 4),
         "peak_memory_source": "cuda_max_allocated" if cfg.hardware.device == "cuda" else "process_peak_rss",
         "memory_over_plan": monitor.warned,
