@@ -218,7 +218,7 @@ def test_launch_sh_starts_the_server_waits_traps_and_trains_on_the_other_gpus(tm
     python = tmp_path / "bin" / "python"
     # the plan's split: 4 data-parallel replicas serve, 4 ranks train 64 completions a step (4 x 4 x 4)
     assert lines[1].endswith(
-        "micro-batch 4 x accumulation 4 x 4 rank(s) = 64 sequences a step; "
+        "micro-batch 4 x accumulation 4 x 4 data-parallel rank(s) = 64 sequences a step; "
         "offload to CPU: none; activation checkpointing: off"
     )
     expected = [
