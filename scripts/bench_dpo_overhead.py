@@ -55,7 +55,7 @@ PLAIN = textwrap.dedent(
     model = load_model(cfg.model, torch.float32)
     m = cfg.method
     model = get_peft_model(model, LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
-                                              target_modules=list(m.target_modules), task_type="CAUSAL_LM"))
+                                              target_modules=m.targets(cfg.model.architecture), task_type="CAUSAL_LM"))
     train, held_out = load_prepared(run_dir)
 
     class Pretokenized(DPOTrainer):  # the pairs are tokenized already (prompt_ids, chosen_ids, rejected_ids)
