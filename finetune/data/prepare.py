@@ -21,6 +21,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -58,33 +59,81 @@ def conversations(
     t0 = time.perf_counter()
     tally = samples.Tally()
     loaded = sources.Loaded()
-    renderer = Renderer(tokenizer, dc.train_on)
-    control = ControlTokens(special_tokens(tokenizer) | template_markers(renderer.template_texts()))
-    hard = limits.hard_limit(cfg)
-    char_limit = limits.max_chars(tokenizer, hard)
+    text = _TextLimits.of(cfg, tokenizer, dc.train_on)
+    with _streamed(inp, loaded, dc, text, path, tally, scratch, console) as part:
+        tokens = tokenize(
+            _batches(part.kept.store, part.train_rows, part.eval_rows, part.bar),
+            len(part.train_rows),
+            text.renderer,
+            dc.num_proc,
+            part.scratch,
+        )
+        check_labels(tokens, dc.train_on)
+        rows = limits.apply(tokens, cfg, text.hard, tally.dropped)
+        eval_messages = part.kept.store.texts(part.eval_rows[rows.evals - tokens.num_train])
+    bins = _bins(rows, dc)
+    result = _stats(cfg, loaded, path, tally, text.char_limit, text.renderer, tokens, rows, bins)
+    result["seconds"] = round(time.perf_counter() - t0, 3)
+    return Prepared(result, tokens, rows, bins, eval_messages)
+
+
+@dataclass(frozen=True)
+class _TextLimits:
+    """What every record kind renders and limits text by: the chat template, the control tokens it must not
+    meet in user text, the hard token limit and the character limit that stands for it before tokenizing."""
+
+    renderer: Renderer
+    control: ControlTokens
+    hard: int
+    char_limit: int
+
+    @classmethod
+    def of(cls, cfg: Config, tokenizer: Any, train_on: str) -> _TextLimits:
+        renderer = Renderer(tokenizer, train_on)
+        control = ControlTokens(special_tokens(tokenizer) | template_markers(renderer.template_texts()))
+        hard = limits.hard_limit(cfg)
+        return cls(renderer, control, hard, limits.max_chars(tokenizer, hard))
+
+    def seq_len(self, cfg: Config) -> int:
+        """train.seq_len, or the hard limit where it is `auto`."""
+        return self.hard if cfg.train.seq_len == "auto" else int(cfg.train.seq_len)
+
+
+@dataclass(frozen=True)
+class _Streamed:
+    """The streamed pass's kept samples split into train and eval rows, with its progress bar and scratch folder."""
+
+    kept: samples.Kept
+    train_rows: Any
+    eval_rows: Any
+    bar: Any
+    scratch: Path
+
+
+@contextmanager
+def _streamed(
+    inp: sources.Input,
+    loaded: sources.Loaded,
+    dc: DataConfig,
+    text: _TextLimits,
+    path: str,
+    tally: samples.Tally,
+    scratch: Optional[Path],
+    console: Any,
+) -> Iterator[_Streamed]:
+    """Conversations and prompts alike: read, clean, deduplicate (exact, then near) and split the records,
+    holding a fixed size a sample; the kept samples' files stay open while the caller reads them."""
     with samples.scratch_folder(scratch) as where, progress(console) as bar:
-        records = _records(inp, loaded, bar)
-        kept = samples.collect(records, loaded, dc, control, char_limit, tally, where)
+        kept = samples.collect(
+            _records(inp, loaded, bar), loaded, dc, text.control, text.char_limit, tally, where
+        )
         try:
             samples.check_input(loaded, dc, path, tally)
             kept = samples.near_deduplicate(kept, dc, tally, bar)
             train_rows, eval_rows = samples.split(kept, dc, tally)
-            tokens = tokenize(
-                _batches(kept.store, train_rows, eval_rows, bar),
-                len(train_rows),
-                renderer,
-                dc.num_proc,
-                where,
-            )
-            check_labels(tokens, dc.train_on)
-            rows = limits.apply(tokens, cfg, hard, tally.dropped)
-            eval_messages = kept.store.texts(eval_rows[rows.evals - tokens.num_train])
+            yield _Streamed(kept, train_rows, eval_rows, bar, where)
         finally:
             kept.close()
-    bins = _bins(rows, dc)
-    result = _stats(cfg, loaded, path, tally, char_limit, renderer, tokens, rows, bins)
-    result["seconds"] = round(time.perf_counter() - t0, 3)
-    return Prepared(result, tokens, rows, bins, eval_messages)
 
 
 def _batches(store: samples.TextStore, train_rows: Any, eval_rows: Any, bar: Any) -> Iterator[list[str]]:
@@ -239,10 +288,8 @@ def preferences(
     dc = cfg.data
     t0 = time.perf_counter()
     tally = samples.Tally()
-    renderer = Renderer(tokenizer, "assistant")
-    control = ControlTokens(special_tokens(tokenizer) | template_markers(renderer.template_texts()))
-    hard = limits.hard_limit(cfg)
-    char_limit = limits.max_chars(tokenizer, hard)
+    text = _TextLimits.of(cfg, tokenizer, "assistant")
+    renderer, char_limit = text.renderer, text.char_limit
     loaded = sources.Loaded()
     del scratch  # preference pairs are held in memory, as read (not streamed to disk)
     with progress(console) as bar:
@@ -250,10 +297,10 @@ def preferences(
     samples.check_input(loaded, dc, path, tally)
     if not found:
         raise DataError(f"data.path={path}: no preference pairs ({dict(tally.dropped) or 'no records'})")
-    kept = [p for p in (_clean_pair(p, dc, control, char_limit, tally) for p in found) if p is not None]
+    kept = [p for p in (_clean_pair(p, dc, text.control, char_limit, tally) for p in found) if p is not None]
     kept = _dedup_pairs(kept, dc, tally)
     train_pairs, eval_pairs = _split_by_prompt(kept, dc, tally)
-    seq_len = hard if cfg.train.seq_len == "auto" else int(cfg.train.seq_len)
+    seq_len = text.seq_len(cfg)
     truncated = [0]
     train = _tokenize_pairs(train_pairs, renderer, seq_len, dc, tally, truncated)
     evals = _tokenize_pairs(eval_pairs, renderer, seq_len, dc, tally, truncated, keep_text=True)
@@ -497,24 +544,14 @@ def prompts(
     dc = cfg.data
     t0 = time.perf_counter()
     tally = samples.Tally()
-    renderer = Renderer(tokenizer, "assistant")
-    control = ControlTokens(special_tokens(tokenizer) | template_markers(renderer.template_texts()))
-    hard = limits.hard_limit(cfg)
-    char_limit = limits.max_chars(tokenizer, hard)
+    text = _TextLimits.of(cfg, tokenizer, "assistant")
+    char_limit = text.char_limit
     loaded = sources.Loaded()
-    with samples.scratch_folder(scratch) as where, progress(console) as bar:
-        records = _records(inp, loaded, bar)
-        kept = samples.collect(records, loaded, dc, control, char_limit, tally, where)
-        try:
-            samples.check_input(loaded, dc, path, tally)
-            kept = samples.near_deduplicate(kept, dc, tally, bar)
-            train_rows, eval_rows = samples.split(kept, dc, tally)
-            # GRPO's prompts are held as messages from here on (one a row of the prepared data)
-            train_convs = [json.loads(t) for t in kept.store.texts(train_rows)]
-            eval_convs = [json.loads(t) for t in kept.store.texts(eval_rows)]
-        finally:
-            kept.close()
-    seq_len = hard if cfg.train.seq_len == "auto" else int(cfg.train.seq_len)
+    with _streamed(inp, loaded, dc, text, path, tally, scratch, console) as part:
+        # GRPO's prompts are held as messages from here on (one a row of the prepared data)
+        train_convs = [json.loads(t) for t in part.kept.store.texts(part.train_rows)]
+        eval_convs = [json.loads(t) for t in part.kept.store.texts(part.eval_rows)]
+    seq_len = text.seq_len(cfg)
     budget = seq_len - cfg.grpo.max_completion_length
     if budget <= 0:
         raise DataError(
