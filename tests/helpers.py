@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +22,7 @@ from typing import Any, Optional
 from finetune.core.config import Config
 from finetune.core.config.evaluation import EvalConfig
 from finetune.planner import Plan
+from finetune.rundir import checkpoints
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -274,6 +277,27 @@ def wait_for_checkpoint(run: Path, step: int, proc: subprocess.Popen, timeout: f
             proc.kill()
             raise AssertionError(f"no {path.name} after {timeout} s")
         time.sleep(0.01)
+
+
+def sigkill_then_resume(run: Path, checkpoint_step: int, steps: int) -> tuple[Path, dict]:
+    """A worker on `run` killed with SIGKILL at a random step after checkpoint-CHECKPOINT_STEP, then the same
+    command again: the checkpoint it resumed from and the resumed run's metrics.json (asserted to finish all
+    `steps` from there)."""
+    proc = worker(run)
+    wait_for_checkpoint(run, checkpoint_step, proc)
+    time.sleep(random.uniform(0.0, 0.8))  # a random step after the first checkpoint
+    proc.send_signal(signal.SIGKILL)
+    code, _ = finish(proc)
+    assert code == -signal.SIGKILL
+    assert not (run / "metrics.json").exists(), "the worker finished before the kill; nothing was tested"
+    last = checkpoints.last_complete(run / "checkpoints")
+    assert last is not None and checkpoints.step_of(last) < steps
+
+    code, err = finish(worker(run))  # the same command again: resume=true is the default
+    assert code == 0, err[-3000:]
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["train"]["resumed_from"] == str(last.resolve()) and metrics["train"]["steps"] == steps
+    return last, metrics
 
 
 class Capture:

@@ -6,12 +6,18 @@ idle cores): extended."""
 from __future__ import annotations
 
 import json
-import random
 import signal
-import time
 
 import pytest
-from helpers import adapter_weights, finish, losses, prepare_worker_run, wait_for_checkpoint, worker
+from helpers import (
+    adapter_weights,
+    finish,
+    losses,
+    prepare_worker_run,
+    sigkill_then_resume,
+    wait_for_checkpoint,
+    worker,
+)
 
 from finetune.rundir import checkpoints
 
@@ -31,20 +37,7 @@ def test_dpo_sigkill_at_a_random_step_then_resume_matches_uninterrupted(tmp_path
     assert code == 0, err[-3000:]
 
     run = prepare_worker_run(tmp_path / "killed", cache, *DPO_RUN)
-    proc = worker(run)
-    wait_for_checkpoint(run, 4, proc)
-    time.sleep(random.uniform(0.0, 0.8))  # a random step after the first checkpoint
-    proc.send_signal(signal.SIGKILL)
-    code, _ = finish(proc)
-    assert code == -signal.SIGKILL
-    assert not (run / "metrics.json").exists(), "the worker finished before the kill; nothing was tested"
-    last = checkpoints.last_complete(run / "checkpoints")
-    assert last is not None and checkpoints.step_of(last) < STEPS
-
-    code, err = finish(worker(run))  # the same command again: resume=true is the default
-    assert code == 0, err[-3000:]
-    metrics = json.loads((run / "metrics.json").read_text())
-    assert metrics["train"]["resumed_from"] == str(last.resolve()) and metrics["train"]["steps"] == STEPS
+    _, metrics = sigkill_then_resume(run, 4, STEPS)
 
     expected = losses(reference / "checkpoints" / f"checkpoint-{STEPS}")
     assert len(expected) == STEPS and expected[0] == pytest.approx(

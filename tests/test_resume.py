@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -15,9 +12,9 @@ from helpers import (
     finish,
     losses,
     prepare_worker_run,
+    sigkill_then_resume,
     tiny_cfg,
     train_run,
-    wait_for_checkpoint,
     worker,
 )
 
@@ -36,20 +33,7 @@ def test_sigkill_at_a_random_step_then_resume_matches_uninterrupted(tmp_path, ti
     assert code == 0, err[-3000:]
 
     run = prepare_worker_run(tmp_path / "killed", cache)
-    proc = worker(run)
-    wait_for_checkpoint(run, 5, proc)
-    time.sleep(random.uniform(0.0, 0.8))  # a random step after the first checkpoint
-    proc.send_signal(signal.SIGKILL)
-    code, _ = finish(proc)
-    assert code == -signal.SIGKILL
-    assert not (run / "metrics.json").exists(), "the worker finished before the kill; nothing was tested"
-    last = checkpoints.last_complete(run / "checkpoints")
-    assert last is not None and checkpoints.step_of(last) < 40
-
-    code, err = finish(worker(run))  # the same command again: resume=true is the default
-    assert code == 0, err[-3000:]
-    metrics = json.loads((run / "metrics.json").read_text())
-    assert metrics["train"]["resumed_from"] == str(last.resolve()) and metrics["train"]["steps"] == 40
+    _, metrics = sigkill_then_resume(run, 5, 40)
 
     expected = losses(reference / "checkpoints" / "checkpoint-40")
     assert len(expected) == 40
