@@ -45,18 +45,60 @@ def resolve(cfg: Config) -> Config:
     )
 
 
-def data_seq_len(run_dir: Path) -> Optional[int]:
-    """The sequence length the data stage resolved for train.seq_len=auto, if it ran."""
+def _data_stats(run_dir: Path) -> Optional[dict]:
+    """data_stats.json of the data stage, if it ran."""
     stats = run_dir / rundir.DATA_STATS_FILE
     if not stats.is_file():
         return None
     try:
-        value = json.loads(rundir.read_own_text(stats)).get("seq_len")
-        return int(value) if value else None
-    except (ValueError, AttributeError, TypeError):
+        value = json.loads(rundir.read_own_text(stats))
+        if not isinstance(value, dict):
+            raise ValueError
+        return value
+    except ValueError:
         raise DataError(
             f"{stats}: unreadable (damaged?); run the data stage again (mode=data) to rewrite it"
         ) from None
+
+
+def data_seq_len(run_dir: Path) -> Optional[int]:
+    """The sequence length the data stage resolved for train.seq_len=auto, if it ran."""
+    stats = _data_stats(run_dir)
+    try:
+        value = stats.get("seq_len") if stats else None
+        return int(value) if value else None
+    except (ValueError, TypeError):
+        raise DataError(
+            f"{run_dir / rundir.DATA_STATS_FILE}: unreadable (damaged?); run the data stage again (mode=data) "
+            "to rewrite it"
+        ) from None
+
+
+def data_run_length(cfg: Config, run_dir: Path) -> Optional[tuple[int, str]]:
+    """`train.dataset_tokens` from the data stage's statistics, when the run is measured in epochs and the user
+    gave none: the rows the trainer steps through an epoch (the packed bins, or the examples) x the sequences
+    each puts through the model x seq_len, the unit in which the planner counts a step's tokens
+    (planner/timing.py). With the reason the plan prints. None for an objective that generates: its step is
+    counted in completions, which the prompts alone do not give."""
+    spec = cfg.objective.spec
+    if cfg.train.max_steps > 0 or cfg.train.dataset_tokens is not None or spec.generates:
+        return None
+    stats = _data_stats(run_dir)
+    if not stats:
+        return None
+    packing = stats.get("packing")
+    if not isinstance(packing, dict):
+        packing = {}
+    rows, seq_len = packing.get("bins", stats.get("num_train")), stats.get("seq_len")
+    if not isinstance(rows, int) or not isinstance(seq_len, int) or rows <= 0 or seq_len <= 0:
+        return None
+    tokens = rows * spec.sequences_per_example * seq_len
+    what = "packed rows" if packing.get("enabled") else "training examples"
+    return tokens, (
+        f"run length: {cfg.train.epochs:g} epoch(s) of the data stage's {rows:,} {what} x {seq_len} tokens"
+        + (f" x {spec.sequences_per_example} sequences" if spec.sequences_per_example > 1 else "")
+        + f" = {tokens:,} tokens an epoch (data_stats.json; train.dataset_tokens overrides it)"
+    )
 
 
 def _precompute_reference(cfg: Config) -> Optional[bool]:
@@ -90,6 +132,9 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
         seq_len = data_seq_len(run_dir)
         if seq_len is None:
             raise PlanError("train.seq_len=auto needs the data stage: run mode=data (or mode=all) first")
+    run_length = data_run_length(cfg, run_dir)
+    if run_length is not None:
+        cfg = replace(cfg, train=replace(cfg.train, dataset_tokens=run_length[0]))
     plan = config_plan(cfg, cfg.hardware, seq_len)
 
     def replan(hardware: Any) -> Plan:
@@ -98,7 +143,9 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
     generates = cfg.objective.spec.generates
     if generates:
         plan = rollout.training_plan(cfg, plan, replan)
-    plan = replace(plan, reasons=(*cfg.hardware.notes, *plan.reasons))  # hardware=local: what was detected
+    # hardware=local: what was detected; and where the run length came from
+    noted = (*cfg.hardware.notes, *((run_length[1],) if run_length is not None else ()))
+    plan = replace(plan, reasons=(*noted, *plan.reasons))
     plan = plan.with_processes(cfg.launch.nproc_per_node, cfg.launch.nnodes)  # the layout the launcher starts
     # An objective that generates: where its rollout runs (rollout.json); a server split trains on fewer ranks.
     sampling = rollout.plan_generation(cfg, run_dir, plan, replan) if generates else None
