@@ -472,12 +472,26 @@ def test_preflight_disk_message_uses_units_that_mean_something(tmp_path):
     from finetune.rundir import preflight
 
     usage = namedtuple("usage", "total used free")
-    plan = SimpleNamespace(disk_checkpoint_gb=20e3 / 1e9, host_memory_gb=0.0)  # a 20 kB checkpoint
-    cfg = compose(["train.save_total_limit=2"])
+    # a 20 kB checkpoint, a 300 kB merged export
+    plan = SimpleNamespace(disk_checkpoint_gb=20e3 / 1e9, disk_export_gb=300e3 / 1e9, host_memory_gb=0.0)
+    cfg = compose(["train.save_total_limit=2", "mode=train"])
     with pytest.raises(LaunchError) as exc:
         preflight.check(cfg, tmp_path, plan, disk_usage=lambda p: usage(10**6, 10**6, 5_000))
     assert (
-        f"disk: {tmp_path} has 5.0 kB free, the run needs about 80.0 kB (20.0 kB a checkpoint x 2 kept"
+        f"disk: {tmp_path} has 5.0 kB free, the run needs about 80.0 kB (20.0 kB a checkpoint x 2 kept "
+        "(train.save_total_limit) + one being written + the output); free space" in str(exc.value)
+    )
+    # mode=all exports after training in the same command: the merged model is counted too
+    with pytest.raises(LaunchError) as exc:
+        preflight.check(
+            compose(["train.save_total_limit=2", "mode=all"]),
+            tmp_path,
+            plan,
+            disk_usage=lambda p: usage(10**6, 10**6, 100_000),
+        )
+    assert (
+        f"disk: {tmp_path} has 100.0 kB free, the run needs about 380.0 kB (20.0 kB a checkpoint x 2 kept "
+        "(train.save_total_limit) + one being written + the output + the merged export, 300.0 kB); free space"
         in str(exc.value)
     )
     assert [format_bytes(n) for n in (0, 999, 1_500, 2.5e6, 3e9, 4.2e12)] == [

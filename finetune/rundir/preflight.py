@@ -7,7 +7,9 @@
 - disk: free space where the checkpoints go against the plan's checkpoint size
   times the checkpoints that will exist at once (`train.save_total_limit` kept
   plus the one being written), less the ones already there that rotation frees
-  (their space is reused), plus the final adapter or model;
+  (their space is reused), plus the final adapter or model (counted as one
+  checkpoint), plus the merged export when the export stage follows in the same
+  command (mode=all);
 - resume: `resume=PATH` names a complete checkpoint;
 - host memory: the plan's host RAM (offloaded optimizer or parameters, data
   loading, the per-rank baseline) against this machine's total RAM (a refusal)
@@ -56,10 +58,13 @@ def _virtual_memory() -> Any:
     return psutil.virtual_memory()
 
 
-def disk_needed_gb(plan: Plan, keep: int, existing: int) -> float:
-    """Checkpoints written before rotation frees old ones (K + 1 at once, less those already on disk) + the output."""
+def disk_needed_gb(plan: Plan, keep: int, existing: int, exporting: bool) -> float:
+    """Checkpoints written before rotation frees old ones (K + 1 at once, less those already on disk), the
+    trained output (counted as one checkpoint: it holds the trained weights, a checkpoint those and the
+    optimizer's moments, so this is an upper bound) and, when the export stage follows in the same command
+    (mode=all), the merged model it writes (plan.json's `disk_gb.export`)."""
     new = max(1, keep + 1 - existing)
-    return plan.disk_checkpoint_gb * new + plan.disk_checkpoint_gb
+    return plan.disk_checkpoint_gb * (new + 1) + (plan.disk_export_gb if exporting else 0.0)
 
 
 def check(
@@ -79,14 +84,17 @@ def check(
     folder = checkpoint_dir or rundir.checkpoint_dir(run_dir)
     existing = sum(1 for p in checkpoints.listing(folder) if checkpoints.verify(p, checksums=False) is None)
     keep = cfg.train.save_total_limit
-    need = disk_needed_gb(plan, keep, existing)
+    exporting = cfg.mode == "all"
+    need = disk_needed_gb(plan, keep, existing, exporting)
     free = disk_usage(str(run_dir)).free / GB
     if need > free:
         size = format_bytes  # units that stay meaningful for small runs (kB, MB), not "0.0 GB"
         raise LaunchError(
             f"disk: {run_dir} has {size(free * GB)} free, the run needs about {size(need * GB)} "
             f"({size(plan.disk_checkpoint_gb * GB)} a checkpoint x {keep} kept (train.save_total_limit) + one "
-            "being written + the output); free space, lower train.save_total_limit, or choose another run_dir"
+            "being written + the output"
+            + (f" + the merged export, {size(plan.disk_export_gb * GB)}" if exporting else "")
+            + "); free space, lower train.save_total_limit, or choose another run_dir"
         )
     vm = memory()
     host_need = float(plan.host_memory_gb or 0.0)
