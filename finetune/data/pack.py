@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import random
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Optional
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -82,29 +82,43 @@ class Gathering:
     numpy (no Python object per token), one index shared by the columns.
     """
 
-    def __init__(self, starts: Any, lengths: Any, groups: list[list[int]]) -> None:
+    def __init__(
+        self, starts: Any, lengths: Any, groups: Optional[Sequence[Sequence[int]]], within: Any = None
+    ) -> None:
+        """`groups` name samples, or (`within` given) positions in the array `within` of sample numbers, as the
+        packed bins list positions in the training rows (read here without a copy of every bin); None: each
+        sample of `within` a row of its own (the eval rows)."""
         import numpy as np
 
-        sizes = np.fromiter((len(g) for g in groups), dtype=np.int64, count=len(groups))
-        order = np.fromiter((i for g in groups for i in g), dtype=np.int64, count=int(sizes.sum()))
+        if groups is None:
+            order = np.asarray(within, dtype=np.int64)
+            sizes = np.ones(len(order), dtype=np.int64)
+        else:
+            sizes = np.fromiter((len(g) for g in groups), dtype=np.int64, count=len(groups))
+            order = np.fromiter((i for g in groups for i in g), dtype=np.int64, count=int(sizes.sum()))
+            if within is not None:
+                order = np.asarray(within, dtype=np.int64)[order]
         self.sel_starts, self.sel_lens = np.asarray(starts)[order], np.asarray(lengths)[order]
         # Row r holds samples [bounds[r], bounds[r+1]).
         self.sample_bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.num_rows = len(groups)
-        row_end = np.cumsum(self.sel_lens)[self.sample_bounds[1:] - 1] if len(groups) else np.zeros(0, np.int64)
+        self.num_rows = len(sizes)
+        row_end = (
+            np.cumsum(self.sel_lens)[self.sample_bounds[1:] - 1] if len(sizes) else np.zeros(0, np.int64)
+        )
         self.spans: list[tuple[int, int]] = []  # the rows [r0, r1) of each piece
         r0 = 0
-        while r0 < len(groups):
+        while r0 < self.num_rows:
             done = int(row_end[r0 - 1]) if r0 else 0
             r1 = max(r0 + 1, int(np.searchsorted(row_end, done + _GATHER_TOKENS, side="right")))
             self.spans.append((r0, r1))
             r0 = r1
 
     def list_nbytes(self, per: str) -> int:
-        """The Arrow bytes of one int32 list column over every piece (no validity): an offset a row, one more a
-        piece, and a value a token (`per="token"`: the token columns, position ids) or a sample (`seq_lengths`)."""
+        """The Arrow bytes (pyarrow's `nbytes`) of one int32 list column over every piece, no validity: four a row
+        (pyarrow counts an offset a list) and four a token (`per="token"`: the token columns, position ids) or a
+        sample (`per="sample"`: `seq_lengths`)."""
         values = int(self.sel_lens.sum()) if per == "token" else len(self.sel_lens)
-        return 4 * (self.num_rows + len(self.spans)) + 4 * values
+        return 4 * self.num_rows + 4 * values
 
     def pieces(self, columns: dict[str, Any]) -> Iterator[tuple[tuple[int, int], dict[str, Any]]]:
         """((r0, r1), arrays) for each piece of rows: every column (an array, or a function from token

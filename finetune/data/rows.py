@@ -110,7 +110,7 @@ def _save_rows(prepared: Prepared, out: Path) -> None:
 
     tokens, rows = prepared.tokens, prepared.rows
     columns = {"input_ids": tokens.ids, "labels": tokens.labels}  # ids uint16/32 and a function: int32 out
-    packed = pack.Gathering(tokens.starts, rows.lengths, [[int(rows.train[i]) for i in b] for b in prepared.bins])
+    packed = pack.Gathering(tokens.starts, rows.lengths, prepared.bins, within=rows.train)
     names = ("input_ids", "labels", "position_ids", "seq_lengths")
     _write_dataset(
         out / rundir.DATA_TRAIN_DIR,
@@ -120,18 +120,20 @@ def _save_rows(prepared: Prepared, out: Path) -> None:
         nbytes=3 * packed.list_nbytes("token") + packed.list_nbytes("sample"),
     )
     del packed
-    evals = pack.Gathering(tokens.starts, rows.lengths, [[int(r)] for r in rows.evals])
+    evals = pack.Gathering(tokens.starts, rows.lengths, None, within=rows.evals)
     messages = prepared.eval_messages
     _write_dataset(
         out / rundir.DATA_EVAL_DIR,
-        pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())), ("messages", pa.string())]),
+        pa.schema(
+            [("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())), ("messages", pa.string())]
+        ),
         (
             pa.table({**{n: arrays[n] for n in columns}, "messages": pa.array(messages[r0:r1], pa.string())})
             for (r0, r1), arrays in evals.pieces(columns)
         ),
         num_rows=evals.num_rows,
-        # the messages as one string array (offsets and UTF-8), as the eval table was built before
-        nbytes=2 * evals.list_nbytes("token") + 4 * (len(messages) + 1) + sum(len(m.encode()) for m in messages),
+        # the messages as a string array: four bytes a row (pyarrow counts an offset a string) and their UTF-8
+        nbytes=2 * evals.list_nbytes("token") + 4 * len(messages) + sum(len(m.encode()) for m in messages),
         num_shards=1,
     )
     stats.histogram(

@@ -45,7 +45,7 @@ def histogram(path: Path, splits: dict[str, Sequence[int]], seq_len: Optional[in
             # Counted first (np.histogram, what ax.hist runs) and drawn from the counts, as matplotlib's docs
             # show for pre-binned data: the same bars, and only the bins held, not a float per sample.
             counts, edges = np.histogram(np.asarray(values), bins=bins, range=(0, top))
-            ax.hist(edges[:-1], edges, weights=counts, alpha=0.6, label=f"{name} ({len(values)})")
+            ax.hist(edges[:-1], edges.tolist(), weights=counts, alpha=0.6, label=f"{name} ({len(values)})")
     if seq_len:
         ax.axvline(seq_len, color="black", linestyle="--", linewidth=1, label=f"seq_len {seq_len}")
     ax.set_xlabel("tokens per sample")
