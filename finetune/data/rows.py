@@ -190,7 +190,7 @@ def _write_dataset(
             writer.finalize()
         finally:
             writer.close()
-    state = {
+    state: dict[str, Any] = {
         "_data_files": [{"filename": name} for name in files],
         "_fingerprint": digest.hexdigest(),
         "_format_columns": None,
