@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import bisect
 import random
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -72,44 +72,90 @@ def position_ids(seq_lengths: Sequence[int]) -> list[int]:
 _GATHER_TOKENS = 1 << 20
 
 
+class Gathering:
+    """Rows made of samples, gathered a few million tokens at a time: row r of column c holds
+    `columns[c][starts[i]:starts[i]+lengths[i]]` for each i in groups[r], one after another, plus
+    `position_ids` (restarting at each sample) and `seq_lengths`, all int32 lists.
+
+    `pieces` yields them piece by piece, so that a caller writing them (`rows.save`) holds one piece, never
+    every row; `list_nbytes` is what the pieces' Arrow arrays take, known before any is made. Vectorised with
+    numpy (no Python object per token), one index shared by the columns.
+    """
+
+    def __init__(
+        self, starts: Any, lengths: Any, groups: Optional[Sequence[Sequence[int]]], within: Any = None
+    ) -> None:
+        """`groups` name samples, or (`within` given) positions in the array `within` of sample numbers, as the
+        packed bins list positions in the training rows (read here without a copy of every bin); None: each
+        sample of `within` a row of its own (the eval rows)."""
+        import numpy as np
+
+        if groups is None:
+            order = np.asarray(within, dtype=np.int64)
+            sizes = np.ones(len(order), dtype=np.int64)
+        else:
+            sizes = np.fromiter((len(g) for g in groups), dtype=np.int64, count=len(groups))
+            order = np.fromiter((i for g in groups for i in g), dtype=np.int64, count=int(sizes.sum()))
+            if within is not None:
+                order = np.asarray(within, dtype=np.int64)[order]
+        self.sel_starts, self.sel_lens = np.asarray(starts)[order], np.asarray(lengths)[order]
+        # Row r holds samples [bounds[r], bounds[r+1]).
+        self.sample_bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.num_rows = len(sizes)
+        row_end = (
+            np.cumsum(self.sel_lens)[self.sample_bounds[1:] - 1] if len(sizes) else np.zeros(0, np.int64)
+        )
+        self.spans: list[tuple[int, int]] = []  # the rows [r0, r1) of each piece
+        r0 = 0
+        while r0 < self.num_rows:
+            done = int(row_end[r0 - 1]) if r0 else 0
+            r1 = max(r0 + 1, int(np.searchsorted(row_end, done + _GATHER_TOKENS, side="right")))
+            self.spans.append((r0, r1))
+            r0 = r1
+
+    def list_nbytes(self, per: str) -> int:
+        """The Arrow bytes (pyarrow's `nbytes`) of one int32 list column over every piece, no validity: four a row
+        (pyarrow counts an offset a list) and four a token (`per="token"`: the token columns, position ids) or a
+        sample (`per="sample"`: `seq_lengths`)."""
+        values = int(self.sel_lens.sum()) if per == "token" else len(self.sel_lens)
+        return 4 * self.num_rows + 4 * values
+
+    def pieces(self, columns: dict[str, Any]) -> Iterator[tuple[tuple[int, int], dict[str, Any]]]:
+        """((r0, r1), arrays) for each piece of rows: every column (an array, or a function from token
+        positions to their values, as the labels made from the ids and the mask bits), then `position_ids`
+        and `seq_lengths`, each a `pyarrow.ListArray` of int32."""
+        import numpy as np
+        import pyarrow as pa
+
+        def lists(offsets: Any, vals: Any) -> Any:
+            return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(vals, pa.int32()))
+
+        for r0, r1 in self.spans:
+            s0, s1 = int(self.sample_bounds[r0]), int(self.sample_bounds[r1])
+            lens, firsts = self.sel_lens[s0:s1], self.sel_starts[s0:s1]
+            out_starts = np.cumsum(lens) - lens
+            within = np.arange(int(lens.sum())) - np.repeat(out_starts, lens)  # position inside its sample
+            index = np.repeat(firsts, lens) + within
+            row_offsets = np.concatenate([[0], np.cumsum(lens)])[self.sample_bounds[r0 : r1 + 1] - s0]
+            arrays = {}
+            for name, values in columns.items():
+                picked = values(index) if callable(values) else np.asarray(values)[index]
+                arrays[name] = lists(row_offsets, picked)
+            arrays["position_ids"] = lists(row_offsets, within)
+            arrays["seq_lengths"] = lists(self.sample_bounds[r0 : r1 + 1] - s0, lens)
+            yield (r0, r1), arrays
+
+
 def gather_rows(
     columns: dict[str, Any], starts: Any, lengths: Any, groups: list[list[int]]
 ) -> dict[str, Any]:
-    """Arrow list columns for rows made of samples: row r of column c holds `columns[c][starts[i]:starts[i]+lengths[i]]`
-    for each i in groups[r], one after another. A column is an array, or a function from token positions to
-    their values (the labels, made from the ids and the mask bits).
-
-    Returns every column, `position_ids` (restarting at each sample) and `seq_lengths`, each a
-    `pyarrow.ChunkedArray` of int32 lists. Vectorised with numpy (no Python object per token), a few
-    million tokens at a time, one index shared by the columns.
-    """
-    import numpy as np
+    """Every piece of `Gathering(starts, lengths, groups)` at once: each column, `position_ids` and
+    `seq_lengths` as a `pyarrow.ChunkedArray` of int32 lists (for tests and benchmarks; the stage writes
+    the pieces as they come)."""
     import pyarrow as pa
 
-    sizes = np.fromiter((len(g) for g in groups), dtype=np.int64, count=len(groups))
-    order = np.fromiter((i for g in groups for i in g), dtype=np.int64, count=int(sizes.sum()))
-    sel_starts, sel_lens = np.asarray(starts)[order], np.asarray(lengths)[order]
-    sample_bounds = np.concatenate([[0], np.cumsum(sizes)])  # row r holds samples [bounds[r], bounds[r+1])
-    row_end_tokens = np.cumsum(sel_lens)[sample_bounds[1:] - 1] if len(groups) else np.zeros(0, np.int64)
     chunks: dict[str, list] = {name: [] for name in [*columns, "position_ids", "seq_lengths"]}
-
-    def lists(offsets: Any, vals: Any) -> Any:
-        return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(vals, pa.int32()))
-
-    r0 = 0
-    while r0 < len(groups):
-        done = int(row_end_tokens[r0 - 1]) if r0 else 0
-        r1 = max(r0 + 1, int(np.searchsorted(row_end_tokens, done + _GATHER_TOKENS, side="right")))
-        s0, s1 = int(sample_bounds[r0]), int(sample_bounds[r1])
-        lens, firsts = sel_lens[s0:s1], sel_starts[s0:s1]
-        out_starts = np.cumsum(lens) - lens
-        within = np.arange(int(lens.sum())) - np.repeat(out_starts, lens)  # position inside its sample
-        index = np.repeat(firsts, lens) + within
-        row_offsets = np.concatenate([[0], np.cumsum(lens)])[sample_bounds[r0 : r1 + 1] - s0]
-        for name, values in columns.items():
-            picked = values(index) if callable(values) else np.asarray(values)[index]
-            chunks[name].append(lists(row_offsets, picked))
-        chunks["position_ids"].append(lists(row_offsets, within))
-        chunks["seq_lengths"].append(lists(sample_bounds[r0 : r1 + 1] - s0, lens))
-        r0 = r1
+    for _, arrays in Gathering(starts, lengths, groups).pieces(columns):
+        for name, array in arrays.items():
+            chunks[name].append(array)
     return {name: pa.chunked_array(parts, type=pa.list_(pa.int32())) for name, parts in chunks.items()}

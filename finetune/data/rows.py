@@ -10,10 +10,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from finetune import rundir
 from finetune.data import pack, stats
@@ -103,24 +104,124 @@ def _quiet_datasets() -> Iterator[None]:
 
 
 def _save_rows(prepared: Prepared, out: Path) -> None:
+    """The packed training rows and the eval rows written piece by piece as they are gathered (one piece of
+    about a million tokens held, never every row), in save_to_disk's layout (`_write_dataset`)."""
     import pyarrow as pa
-    from datasets import Dataset
 
     tokens, rows = prepared.tokens, prepared.rows
     columns = {"input_ids": tokens.ids, "labels": tokens.labels}  # ids uint16/32 and a function: int32 out
-    groups = [[int(rows.train[i]) for i in b] for b in prepared.bins]
-    train = pack.gather_rows(columns, tokens.starts, rows.lengths, groups)
-    Dataset(
-        pa.table({name: train[name] for name in ("input_ids", "labels", "position_ids", "seq_lengths")})
-    ).save_to_disk(str(out / rundir.DATA_TRAIN_DIR))
-    del train
-    evals = pack.gather_rows(columns, tokens.starts, rows.lengths, [[int(r)] for r in rows.evals])
-    messages = pa.array(prepared.eval_messages, pa.string())
-    Dataset(
-        pa.table({"input_ids": evals["input_ids"], "labels": evals["labels"], "messages": messages})
-    ).save_to_disk(str(out / rundir.DATA_EVAL_DIR), num_shards=1)
+    packed = pack.Gathering(tokens.starts, rows.lengths, prepared.bins, within=rows.train)
+    names = ("input_ids", "labels", "position_ids", "seq_lengths")
+    _write_dataset(
+        out / rundir.DATA_TRAIN_DIR,
+        pa.schema([(name, pa.list_(pa.int32())) for name in names]),
+        (pa.table({n: arrays[n] for n in names}) for _, arrays in packed.pieces(columns)),
+        num_rows=packed.num_rows,
+        nbytes=3 * packed.list_nbytes("token") + packed.list_nbytes("sample"),
+    )
+    del packed
+    evals = pack.Gathering(tokens.starts, rows.lengths, None, within=rows.evals)
+    messages = prepared.eval_messages
+    _write_dataset(
+        out / rundir.DATA_EVAL_DIR,
+        pa.schema(
+            [("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())), ("messages", pa.string())]
+        ),
+        (
+            pa.table({**{n: arrays[n] for n in columns}, "messages": pa.array(messages[r0:r1], pa.string())})
+            for (r0, r1), arrays in evals.pieces(columns)
+        ),
+        num_rows=evals.num_rows,
+        # the messages as a string array: four bytes a row (pyarrow counts an offset a string) and their UTF-8
+        nbytes=2 * evals.list_nbytes("token") + 4 * len(messages) + sum(len(m.encode()) for m in messages),
+        num_shards=1,
+    )
     stats.histogram(
         out / rundir.DATA_HISTOGRAM_FILE,
-        {"train": rows.lengths[rows.train].tolist(), "eval": rows.lengths[rows.evals].tolist()},
+        {"train": rows.lengths[rows.train], "eval": rows.lengths[rows.evals]},
         rows.seq_len,
     )
+
+
+def _write_dataset(
+    folder: Path,
+    schema: Any,
+    pieces: Iterable[Any],
+    *,
+    num_rows: int,
+    nbytes: int,
+    num_shards: Optional[int] = None,
+) -> None:
+    """What `Dataset.save_to_disk(folder, num_shards=num_shards)` writes for a table of `num_rows` rows taking
+    `nbytes` (its `_estimate_nbytes`), from that table's `pieces` (`pyarrow.Table`s in row order) as they come:
+    the same contiguous shards, record batches of its writer batch size, state.json and dataset_info.json,
+    through datasets' own `ArrowWriter`; one piece and one batch held, never the table.
+
+    One difference: state.json's `_fingerprint` is an XXH3 of the rows written (save_to_disk's is datasets'
+    hash of the whole in-memory table, which pickles it); it names the content all the same.
+    """
+    import xxhash
+    from datasets import config
+    from datasets.arrow_writer import ArrowWriter, get_writer_batch_size_from_data_size
+    from datasets.features import Features
+    from datasets.info import DatasetInfo
+    from datasets.utils.py_utils import asdict, convert_file_size_to_int
+
+    if num_shards is None:
+        num_shards = min(num_rows, int(nbytes / convert_file_size_to_int(config.MAX_SHARD_SIZE)) + 1)
+    batch = config.DEFAULT_MAX_BATCH_SIZE
+    if nbytes > 0:
+        batch = min(batch, get_writer_batch_size_from_data_size(num_rows, nbytes))
+    div, mod = divmod(num_rows, num_shards) if num_shards else (0, 0)
+    ends = [div * (k + 1) + min(k + 1, mod) for k in range(num_shards)]  # Dataset.shard(contiguous=True)'s
+    files = [f"data-{k:05d}-of-{num_shards:05d}.arrow" for k in range(num_shards)]
+    features = Features.from_arrow_schema(schema)
+    taken = _Taken(iter(pieces), schema)
+    digest = xxhash.xxh3_64()
+    folder.mkdir(parents=True, exist_ok=True)
+    for k, name in enumerate(files):
+        writer = ArrowWriter(features=features, path=str(folder / name), embed_local_files=True)
+        try:
+            for start in range(ends[k - 1] if k else 0, ends[k], batch):
+                table = taken.rows(min(batch, ends[k] - start))
+                for record_batch in table.combine_chunks().to_batches():
+                    digest.update(record_batch.serialize())
+                writer.write_table(table)
+            writer.finalize()
+        finally:
+            writer.close()
+    state: dict[str, Any] = {
+        "_data_files": [{"filename": name} for name in files],
+        "_fingerprint": digest.hexdigest(),
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": None,
+    }
+    with (folder / config.DATASET_STATE_JSON_FILENAME).open("w", encoding="utf-8") as f:
+        json.dump(state, f, indent=2, sort_keys=True)
+    info = asdict(DatasetInfo(features=features))
+    with (folder / config.DATASET_INFO_FILENAME).open("w", encoding="utf-8") as f:
+        # save_to_disk sorts only the first level of keys (nested features keep their order)
+        json.dump({key: info[key] for key in sorted(info)}, f, indent=2)
+
+
+class _Taken:
+    """Rows taken in order from a stream of tables of any sizes: `rows(n)` gives the next n as one table."""
+
+    def __init__(self, pieces: Iterator[Any], schema: Any) -> None:
+        self._pieces, self._schema, self._left = pieces, schema, schema.empty_table()
+
+    def rows(self, n: int) -> Any:
+        import pyarrow as pa
+
+        parts = []
+        while n > 0:
+            if not self._left.num_rows:
+                self._left = next(self._pieces)
+            part = self._left.slice(0, n)
+            self._left = self._left.slice(part.num_rows)
+            parts.append(part)
+            n -= part.num_rows
+        return pa.concat_tables(parts) if parts else self._schema.empty_table()

@@ -32,16 +32,20 @@ def summary(lengths: Sequence[int]) -> dict:
 def histogram(path: Path, splits: dict[str, Sequence[int]], seq_len: Optional[int]) -> None:
     """A PNG of sample lengths per split, with the sequence length marked."""
     import matplotlib
+    import numpy as np
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    top = max((max(v) for v in splits.values() if len(v)), default=1)
+    top = max((int(np.max(v)) for v in splits.values() if len(v)), default=1)
     bins = min(60, max(5, top))
     for name, values in splits.items():
         if len(values):
-            ax.hist(values, bins=bins, range=(0, top), alpha=0.6, label=f"{name} ({len(values)})")
+            # Counted first (np.histogram, what ax.hist runs) and drawn from the counts, as matplotlib's docs
+            # show for pre-binned data: the same bars, and only the bins held, not a float per sample.
+            counts, edges = np.histogram(np.asarray(values), bins=bins, range=(0, top))
+            ax.hist(edges[:-1], edges.tolist(), weights=counts, alpha=0.6, label=f"{name} ({len(values)})")
     if seq_len:
         ax.axvline(seq_len, color="black", linestyle="--", linewidth=1, label=f"seq_len {seq_len}")
     ax.set_xlabel("tokens per sample")
