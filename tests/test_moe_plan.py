@@ -61,9 +61,9 @@ def test_what_was_not_measured_is_refused_in_one_line(overrides, why):
 
 def test_an_unmeasured_sparse_layer_is_refused():
     m = ModelConfig(
-        architecture="mixtral", hidden_size=64, num_experts=8, num_experts_per_token=2, intermediate_size=96
+        architecture="qwen2_moe", hidden_size=64, num_experts=8, num_experts_per_token=2, intermediate_size=96
     )
-    with pytest.raises(PlanError, match="mixtral's sparse layer was not measured"):
+    with pytest.raises(PlanError, match="qwen2_moe.s sparse layer was not measured"):
         check_model(m)
 
 

@@ -71,6 +71,9 @@ class LayerShape:
     # which `experts_per_token` run per token (0: a dense MLP).
     experts: int = 0
     experts_per_token: int = 0
+    # the router's top-k weights divided by their sum (`norm_topk_prob`), and kept fp32 (Mixtral)
+    renormalized_routing: bool = False
+    fp32_routing_weights: bool = False
 
     @classmethod
     def of(cls, model: Any) -> LayerShape:
@@ -78,7 +81,7 @@ class LayerShape:
         arch = ARCHITECTURES[model.architecture]
         return cls(
             hidden=model.hidden_size,
-            intermediate=model.moe_intermediate_size if model.num_experts else model.intermediate_size,
+            intermediate=model.expert_intermediate_size if model.num_experts else model.intermediate_size,
             heads=model.num_heads,
             kv_heads=model.num_kv_heads,
             head_dim=model.head_dim,
@@ -89,6 +92,8 @@ class LayerShape:
             fused_projections=arch.fused_projections,
             experts=model.num_experts,
             experts_per_token=model.num_experts_per_token,
+            renormalized_routing=model.norm_topk_prob or arch.fp32_routing_weights,
+            fp32_routing_weights=arch.fp32_routing_weights,
         )
 
 
@@ -203,12 +208,13 @@ def layer_bytes_per_token(shape: LayerShape, run: LayerRun) -> int:
 
 
 def _sparse_layer_bytes(shape: LayerShape, run: LayerRun) -> int:
-    """A Qwen3-MoE sparse layer (LoRA, no dropout): Qwen3's attention, and the routed MLP per token.
+    """A Qwen3-MoE or Mixtral sparse layer (LoRA, no dropout): its attention, and the routed MLP per token.
 
     Measured (scripts/measure_activations.py, MOE_SHAPES; transformers' grouped_mm experts, the path its
     models take): each of the k routed copies of a token keeps its permuted input (h), the gate_up output
     (2I) and act(gate) (I) in the compute dtype, and its routing weight; the router keeps its fp32 softmax
-    (4E) and 32 bytes per routed copy of indices (int64 top-k, sort and inverse permutation). LoRA on the
+    (4E) and 32 bytes per routed copy of indices (int64 top-k, sort and inverse permutation). Mixtral's
+    experts are the same code (its routing weights stay fp32: `fp32_routing_weights`). LoRA on the
     experts (`expert_adapters`) folds B @ A into the expert weights, which then need grads: grouped_mm also
     keeps each copy's input to down_proj (I) and the permuted input once more (h); the folded weights
     themselves are a per-layer constant (`folded_expert_bytes`). Attention's adapters are as Qwen3's (their
@@ -232,7 +238,13 @@ def _sparse_layer_bytes(shape: LayerShape, run: LayerRun) -> int:
         gate_up = c * h
     attention_only -= gate_up + 3 * run.lora_rank * kept
     i = shape.intermediate
-    routed = k * c * (h + 3 * i) + k * c + 4 * shape.experts + 32 * k
+    # the routing weights: in the compute dtype (Qwen3-MoE), and when renormalized the fp32 sum and quotient
+    # too; Mixtral's stay fp32 and renormalized (measured, bf16 and fp32 alike: 8k + 4)
+    if shape.fp32_routing_weights:
+        weights = 8 * k + 4
+    else:
+        weights = k * c + (4 * k + 4 if shape.renormalized_routing else 0)
+    routed = k * c * (h + 3 * i) + weights + 4 * shape.experts + 32 * k
     if run.expert_adapters:
         routed += k * c * (h + i)
     return attention_only + routed
