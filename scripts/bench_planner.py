@@ -93,7 +93,12 @@ class Case:
     @property
     def name(self) -> str:
         loss = "chunked" if self.chunked_loss else "trl"
-        parts = [self.method, {"qwen3_moe": "moe"}.get(self.experts, self.experts), "ckpt" if self.checkpointing else "", loss]
+        parts = [
+            self.method,
+            {"qwen3_moe": "moe"}.get(self.experts, self.experts),
+            "ckpt" if self.checkpointing else "",
+            loss,
+        ]
         parts.append("dpo" if self.dpo else "")
         return " ".join(p for p in parts if p)
 
