@@ -129,6 +129,10 @@ MOE_CASES: dict[str, dict[str, Any]] = {
         method="lora", adapter_bytes=4, autocast=True, expert_adapters=True
     ),
     "moe_lora_fp32_base_experts": dict(method="lora", adapter_bytes=4, dtype_bytes=4, expert_adapters=True),
+    # full fine-tuning: every expert and the router trained (bf16; fp32 weights under autocast; all fp32)
+    "moe_full": dict(method="full"),
+    "moe_full_autocast": dict(method="full", autocast=True),
+    "moe_full_fp32": dict(method="full", dtype_bytes=4),
 }
 ALL_CASES = {**CASES, **MOE_CASES}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -479,7 +483,10 @@ def moe_formula_bytes(row: dict[str, Any]) -> int:
         hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv, head_dim=head_dim, experts=experts
     )
     out += 4 * experts + folded_expert_bytes(shape, LayerRun(**kw))
-    if kw.get("autocast"):
+    if kw.get("autocast") and kw["method"] == "full":  # attention's and the router's bf16 copies
+        q_dim, kv_dim = heads * head_dim, kv * head_dim
+        out += autocast_weight_copy_bytes(hidden * (2 * q_dim + 2 * kv_dim) + experts * hidden)
+    elif kw.get("autocast"):
         q_dim, kv_dim, r = heads * head_dim, kv * head_dim, 16
         adapters = r * (2 * (hidden + q_dim) + 2 * (hidden + kv_dim))
         if kw.get("expert_adapters"):
@@ -537,7 +544,12 @@ def measure_moe() -> list[dict[str, Any]]:
                 r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(arch.projections),
                 target_parameters=list(arch.expert_parameters) if kw.get("expert_adapters") else None,
             )  # fmt: skip
-            layer = get_peft_model(copy.deepcopy(base), lcfg, autocast_adapter_dtype=kw["adapter_bytes"] == 4)
+            if kw["method"] == "full":
+                layer = copy.deepcopy(base).requires_grad_(True)
+            else:
+                layer = get_peft_model(
+                    copy.deepcopy(base), lcfg, autocast_adapter_dtype=kw["adapter_bytes"] == 4
+                )
             for tokens in (64, 128):
                 b = measure_layer(shape, case, tokens, layer)
                 rows.append(
