@@ -110,3 +110,30 @@ def test_tiny_mixtral_trains_with_lora_on_attention_and_experts(tmp_path, tiny_c
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     base, trained = metrics["eval"]["base"]["loss"], metrics["eval"]["trained"]["loss"]
     assert trained < base - 0.1, (base, trained)
+
+
+def test_serve_sh_for_expert_adapters_serves_the_merged_model(tmp_path):
+    """vLLM's loading of PEFT's fused-expert adapters is unchecked: serve.sh offers the merged model alone, with
+    the line saying why; an attention-only adapter keeps vLLM's multi-LoRA variant."""
+    from finetune.export import serve
+
+    cfg, plan = planned("+recipe=mixtral_8x7b_lora")
+    commands = serve.serve_commands(
+        cfg, plan, merged=True, adapter=True, base_source="mistralai/Mixtral-8x7B-v0.1"
+    )
+    assert [c.variant for c in commands] == ["merged", "fp8"]
+    assert commands[0].line.startswith("vllm serve ./merged --served-model-name mixtral_8x7b_lora ")
+    serve.write(cfg, tmp_path / "serve.sh", commands)
+    text = (tmp_path / "serve.sh").read_text()
+    assert f"# {serve.EXPERT_ADAPTER_NOTE}." in text.splitlines()
+    assert "--enable-lora" not in text and "bash serve.sh [merged|fp8]" in text
+    # without the merged weights, the adapter line stays, carrying the same warning
+    (lora,) = serve.serve_commands(
+        cfg, plan, merged=False, adapter=True, base_source="mistralai/Mixtral-8x7B-v0.1"
+    )
+    assert lora.variant == "lora" and "--enable-lora" in lora.argv and serve.EXPERT_ADAPTER_NOTE in lora.note
+    attention, _ = planned("+recipe=mixtral_8x7b_lora", "method.lora_experts=false")
+    variants = [
+        c.variant for c in serve.serve_commands(attention, plan, merged=True, adapter=True, base_source="m")
+    ]
+    assert variants == ["merged", "lora", "fp8"]
