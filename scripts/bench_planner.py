@@ -4,6 +4,7 @@
     python scripts/bench_planner.py --only smollm2 # SmolLM2-135M-Instruct's shape alone
     python scripts/bench_planner.py --quick        # tiny model only (~2 min), used by the tests
     python scripts/bench_planner.py --only moe     # the tiny Qwen3-MoE, LoRA on attention and experts (~3 min)
+    python scripts/bench_planner.py --only mixtral # the tiny Mixtral, the same
     python scripts/bench_planner.py --only dpo     # DPO: TRL's step per method, and whole runs' peak RSS vs plan
     python scripts/bench_planner.py --json out.json
 
@@ -83,15 +84,21 @@ class Case:
     chunk_size: int
     num_layers: Optional[int] = None  # None: the model config's own
     vocab_size: Optional[int] = None
-    # the shape as a Qwen3-MoE of 4 fused experts (2 routed), LoRA on attention and experts, no dropout
-    experts: bool = False
+    # the shape as a mixture of experts of this family (qwen3_moe, mixtral): 4 fused experts of width 48, 2
+    # routed; LoRA on attention and experts, no dropout ("": dense)
+    experts: str = ""
     # sft: one packed row of `tokens`; dpo: TRL's DPO step, a chosen and a rejected row of up to `tokens` each
     objective: str = "sft"
 
     @property
     def name(self) -> str:
         loss = "chunked" if self.chunked_loss else "trl"
-        parts = [self.method, "moe" if self.experts else "", "ckpt" if self.checkpointing else "", loss]
+        parts = [
+            self.method,
+            {"qwen3_moe": "moe"}.get(self.experts, self.experts),
+            "ckpt" if self.checkpointing else "",
+            loss,
+        ]
         parts.append("dpo" if self.dpo else "")
         return " ".join(p for p in parts if p)
 
@@ -125,9 +132,11 @@ def model_config(case: Case) -> Any:
         changes["num_layers"] = case.num_layers
     if case.vocab_size is not None:
         changes["vocab_size"] = case.vocab_size
-    if case.experts:
+    if case.experts:  # Mixtral's experts' width is intermediate_size, and its router renormalizes
+        width = {"moe_intermediate_size": 48} if case.experts == "qwen3_moe" else {"intermediate_size": 48}
+        renorm = case.experts == "mixtral"
         changes.update(
-            architecture="qwen3_moe", num_experts=4, num_experts_per_token=2, moe_intermediate_size=48
+            architecture=case.experts, num_experts=4, num_experts_per_token=2, norm_topk_prob=renorm, **width
         )
     return replace(m, **changes)
 
@@ -140,9 +149,11 @@ def cases(quick: bool) -> list[Case]:
                 out.append(Case("tiny", method, ckpt, chunked, tokens=256, chunk_size=64))
     if quick:
         return out
-    # the tiny model as a Qwen3-MoE (recipes/tiny_moe.yaml's shape), LoRA on attention and experts
-    for ckpt in (False, True):
-        out.append(Case("tiny", "lora", ckpt, True, tokens=256, chunk_size=64, experts=True))
+    # the tiny model as a Qwen3-MoE and a Mixtral (recipes/tiny_moe.yaml's, tiny_mixtral.yaml's shape), LoRA on
+    # attention and experts
+    for family in ("qwen3_moe", "mixtral"):
+        for ckpt in (False, True):
+            out.append(Case("tiny", "lora", ckpt, True, tokens=256, chunk_size=64, experts=family))
     # DPO (TRL's DPOTrainer step: the fused head on both rows, the reference forward under no_grad), one per method
     for method in ("full", "lora", "qlora"):
         out.append(Case("tiny", method, False, False, tokens=256, chunk_size=64, objective="dpo"))
@@ -585,7 +596,7 @@ def planned(case: Case) -> dict[str, float]:
         precision="bf16",
         lora_dropout=case.dropout,
         adapter_dtype=case.adapter_dtype,
-        lora_experts=case.experts,
+        lora_experts=bool(case.experts),
     )
     hw = HardwareConfig(name="bench", device="cpu", gpu_memory_gb=1e6)
     train = TrainConfig(seq_len=case.tokens, loss_chunk_size=case.chunk_size)

@@ -24,6 +24,8 @@ a frozen one (LoRA/QLoRA).
 Families besides Llama/Qwen2 (`FAMILY_SHAPES`: Qwen3's q/k norms, Gemma 3's four norms and fp32 norm
 product, Phi-3/4's fused qkv_proj and gate_up_proj) are measured on three small shapes each, through
 their own transformers decoder layer and their own LoRA targets (`--families` re-measures only those).
+Mixtures of experts (`MOE_SHAPES`: Qwen3-MoE's and Mixtral's sparse layers, transformers' grouped_mm experts)
+are measured under LoRA on attention and on the fused experts (`--moe` re-measures only those).
 
 Writes every measurement to finetune/planner/activations.json and prints
 measured vs formula. Takes about 11 minutes on 2 CPU cores (the 70B layer has
@@ -33,6 +35,7 @@ Usage:
     python scripts/measure_activations.py                       # measure all, write the json
     python scripts/measure_activations.py --cases lora_fp32_autocast,full_fp32   # re-measure some, keep the rest
     python scripts/measure_activations.py --families            # re-measure the other families' rows only
+    python scripts/measure_activations.py --moe                 # re-measure the sparse layers' rows only
     python scripts/measure_activations.py --check               # only compare the stored json with the formula
 """
 
@@ -109,6 +112,29 @@ SMALL_ONLY = (
 # the other families: every case but QLoRA's (its layer measures as LoRA's), and full fine-tuning under autocast
 CASES["full_autocast"] = dict(method="full", autocast=True)
 FAMILY_CASES = tuple(c for c in CASES if not c.startswith("qlora"))
+# Mixtures of experts' sparse layers (`--moe`): name: (family, dims with I the expert's width, experts, routed a
+# token, the router's norm_topk_prob), through transformers' grouped_mm experts (the path its models take)
+MOE_SHAPES: dict[str, tuple[str, tuple[int, int, int, int, int, bool], int, int, bool]] = {
+    "qwen3_moe_0": ("qwen3_moe", (256, 128, 4, 2, 64, False), 8, 2, False),
+    "qwen3_moe_1": ("qwen3_moe", (384, 200, 6, 3, 32, False), 6, 3, True),
+    "mixtral_0": ("mixtral", (256, 128, 4, 2, 64, False), 8, 2, True),
+    "mixtral_1": ("mixtral", (384, 200, 6, 3, 32, False), 6, 3, True),
+    "mixtral_2": ("mixtral", (512, 320, 8, 2, 64, False), 8, 2, True),
+}
+# LoRA on attention (the router frozen), and on the fused experts too (PEFT's target_parameters; no dropout)
+MOE_CASES: dict[str, dict[str, Any]] = {
+    "moe_lora_bf16": dict(method="lora", adapter_bytes=2),
+    "moe_lora_bf16_experts": dict(method="lora", adapter_bytes=2, expert_adapters=True),
+    "moe_lora_fp32_autocast_experts": dict(
+        method="lora", adapter_bytes=4, autocast=True, expert_adapters=True
+    ),
+    "moe_lora_fp32_base_experts": dict(method="lora", adapter_bytes=4, dtype_bytes=4, expert_adapters=True),
+    # full fine-tuning: every expert and the router trained (bf16; fp32 weights under autocast; all fp32)
+    "moe_full": dict(method="full"),
+    "moe_full_autocast": dict(method="full", autocast=True),
+    "moe_full_fp32": dict(method="full", dtype_bytes=4),
+}
+ALL_CASES = {**CASES, **MOE_CASES}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 HEAD_VOCABS = (1000, 8192, 32000)
 HEAD_HIDDENS = (256, 1024, 4096)
@@ -313,7 +339,7 @@ def measure_layer(
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    kw = CASES[case]
+    kw = ALL_CASES[case]
     autocast = autocast or kw.get("autocast", False)
     hidden, head_dim = shape[0], shape[4]
     layer = layer if layer is not None else build_layer(shape, case)
@@ -379,7 +405,13 @@ def measure_head(hidden: int, vocab: int, tokens: int, trainable_head: bool, aut
     return total
 
 
-def formula(shape: tuple[int, int, int, int, int, bool], case: str, family: str = "") -> int:
+def formula(
+    shape: tuple[int, int, int, int, int, bool],
+    case: str,
+    family: str = "",
+    moe: tuple[int, int, bool] = (0, 0, False),
+) -> int:
+    """The formula's per-token bytes; `moe`: (experts, routed a token, norm_topk_prob) of a sparse layer."""
     from finetune.core.architectures import ARCHITECTURES
     from finetune.planner.activations import LayerRun, LayerShape, layer_bytes_per_token
 
@@ -391,11 +423,16 @@ def formula(shape: tuple[int, int, int, int, int, bool], case: str, family: str 
             fp32_norm_product=arch.fp32_norm_product, qk_norm=arch.qk_norm,
             sandwich_norms=arch.sandwich_norms, fused_projections=arch.fused_projections,
         )  # fmt: skip
+        if moe[0]:
+            facts.update(
+                experts=moe[0], experts_per_token=moe[1], renormalized_routing=moe[2] or arch.fp32_routing_weights,
+                fp32_routing_weights=arch.fp32_routing_weights,
+            )  # fmt: skip
     layer = LayerShape(
         hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv, head_dim=head_dim, attention_bias=bias,
         **facts,
     )  # fmt: skip
-    return layer_bytes_per_token(layer, LayerRun(**CASES[case]))
+    return layer_bytes_per_token(layer, LayerRun(**ALL_CASES[case]))
 
 
 def formula_bytes(row: dict[str, Any]) -> int:
@@ -403,9 +440,11 @@ def formula_bytes(row: dict[str, Any]) -> int:
     autocast, the bf16 copies of the adapters' fp32 weights (constants per layer)."""
     from finetune.planner.activations import attention_mask_bytes, autocast_weight_copy_bytes
 
-    kw = CASES[row["case"]]
+    kw = ALL_CASES[row["case"]]
     tokens = row["tokens"]
     family = row.get("family", "")
+    if "experts" in row:
+        return moe_formula_bytes(row)
     out = formula(tuple(row["dims"]), row["case"], family) * tokens  # type: ignore[arg-type]
     if kw.get("packed"):
         out += attention_mask_bytes(tokens=tokens, rows=1, dtype_bytes=kw.get("dtype_bytes", 2))
@@ -423,6 +462,105 @@ def formula_bytes(row: dict[str, Any]) -> int:
             per_rank -= 3 * hidden
         out += autocast_weight_copy_bytes(kw.get("lora_rank", 16) * per_rank)
     return out
+
+
+def moe_formula_bytes(row: dict[str, Any]) -> int:
+    """A sparse layer's row: per token x tokens, plus its constants: grouped_mm's int32 offsets (4 bytes an
+    expert), the expert weights with their LoRA folded in, and under autocast the bf16 copies of the fp32
+    adapters (attention's and the experts')."""
+    from finetune.planner.activations import (
+        LayerRun,
+        LayerShape,
+        autocast_weight_copy_bytes,
+        folded_expert_bytes,
+    )
+
+    kw = MOE_CASES[row["case"]]
+    hidden, inter, heads, kv, head_dim, _ = row["dims"]
+    experts, k, norm = row["experts"], row["experts_per_token"], row["norm_topk_prob"]
+    out = formula(tuple(row["dims"]), row["case"], row["family"], (experts, k, norm)) * row["tokens"]  # type: ignore[arg-type]
+    shape = LayerShape(
+        hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv, head_dim=head_dim, experts=experts
+    )
+    out += 4 * experts + folded_expert_bytes(shape, LayerRun(**kw))
+    if kw.get("autocast") and kw["method"] == "full":  # attention's and the router's bf16 copies
+        q_dim, kv_dim = heads * head_dim, kv * head_dim
+        out += autocast_weight_copy_bytes(hidden * (2 * q_dim + 2 * kv_dim) + experts * hidden)
+    elif kw.get("autocast"):
+        q_dim, kv_dim, r = heads * head_dim, kv * head_dim, 16
+        adapters = r * (2 * (hidden + q_dim) + 2 * (hidden + kv_dim))
+        if kw.get("expert_adapters"):
+            adapters += r * experts * ((hidden + 2 * inter) + (inter + hidden))
+        out += autocast_weight_copy_bytes(adapters)
+    return out
+
+
+def moe_layer(
+    family: str, shape: tuple[int, int, int, int, int, bool], experts: int, k: int, norm: bool
+) -> Any:
+    """One sparse decoder layer of `family`'s transformers class (bf16 weights, grouped_mm experts, SDPA)."""
+    import torch
+    import transformers
+
+    hidden, inter, heads, kv, head_dim, _ = shape
+    kw: dict[str, Any] = dict(
+        hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+        num_hidden_layers=1, vocab_size=256, num_experts_per_tok=k,
+    )  # fmt: skip
+    if family == "mixtral":  # its experts' width is intermediate_size; it always renormalizes
+        cfg = transformers.MixtralConfig(**kw, intermediate_size=inter, num_local_experts=experts)
+        from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer as Layer
+    else:
+        cfg = transformers.Qwen3MoeConfig(
+            **kw,
+            intermediate_size=4 * inter,
+            moe_intermediate_size=inter,
+            num_experts=experts,
+            norm_topk_prob=norm,
+        )
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer as Layer  # type: ignore[assignment]
+    cfg._attn_implementation, cfg._experts_implementation = "sdpa", "grouped_mm"
+    with torch.device("meta"):
+        layer = Layer(cfg, layer_idx=0)
+    layer = layer.to_empty(device="cpu").to(torch.bfloat16)
+    _init_(layer)
+    return layer
+
+
+def measure_moe() -> list[dict[str, Any]]:
+    """Every MOE_SHAPES x MOE_CASES row, at 64 and 128 tokens."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from finetune.core.architectures import ARCHITECTURES
+
+    rows: list[dict[str, Any]] = []
+    for name, (family, shape, experts, k, norm) in MOE_SHAPES.items():
+        base = moe_layer(family, shape, experts, k, norm)
+        arch = ARCHITECTURES[family]
+        for case, kw in MOE_CASES.items():
+            lcfg = LoraConfig(
+                r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(arch.projections),
+                target_parameters=list(arch.expert_parameters) if kw.get("expert_adapters") else None,
+            )  # fmt: skip
+            if kw["method"] == "full":
+                layer = copy.deepcopy(base).requires_grad_(True)
+            else:
+                layer = get_peft_model(
+                    copy.deepcopy(base), lcfg, autocast_adapter_dtype=kw["adapter_bytes"] == 4
+                )
+            for tokens in (64, 128):
+                b = measure_layer(shape, case, tokens, layer)
+                rows.append(
+                    dict(
+                        shape=name, family=family, dims=list(shape), experts=experts, experts_per_token=k,
+                        norm_topk_prob=norm, case=case, tokens=tokens, bytes=b, bytes_per_token=b / tokens,
+                    )
+                )  # fmt: skip
+            del layer
+        print(f"  {name:14s} {len(MOE_CASES)} cases", flush=True)
+    return rows
 
 
 def qlora_works() -> bool:
@@ -550,6 +688,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only compare the stored json with the formula")
     parser.add_argument("--families", action="store_true", help="(re)measure only the other families' rows")
+    parser.add_argument("--moe", action="store_true", help="(re)measure only the mixtures of experts' rows")
     parser.add_argument(
         "--cases", help="comma-separated cases to (re)measure; the json keeps every other row"
     )
@@ -570,8 +709,11 @@ def main() -> None:
         torch.manual_seed(0)
         t0 = time.time()
         if args.families:
-            kept = [r for r in json.loads(JSON_PATH.read_text())["measurements"] if "family" not in r]
-            rows = kept + measure_families()
+            old = json.loads(JSON_PATH.read_text())["measurements"]
+            rows = [r for r in old if "family" not in r or "experts" in r] + measure_families()
+        elif args.moe:
+            old = json.loads(JSON_PATH.read_text())["measurements"]
+            rows = [r for r in old if "experts" not in r] + measure_moe()
         else:
             rows = measure_all(only)
             if only is not None:

@@ -42,8 +42,36 @@ WORKER_RUN = (
     "data.eval_fraction=0.01",
 )
 
+# Tiny mixtures of experts in transformers' own classes (fused 3-D experts): a Qwen3-MoE (4 experts of width 48,
+# 2 routed a token) and a Mixtral of the same shape (its experts' width is intermediate_size; it renormalizes).
+TINY_MOE = (
+    "model.architecture=qwen3_moe",
+    "model.num_experts=4",
+    "model.num_experts_per_token=2",
+    "model.moe_intermediate_size=48",
+)
+TINY_MIXTRAL = (
+    "model.architecture=mixtral",
+    "model.num_experts=4",
+    "model.num_experts_per_token=2",
+    "model.intermediate_size=48",
+    "model.norm_topk_prob=true",
+)
+# LoRA on attention and on the experts (PEFT's target_parameters take no dropout)
+EXPERT_LORA = ("method=lora", "method.lora_dropout=0", "method.lora_experts=true")
+
 
 # ---------------------------------------------------------------- configs and plans
+
+
+def tiny_model(architecture: str, **fields: Any) -> Any:
+    """The tiny ModelConfig in another family's class (hidden = heads x head_dim, as Phi requires), `fields`
+    replaced (num_experts=4, ... for a mixture of experts)."""
+    from finetune.core.config import ModelConfig
+
+    return replace(
+        ModelConfig(), architecture=architecture, hidden_size=64, num_heads=4, head_dim=16, **fields
+    )
 
 
 def tiny_cfg(*overrides: str, run_dir: Optional[Path] = None) -> Config:

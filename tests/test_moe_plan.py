@@ -47,8 +47,7 @@ def test_lora_experts_needs_no_dropout_and_a_mixture_of_experts():
 @pytest.mark.parametrize(
     "overrides,why",
     [
-        (("method=qlora",), "quantizes nn.Linear layers only"),
-        (("method=full",), "method=full on experts was not measured"),
+        (("method=qlora",), "bitsandbytes quantizes nn.Linear only"),
         (("model.dense_layers=2",), "its 2 dense layers among the sparse ones were not measured"),
     ],
 )
@@ -61,9 +60,9 @@ def test_what_was_not_measured_is_refused_in_one_line(overrides, why):
 
 def test_an_unmeasured_sparse_layer_is_refused():
     m = ModelConfig(
-        architecture="mixtral", hidden_size=64, num_experts=8, num_experts_per_token=2, intermediate_size=96
+        architecture="qwen2_moe", hidden_size=64, num_experts=8, num_experts_per_token=2, intermediate_size=96
     )
-    with pytest.raises(PlanError, match="mixtral's sparse layer was not measured"):
+    with pytest.raises(PlanError, match="qwen2_moe.s sparse layer was not measured"):
         check_model(m)
 
 

@@ -8,14 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers import last_losses, tiny_cfg, train_run
-
-TINY_MOE = (
-    "model.architecture=qwen3_moe",
-    "model.num_experts=4",
-    "model.num_experts_per_token=2",
-    "model.moe_intermediate_size=48",
-)
+from helpers import TINY_MOE, last_losses, tiny_cfg, train_run
 
 
 @pytest.mark.slow

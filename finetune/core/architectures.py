@@ -40,6 +40,9 @@ class Architecture:
     # A mixture of experts whose sparse layer was measured: its fused 3-D expert weights, as PEFT's
     # `target_parameters` names them (method.lora_experts). Empty: counted, not planned.
     expert_parameters: tuple[str, ...] = ()
+    # The router's top-k weights stay fp32 and are always divided by their sum (Mixtral; Qwen-MoE casts them
+    # to the compute dtype and renormalizes only where `norm_topk_prob` says): 8k + 4 bytes a token, measured
+    fp32_routing_weights: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -64,11 +67,17 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),  # fmt: skip
     # Phi-3 and Phi-4: fused qkv_proj and gate_up_proj
     "phi3": Architecture("phi3", "Phi3DecoderLayer", FUSED_PROJECTIONS, False, fused_projections=True),
-    # Counted exactly (the plan refuses it with its real size): Llama attention, and in each layer a router
-    # and `num_experts` gate/up/down experts of which `num_experts_per_token` run per token.
+    # Llama attention, and in every layer a router and fused experts ([E, 2I, h] gate_up, [E, h, I] down, I
+    # its `intermediate_size`) of which `num_experts_per_tok` run a token: Qwen3-MoE's experts, measured
     "mixtral": Architecture(
-        "mixtral", "MixtralDecoderLayer", ("q_proj", "k_proj", "v_proj", "o_proj"), False, True
-    ),
+        "mixtral",
+        "MixtralDecoderLayer",
+        ("q_proj", "k_proj", "v_proj", "o_proj"),
+        False,
+        True,
+        expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+        fp32_routing_weights=True,
+    ),  # fmt: skip
     # Qwen3's attention (q/k norms), a router and fused experts ([E, 2I, h] gate_up, [E, h, I] down) in each
     # sparse layer, dense MLPs where `mlp_only_layers` / `decoder_sparse_step` say (those are not planned)
     "qwen3_moe": Architecture(
@@ -102,6 +111,7 @@ UNMODELLED_OPTIONS: dict[str, tuple[object, str]] = {
     "partial_rotary_factor": (1.0, "rotary embeddings on part of each head (Phi-3.5-mini, Phi-4-mini)"),
     "attn_logit_softcapping": (None, "soft-capped attention logits (SDPA cannot run them)"),
     "final_logit_softcapping": (None, "soft-capped output logits"),
+    "router_jitter_noise": (0.0, "the router's input scaled by random noise in training (Mixtral's option)"),
 }
 
 

@@ -26,6 +26,14 @@ from finetune.core.config import Config
 from finetune.modeling.outputs import Identity
 from finetune.planner import Plan
 
+# Why an adapter on a mixture of experts' fused experts is served merged (one line in serve.sh): vLLM's MoE LoRA
+# (FusedMoEWithLoRA, vllm-project/vllm#21229) was not run here, and users report that adapters trained on fused
+# 3-D experts do not load (vllm-project/vllm#33259, #40005).
+EXPERT_ADAPTER_NOTE = (
+    "LoRA on the fused experts (PEFT's target_parameters) is served merged only: whether vLLM's MoE LoRA "
+    "(vllm-project/vllm#21229) loads PEFT's fused 3-D adapter layout was not checked, and users report it "
+    "does not (#33259)"
+)
 # vLLM's accepted --max-lora-rank values.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # Share of vLLM's GPU budget the weights may take; the rest is left for the KV cache and activations.
@@ -136,7 +144,8 @@ def serve_commands(
                 "merged into the NF4 base (lossy, export.allow_lossy_4bit_merge): bitsandbytes 4-bit weights"
             )
         commands.append(ServeCommand("merged", tuple(argv), note))
-    if adapter and base_source:
+    # an adapter on the fused experts: the merged model only, where there is one (EXPERT_ADAPTER_NOTE)
+    if adapter and base_source and not (cfg.method.lora_experts and merged):
         bf16 = weights_gb(cfg, plan)
         tp, fits = tensor_parallel(cfg, bf16)
         tp = x.tensor_parallel_size or tp
@@ -149,6 +158,8 @@ def serve_commands(
         note = _fit_note(cfg, "base bf16 + adapter", bf16, tp, fits)
         if cfg.method.spec.quantized_base:
             note += "; the adapter was trained on the NF4 base, served here on the bf16 one (as merged)"
+        if cfg.method.lora_experts:
+            note += f"; {EXPERT_ADAPTER_NOTE}"
         commands.append(ServeCommand("lora", tuple(argv), note))
     if merged and x.fp8 and not merged_4bit:
         fp8 = weights_gb(cfg, plan, fp8=True)
@@ -181,6 +192,7 @@ def script(cfg: Config, commands: list[ServeCommand], made_from: Optional[Identi
         "#   merged: the merged bf16 weights in ./merged",
         "#   lora:   the base model with ./adapter on top (clients ask for the run's name; NAME-base is the base)",
         "#   fp8:    ./merged quantized to FP8 at load: half the weight memory (a merged 70B fits one H200)",
+        *([rundir.shell_comment(EXPERT_ADAPTER_NOTE + ".")] if cfg.method.lora_experts else []),
         "# Paths are relative to this folder: copy the folder, run the script from anywhere.",
         "set -euo pipefail",
         'cd "$(dirname "$0")"',

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import sys
 from typing import Any
 
 import torch
@@ -390,7 +391,14 @@ def add_chunked_loss_head(model: Any, chunk_size: int = DEFAULT_CHUNK_SIZE, use_
         kwargs.pop("logits_to_keep", None)
         kwargs.pop("output_hidden_states", None)
         kwargs["use_cache"] = False
-        hidden = self.base_model(*args, **kwargs).last_hidden_state  # the backbone: the final norm's output
+        # a mixture of experts asked for its router logits (TRL sets the config for the auxiliary loss)
+        router = kwargs.get("output_router_logits")
+        if router is None:
+            router = bool(getattr(self.config, "output_router_logits", False))
+        if router:
+            kwargs["output_router_logits"] = True
+        backbone = self.base_model(*args, **kwargs)
+        hidden = backbone.last_hidden_state  # the backbone: the final norm's output
         head = self.get_output_embeddings()
         weight, bias = head.weight, head.bias
         if isinstance(weight, DTensor):  # FSDP2 outside its root's forward: gather the head once
@@ -407,7 +415,17 @@ def add_chunked_loss_head(model: Any, chunk_size: int = DEFAULT_CHUNK_SIZE, use_
                 shift_labels=shift_labels,
                 use_liger=use_liger,
             )
-        return CausalLMOutputWithPast(loss=loss)
+        if not router:
+            return CausalLMOutputWithPast(loss=loss)
+        from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+        # the load-balancing loss as the model's own forward computes it (its module's function and arguments);
+        # the trainer weights and adds it, as TRL's compute_loss does on its own loss path
+        balance = sys.modules[type(self).__module__].load_balancing_loss_func
+        aux_loss = balance(
+            backbone.router_logits, self.num_experts, self.num_experts_per_tok, kwargs.get("attention_mask")
+        )
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss)
 
     model.forward = types.MethodType(forward, model)
     model._finetune_chunked_loss = True

@@ -212,6 +212,7 @@ def model_from_hf_config(model: ModelConfig, hf: Any, key: str, name: str) -> Mo
             moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", 0) or 0) if experts else 0,
             dense_layers=_dense_layers(hf, experts),
             shared_expert_intermediate_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0),
+            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)) if experts else False,
             hub_id=model.hub_id,
         )
     except (AttributeError, TypeError) as exc:

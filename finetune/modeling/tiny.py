@@ -156,13 +156,16 @@ def hf_config(model_cfg: ModelConfig, **extra: Any) -> Any:
     arch = ARCHITECTURES[model_cfg.architecture]
     if not arch.fused_projections:  # Phi's head_dim is hidden / heads (ModelConfig checks it)
         common["head_dim"] = model_cfg.head_dim
-    if model_cfg.num_experts:  # Qwen3-MoE's keys: every layer sparse unless dense_layers says otherwise
-        common.update(
-            num_experts=model_cfg.num_experts,
-            num_experts_per_tok=model_cfg.num_experts_per_token,
-            moe_intermediate_size=model_cfg.moe_intermediate_size,
-            mlp_only_layers=list(range(model_cfg.dense_layers)),
-        )
+    if model_cfg.num_experts:
+        # Qwen-MoE's keys (every layer sparse unless dense_layers says otherwise); Mixtral's config maps
+        # num_experts to num_local_experts and takes its experts' width as intermediate_size
+        common.update(num_experts=model_cfg.num_experts, num_experts_per_tok=model_cfg.num_experts_per_token)
+        if model_cfg.moe_intermediate_size:
+            common.update(
+                moe_intermediate_size=model_cfg.moe_intermediate_size,
+                mlp_only_layers=list(range(model_cfg.dense_layers)),
+                norm_topk_prob=model_cfg.norm_topk_prob,
+            )
     if model_cfg.architecture == "llama":
         common.update(attention_bias=model_cfg.attention_bias, mlp_bias=False)
     return AutoConfig.for_model(model_cfg.architecture, **{**common, **extra})

@@ -71,6 +71,9 @@ class LayerShape:
     # which `experts_per_token` run per token (0: a dense MLP).
     experts: int = 0
     experts_per_token: int = 0
+    # the router's top-k weights divided by their sum (`norm_topk_prob`), and kept fp32 (Mixtral)
+    renormalized_routing: bool = False
+    fp32_routing_weights: bool = False
 
     @classmethod
     def of(cls, model: Any) -> LayerShape:
@@ -78,7 +81,7 @@ class LayerShape:
         arch = ARCHITECTURES[model.architecture]
         return cls(
             hidden=model.hidden_size,
-            intermediate=model.moe_intermediate_size if model.num_experts else model.intermediate_size,
+            intermediate=model.expert_intermediate_size if model.num_experts else model.intermediate_size,
             heads=model.num_heads,
             kv_heads=model.num_kv_heads,
             head_dim=model.head_dim,
@@ -89,6 +92,8 @@ class LayerShape:
             fused_projections=arch.fused_projections,
             experts=model.num_experts,
             experts_per_token=model.num_experts_per_token,
+            renormalized_routing=model.norm_topk_prob or arch.fp32_routing_weights,
+            fp32_routing_weights=arch.fp32_routing_weights,
         )
 
 
@@ -203,24 +208,35 @@ def layer_bytes_per_token(shape: LayerShape, run: LayerRun) -> int:
 
 
 def _sparse_layer_bytes(shape: LayerShape, run: LayerRun) -> int:
-    """A Qwen3-MoE sparse layer (LoRA, no dropout): Qwen3's attention, and the routed MLP per token.
+    """A Qwen3-MoE or Mixtral sparse layer (LoRA without dropout, or full): its attention, and the routed MLP per
+    token.
 
     Measured (scripts/measure_activations.py, MOE_SHAPES; transformers' grouped_mm experts, the path its
     models take): each of the k routed copies of a token keeps its permuted input (h), the gate_up output
     (2I) and act(gate) (I) in the compute dtype, and its routing weight; the router keeps its fp32 softmax
-    (4E) and 32 bytes per routed copy of indices (int64 top-k, sort and inverse permutation). LoRA on the
+    (4E) and 32 bytes per routed copy of indices (int64 top-k, sort and inverse permutation). Mixtral's
+    experts are the same code (its routing weights stay fp32: `fp32_routing_weights`). LoRA on the
     experts (`expert_adapters`) folds B @ A into the expert weights, which then need grads: grouped_mm also
     keeps each copy's input to down_proj (I) and the permuted input once more (h); the folded weights
     themselves are a per-layer constant (`folded_expert_bytes`). Attention's adapters are as Qwen3's (their
-    dropout as measured there; the experts take none).
+    dropout as measured there; the experts take none). Full fine-tuning keeps what expert LoRA keeps (the expert
+    weights need grads either way) on top of the dense full formula at I = 0; under autocast its fp32 experts
+    run grouped_mm in fp32 (not an autocast op): the routed copies are fp32, and the router is the fourth
+    bf16 copy of the residual stream where the dense layer had gate and up (2h less).
     """
-    if METHODS[run.method].trains_base_weights:
-        raise ValueError("a sparse layer is measured for LoRA only")
     dense = replace(shape, intermediate=0, experts=0, experts_per_token=0)
     attention_only = layer_bytes_per_token(dense, run)  # with the MLP's adapter terms at I = 0, removed next
     if run.checkpointing:
         return attention_only
     h, c, k, a = shape.hidden, run.dtype_bytes, shape.experts_per_token, run.adapter_bytes
+    i = shape.intermediate
+    if METHODS[run.method].trains_base_weights:
+        routed_c = 4 if run.autocast else c
+        router_c = (
+            2 if run.autocast else c
+        )  # the router's logits (and so Qwen's top-k weights) under autocast
+        casts = 2 * h if run.autocast else 0
+        return attention_only - casts + k * routed_c * (2 * h + 4 * i) + _routing_bytes(shape, router_c)
     kept = 2 if run.autocast and a == 4 else a
     # the dense formula at I = 0 still adapts gate and up on the second norm's output (its branches: dropout's
     # output and mask, a cast to the adapter dtype, or the shared input); LoRA here adapts attention only
@@ -231,11 +247,27 @@ def _sparse_layer_bytes(shape: LayerShape, run: LayerRun) -> int:
     else:
         gate_up = c * h
     attention_only -= gate_up + 3 * run.lora_rank * kept
-    i = shape.intermediate
-    routed = k * c * (h + 3 * i) + k * c + 4 * shape.experts + 32 * k
+    routed = k * c * (h + 3 * i) + _routing_bytes(shape, c)
     if run.expert_adapters:
         routed += k * c * (h + i)
     return attention_only + routed
+
+
+def _routing_bytes(shape: LayerShape, c: int) -> int:
+    """The router's per-token bytes: its fp32 softmax (4E), 32 bytes of indices a routed copy, and the top-k
+    weights: in the logits' dtype `c` (Qwen3-MoE), with the fp32 sum and quotient when renormalized; Mixtral's
+    stay fp32 and renormalized (measured, bf16 and fp32 alike: 8k + 4)."""
+    k = shape.experts_per_token
+    if shape.fp32_routing_weights:
+        weights = 8 * k + 4
+    else:
+        weights = k * c + (4 * k + 4 if shape.renormalized_routing else 0)
+    return weights + 4 * shape.experts + 32 * k
+
+
+def expert_weights(shape: LayerShape) -> int:
+    """One sparse layer's expert weights (E x 3hI: gate_up and down), which autocast does not copy (measured)."""
+    return shape.experts * 3 * shape.hidden * shape.intermediate
 
 
 def folded_expert_bytes(shape: LayerShape, run: LayerRun) -> int:
@@ -243,7 +275,7 @@ def folded_expert_bytes(shape: LayerShape, run: LayerRun) -> int:
     backward in the compute dtype whatever the token count (measured); their gradient is as large."""
     if not (shape.experts and run.expert_adapters):
         return 0
-    return run.dtype_bytes * shape.experts * 3 * shape.hidden * shape.intermediate
+    return run.dtype_bytes * expert_weights(shape)
 
 
 def attention_mask_bytes(*, tokens: int, rows: int, dtype_bytes: int = 2) -> int:

@@ -51,6 +51,7 @@ from finetune.planner.activations import (
     LayerShape,
     attention_mask_bytes,
     autocast_weight_copy_bytes,
+    expert_weights,
     folded_expert_bytes,
     layer_bytes_per_token,
     model_bytes_per_token,
@@ -426,7 +427,9 @@ def _adapter_copies(job: Job, rt: Runtime) -> int:
     """Autocast's bf16 copies of fp32 weights saved for backward, per decoder layer, and a mixture of experts'
     expert weights with their LoRA folded in (method.lora_experts)."""
     if job.method.spec.trains_base_weights:
-        return autocast_weight_copy_bytes(job.counts.linear_per_layer) if rt.fp32_residual else 0
+        # a sparse layer's fp32 experts run grouped_mm in fp32: autocast copies attention and the router only
+        copied = job.counts.linear_per_layer - expert_weights(LayerShape.of(job.model))
+        return autocast_weight_copy_bytes(copied) if rt.fp32_residual else 0
     folded = folded_expert_bytes(LayerShape.of(job.model), layer_run(job, rt, checkpointing=False))
     fp32_adapters = rt.autocast and rt.adapter_storage == 4 and not rt.engine.shards
     copies = autocast_weight_copy_bytes(job.adapter // job.model.num_layers) if fp32_adapters else 0

@@ -61,8 +61,8 @@ def projection_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     h = m.hidden_size
     i = m.intermediate_size
-    if m.num_experts and m.moe_intermediate_size:
-        i = m.moe_intermediate_size
+    if m.num_experts:
+        i = m.expert_intermediate_size
     if ARCHITECTURES[m.architecture].fused_projections:
         return {
             "qkv_proj": (h, q + 2 * kv),
@@ -122,7 +122,7 @@ def check_target_modules(m: ModelConfig, method: MethodConfig) -> None:
         )
     if method.lora_experts and not ARCHITECTURES[m.architecture].expert_parameters:
         raise ConfigError(
-            f"method.lora_experts=true: {m.architecture} has no fused experts the planner models (qwen3_moe has)"
+            f"method.lora_experts=true: {m.architecture} has no fused experts the planner models"
         )
 
 
@@ -135,7 +135,7 @@ def lora_params(m: ModelConfig, method: MethodConfig) -> int:
     if (
         method.lora_experts
     ):  # PEFT: r x E rows of A and columns of B per 3-D weight (gate_up h -> 2I, down I -> h)
-        h, i = m.hidden_size, m.moe_intermediate_size
+        h, i = m.hidden_size, m.expert_intermediate_size
         experts = (m.num_layers - m.dense_layers) * method.lora_rank * m.num_experts * ((h + 2 * i) + (i + h))
     return per_layer * m.num_layers + experts
 

@@ -26,6 +26,7 @@ from finetune.core.config import HardwareConfig, MethodConfig, ModelConfig, Plan
 from finetune.core.errors import ConfigError, PlanError
 from finetune.core.objectives import ObjectiveSpec
 from finetune.core.parallelism import ENGINES, REPLICATED, SEQUENCE_SPLITS, SHARDED_ENGINES, SINGLE
+from finetune.planner.activations import LayerShape, expert_weights
 from finetune.planner.calibration import Calibration
 from finetune.planner.contract import GB, Alternative, Memory, Plan, Strategy
 from finetune.planner.engines import why_not, why_not_split
@@ -528,8 +529,9 @@ def _resolve_seq_len(model: ModelConfig, train: TrainConfig, seq_len: Optional[i
 
 
 def check_model(model: ModelConfig, method: Optional[MethodConfig] = None) -> None:
-    """Refuse, with one line, a mixture of experts the memory model does not describe: the sparse layer
-    measured is Qwen3-MoE's under LoRA (finetune/planner/activations.py), every layer sparse."""
+    """Refuse, with one line, a mixture of experts the memory model does not describe: the sparse layers
+    measured are Qwen3-MoE's and Mixtral's under LoRA and full fine-tuning (finetune/planner/activations.py),
+    every layer sparse."""
     arch = ARCHITECTURES[model.architecture]
     if not (model.num_experts or arch.mixture_of_experts):
         return
@@ -540,13 +542,8 @@ def check_model(model: ModelConfig, method: Optional[MethodConfig] = None) -> No
         why = f"its {model.dense_layers} dense layers among the sparse ones were not measured"
     elif model.shared_expert_intermediate_size:
         why = "a shared expert was not measured"
-    elif method is not None and method.spec.trains_base_weights:
-        why = f"method={method.name} on experts was not measured (LoRA is)"
     elif method is not None and method.spec.quantized_base:
-        why = (
-            f"method={method.name} quantizes nn.Linear layers only: the fused experts, most of the weights, "
-            "would stay 16-bit (use method=lora)"
-        )
+        why = _qlora_split(model, method)
     if why is not None:
         counts = count_params(model)
         raise PlanError(
@@ -554,6 +551,22 @@ def check_model(model: ModelConfig, method: Optional[MethodConfig] = None) -> No
             f"{model.num_experts_per_token} routed per token; {counts.total:,} parameters, "
             f"{counts.active:,} active a token) is not planned: {why}"
         )
+
+
+def _qlora_split(model: ModelConfig, method: MethodConfig) -> str:
+    """Why QLoRA of a mixture of experts is refused: transformers' bitsandbytes integration replaces nn.Linear
+    layers only (measured on the tiny Qwen3-MoE and Mixtral: attention became 4-bit, the fused 3-D experts and
+    the router stayed bf16), so it quantizes attention alone."""
+    counts = count_params(model)
+    sparse = model.num_layers - model.dense_layers
+    experts = expert_weights(LayerShape.of(model)) * sparse
+    quantized = counts.linear - experts - sparse * model.num_experts * model.hidden_size
+    saved = 1.5 * quantized / (2 * counts.total)  # 2 bytes a weight become about 0.5
+    return (
+        f"method={method.name}: bitsandbytes quantizes nn.Linear only, so {quantized:,} attention weights would be "
+        f"4-bit and the fused experts' {experts:,} ({experts / counts.total:.1%} of all) stay 16-bit, saving "
+        f"{saved:.1%} of the weights' memory (use method=lora)"
+    )
 
 
 def make_plan(

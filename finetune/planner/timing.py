@@ -64,7 +64,7 @@ def model_flops_per_token(model: ModelConfig, method: str, seq_len: int) -> floa
 
 
 def _expert(model: ModelConfig) -> int:
-    i = model.moe_intermediate_size or model.intermediate_size
+    i = model.expert_intermediate_size
     return 3 * model.hidden_size * i
 
 

@@ -115,6 +115,14 @@ class FinetuneTrainer(RunTrainerMixin, SFTTrainer):
             # default path; measured: without this factor the gradient norm was half one rank's), and the
             # logged mean of the ranks' values is the whole batch's loss.
             loss = loss * self.accelerator.num_processes
+        if self.aux_loss_enabled:
+            # TRL's MoE load-balancing term (SFTTrainer.compute_loss): a per-micro-batch mean, weighted by the
+            # model's router_aux_loss_coef, averaged over the accumulation steps, logged as `aux_loss`
+            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+            loss = loss + self.router_aux_loss_coef * outputs.aux_loss / steps
+            mode = "train" if self.model.training else "eval"
+            aux = self.accelerator.gather_for_metrics(outputs.aux_loss.detach()).mean().item()
+            self._metrics[mode]["aux_loss"].append(aux)
         return (loss, outputs) if return_outputs else loss
 
     def _get_num_items_in_batch(self, batch_samples, device):

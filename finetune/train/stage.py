@@ -69,10 +69,10 @@ phase = "starting"
 PREEMPTED_EXIT_CODE = INTERRUPTED_EXIT_CODE
 
 
-def _final_loss(log_history: list[dict]) -> Optional[float]:
+def _final_loss(log_history: list[dict], key: str = "loss") -> Optional[float]:
     for entry in reversed(log_history):
-        if "loss" in entry:
-            return float(entry["loss"])
+        if key in entry:
+            return float(entry[key])
     return None
 
 
@@ -415,6 +415,12 @@ def _train_metrics(
     return {
         "steps": state.global_step,
         "final_loss": _final_loss(state.log_history),
+        # a mixture of experts: the router's load-balancing loss (unweighted) of the last logged step, which
+        # `final_loss` includes weighted by the model's router_aux_loss_coef; None for a dense model
+        "final_aux_loss": _final_loss(state.log_history, "aux_loss"),
+        "router_aux_loss_coef": getattr(session.trainer, "router_aux_loss_coef", None)
+        if getattr(session.trainer, "aux_loss_enabled", False)
+        else None,
         "tokens_per_second": round(monitor.tokens_per_second, 2),
         "peak_memory_gb": round(monitor.measured_gb(), 4),
         # what is held against the plan: on the CPU the peak less the RSS before the data and model loaded

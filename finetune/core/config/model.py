@@ -47,7 +47,7 @@ class ModelConfig:
     # A GGUF file (llama.cpp, Ollama): a path, or package:NAME/FILE for a file an installed package ships.
     # Converted once into a safetensors folder in the cache (keyed by the file's hash); it wins over hub_id.
     gguf_file: Optional[str] = None
-    # A family of finetune/core/architectures.py; the planner refuses the mixtures of experts (mixtral).
+    # A family of finetune/core/architectures.py (mixtures of experts: those with `expert_parameters`).
     architecture: str = choice("llama", ARCHITECTURES)
     hidden_size: int = 64
     num_layers: int = 2
@@ -70,6 +70,8 @@ class ModelConfig:
     # (Qwen2-MoE's always-on expert, with its sigmoid gate; 0: none).
     dense_layers: int = 0
     shared_expert_intermediate_size: int = 0
+    # The router divides its top-k weights by their sum (Qwen-MoE's `norm_topk_prob`; Mixtral always does).
+    norm_topk_prob: bool = False
     # Weights: safetensors only unless this is set (pickle files can run code).
     allow_pickle_weights: bool = False
     trust_remote_code: bool = False
@@ -109,3 +111,8 @@ class ModelConfig:
                 f"model.num_experts_per_token={self.num_experts_per_token} must be in 1..{self.num_experts} "
                 "(model.num_experts)"
             )
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """One expert's MLP width: Qwen-MoE's `moe_intermediate_size`, Mixtral's `intermediate_size`."""
+        return self.moe_intermediate_size or self.intermediate_size
