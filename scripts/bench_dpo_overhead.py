@@ -8,9 +8,12 @@ Both sides train the tiny_dpo recipe (LoRA r32 on the tiny model, fp32 on the CP
 TRL's sigmoid loss, beta 0.1, the base with the adapter disabled as the reference) on the same tokenized pairs
 the data stage wrote, with the same model, LoRA config, batch, learning rate, schedule, optimizer and thread
 count; each runs in its own process, alternating (finetune, plain, finetune, plain, ...) so machine noise hits
-both alike. The plain script is what a user writes with TRL + PEFT; its one departure from TRL's defaults is
-skipping TRL's tokenization (`_prepare_dataset`), since the pairs arrive tokenized, as they do for finetune.
-Neither evaluates nor saves inside the measured loop.
+both alike. The plain script is what a user writes with TRL + PEFT, its arguments set to the plan's: it skips
+TRL's tokenization (`_prepare_dataset`), since the pairs arrive tokenized, as they do for finetune, and turns off
+the activation checkpointing DPOConfig turns on by default (the plan does not checkpoint this recipe: left on,
+the plain side recomputed every forward and ran 21% slower a step, which read as finetune being faster).
+Neither evaluates nor saves inside the measured loop. Every pair compares the two sides' DPOConfig field by
+field (finetune's from the checkpoint's training_args.bin) and stops on any difference but the output folders.
 
 Two figures a run: the loop (the first step's start to the last step's end, over the steps: finetune's
 `loop_seconds` in metrics.json, the plain script's own callback), the per-step overhead; and the whole
@@ -29,6 +32,7 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "+recipe=tiny_dpo"
@@ -40,7 +44,7 @@ PLAIN = textwrap.dedent(
     import json, sys, time
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import TrainerCallback
+    from transformers import TrainerCallback, set_seed
     from trl import DPOConfig, DPOTrainer
     from trl.trainer.dpo_trainer import DataCollatorForPreference
     from finetune.rundir import load_config
@@ -52,6 +56,7 @@ PLAIN = textwrap.dedent(
     cfg = load_config(run_dir)
     plan = json.load(open(f"{run_dir}/plan.json"))["strategy"]
     tokenizer = load_tokenizer(cfg.model)
+    set_seed(cfg.train.seed)  # the adapter's random init, as finetune seeds it
     model = load_model(cfg.model, torch.float32)
     m = cfg.method
     model = get_peft_model(model, LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
@@ -76,7 +81,12 @@ PLAIN = textwrap.dedent(
                      report_to=[], use_cpu=True, seed=cfg.train.seed, optim="adamw_torch", remove_unused_columns=False,
                      bf16=False, train_sampling_strategy="sequential", logging_first_step=True, disable_tqdm=True,
                      beta=d.beta, loss_type=[d.loss_type], label_smoothing=d.label_smoothing, max_length=None,
-                     padding_free=False, disable_dropout=True, precompute_ref_log_probs=False)
+                     padding_free=False, disable_dropout=True, precompute_ref_log_probs=False,
+                     # DPOConfig turns activation checkpointing on by default (TRL's one default that differs from
+                     # TrainingArguments here); the plan turns it off for this recipe, so the plain side follows it.
+                     activation_checkpointing=plan["activation_checkpointing"], data_seed=cfg.train.seed,
+                     num_train_epochs=cfg.train.epochs,
+                     ddp_find_unused_parameters=False)
     loop = Loop()
     trainer = Pretokenized(model=model, args=args, train_dataset=train, eval_dataset=held_out,
                            processing_class=tokenizer, callbacks=[loop],
@@ -84,7 +94,8 @@ PLAIN = textwrap.dedent(
     result = trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     json.dump({"steps": result.global_step, "seconds": result.metrics["train_runtime"], "loop_seconds": loop.seconds,
-               "first_loss": losses[0]}, open(out, "w"))
+               "first_loss": losses[0], "last_loss": losses[-1], "threads": torch.get_num_threads(),
+               "args": args.to_dict()}, open(out, "w"), default=str)
     """
 )
 
@@ -99,31 +110,54 @@ def _run(argv: list[str]) -> None:
         sys.exit(f"{' '.join(argv[:4])} ... exited with {r.returncode}:\n{r.stderr[-3000:]}")
 
 
-def finetune_run(run_dir: Path, steps: int) -> dict[str, float]:
-    """Seconds per step (loop, whole train()) and the first logged loss of one `python -m finetune mode=train`."""
+def finetune_run(run_dir: Path, steps: int) -> dict[str, Any]:
+    """Seconds per step (loop, whole train()), the first and last logged loss and the trainer's arguments of one
+    `python -m finetune mode=train`."""
+    import torch
+
     _run([sys.executable, "-m", "finetune", RECIPE, f"run_dir={run_dir}", "mode=train", "resume=false",
           f"train.max_steps={steps}", "train.save_steps=1000000", "train.eval_steps=1000000"])  # fmt: skip
     train = json.loads((run_dir / "metrics.json").read_text())["train"]
-    history = json.loads((run_dir / "checkpoints" / f"checkpoint-{steps}" / "trainer_state.json").read_text())
-    first = next(h["loss"] for h in history["log_history"] if "loss" in h)
+    checkpoint = run_dir / "checkpoints" / f"checkpoint-{steps}"
+    history = json.loads((checkpoint / "trainer_state.json").read_text())
+    losses = [h["loss"] for h in history["log_history"] if "loss" in h]
+    # The DPOConfig the run trained with, as the Trainer saved it (a pickled dataclass: this run's own file).
+    args = torch.load(checkpoint / "training_args.bin", weights_only=False).to_dict()
     return dict(
         loop=train["loop_seconds"] / train["steps"],
         whole=train["train_seconds"] / train["steps"],
-        first_loss=first,
+        first_loss=losses[0],
+        last_loss=losses[-1],
+        args=json.loads(json.dumps(args, default=str)),
     )
 
 
-def plain_run(run_dir: Path, steps: int, script: Path) -> dict[str, float]:
+def plain_run(run_dir: Path, steps: int, script: Path) -> dict[str, Any]:
     """The same figures for one run of the plain script."""
     out = run_dir / "plain.json"
     _run([sys.executable, str(script), str(run_dir), str(steps), str(out)])
     r = json.loads(out.read_text())
     return dict(
-        loop=r["loop_seconds"] / r["steps"], whole=r["seconds"] / r["steps"], first_loss=r["first_loss"]
+        loop=r["loop_seconds"] / r["steps"],
+        whole=r["seconds"] / r["steps"],
+        first_loss=r["first_loss"],
+        last_loss=r["last_loss"],
+        args=r["args"],
     )
 
 
-def table(ours: list[dict[str, float]], plain: list[dict[str, float]]) -> str:
+# Arguments that may differ, all about saving (neither saves inside the measured loop): where each side writes,
+# and the checkpoint rotation (finetune rotates its own, so the arguments it saves carry save_total_limit unset).
+_SAVING = {"output_dir", "logging_dir", "save_total_limit"}
+
+
+def argument_differences(ours: dict[str, Any], plain: dict[str, Any]) -> list[str]:
+    """The DPOConfig fields the two sides set differently, as `name: finetune != plain` (empty: the same work)."""
+    keys = sorted((set(ours) | set(plain)) - _SAVING)
+    return [f"{k}: {ours.get(k)!r} != {plain.get(k)!r}" for k in keys if ours.get(k) != plain.get(k)]
+
+
+def table(ours: list[dict[str, Any]], plain: list[dict[str, Any]]) -> str:
     lines = ["| figure | runner | median ms/step | min ms/step |", "|---|---|---:|---:|"]
     for key, figure in (
         ("loop", "training loop"),
@@ -169,14 +203,22 @@ def main(argv: list[str] | None = None) -> int:
             plain.append(plain_run(run_dir, steps, script))
             print(
                 f"pair {i + 1}: loop ms/step finetune {ours[-1]['loop'] * 1e3:.1f}, "
-                f"plain {plain[-1]['loop'] * 1e3:.1f}; first loss finetune {ours[-1]['first_loss']:.4f}, "
-                f"plain {plain[-1]['first_loss']:.4f}",
+                f"plain {plain[-1]['loop'] * 1e3:.1f}; loss first/last finetune {ours[-1]['first_loss']:.4f}/"
+                f"{ours[-1]['last_loss']:.4f}, plain {plain[-1]['first_loss']:.4f}/{plain[-1]['last_loss']:.4f}",
                 flush=True,
             )
+            differences = argument_differences(ours[-1]["args"], plain[-1]["args"])
+            if differences:
+                # Not the same work: a ratio would measure the difference, not the framework.
+                sys.exit("the two sides' DPOConfig differ:\n  " + "\n  ".join(differences))
     print(f"\n{steps} DPO steps a run ({RECIPE}), {pairs} interleaved pair(s)\n")
     print(table(ours, plain))
     if args.json:
-        args.json.write_text(json.dumps(dict(steps=steps, finetune=ours, plain=plain), indent=1))
+        runs = {
+            side: [{k: v for k, v in r.items() if k != "args"} for r in rs]
+            for side, rs in (("finetune", ours), ("plain", plain))
+        }
+        args.json.write_text(json.dumps(dict(steps=steps, **runs), indent=1))
     return 0
 
 

@@ -54,6 +54,7 @@ folding alone at a full [4096, 32768] tile: the CPU calibration's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -89,6 +90,8 @@ class Case:
     experts: str = ""
     # sft: one packed row of `tokens`; dpo: TRL's DPO step, a chosen and a rejected row of up to `tokens` each
     objective: str = "sft"
+    # bf16: the GPU's dtypes (bf16 autocast); fp32: what the CPU runs by default (method.precision=auto)
+    precision: str = "bf16"
 
     @property
     def name(self) -> str:
@@ -100,7 +103,12 @@ class Case:
             loss,
         ]
         parts.append("dpo" if self.dpo else "")
+        parts.append("fp32" if self.fp32 else "")
         return " ".join(p for p in parts if p)
+
+    @property
+    def fp32(self) -> bool:
+        return self.precision == "fp32"
 
     @property
     def dpo(self) -> bool:
@@ -157,6 +165,10 @@ def cases(quick: bool) -> list[Case]:
     # DPO (TRL's DPOTrainer step: the fused head on both rows, the reference forward under no_grad), one per method
     for method in ("full", "lora", "qlora"):
         out.append(Case("tiny", method, False, False, tokens=256, chunk_size=64, objective="dpo"))
+    # ... and in fp32, as recipes/tiny_dpo runs on the CPU (the whole runs below): no autocast, fp32 weights
+    for method in ("full", "lora"):
+        dpo = dict(tokens=256, chunk_size=64, objective="dpo", precision="fp32")
+        out.append(Case("tiny", method, False, False, **dpo))
     # SmolLM2-135M-Instruct whole (30 layers, its 49,152 vocabulary, tied embeddings): the real model the CPU
     # recipe fine-tunes (recipes/smollm2_135m_lora.yaml), each method once on the default loss path.
     for method in ("full", "lora", "qlora"):
@@ -282,7 +294,7 @@ def build_model(m: Any, case: Case, outputs: Optional[tuple[str, ...]] = None) -
     cfg = hf_config(m)
     cfg._attn_implementation = "sdpa"
     old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(torch.float32 if case.fp32 else torch.bfloat16)
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg)
@@ -329,7 +341,8 @@ def build_model(m: Any, case: Case, outputs: Optional[tuple[str, ...]] = None) -
     if case.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     add_chunked_loss_head(model, case.chunk_size)
-    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+    if not case.fp32:
+        model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
     return model
 
 
@@ -513,7 +526,8 @@ def measure(case: Case) -> dict[str, Any]:
 
     # the loss alone: from the final hidden states, forward and backward, under autocast as in the model's forward
     h = final.pop("hidden").detach().requires_grad_(True)
-    with torch.autocast("cpu", dtype=torch.bfloat16), LiveBytes() as loss_live:
+    autocast = contextlib.nullcontext() if case.fp32 else torch.autocast("cpu", dtype=torch.bfloat16)
+    with autocast, LiveBytes() as loss_live:
         if case.dpo:  # the policy's head on both rows, the whole reference forward, the DPO loss
             loss = dpo_step(model, reference, batch, policy_hidden=h)
         else:
@@ -593,7 +607,7 @@ def planned(case: Case) -> dict[str, float]:
     m = model_config(case)
     method = MethodConfig(
         name=case.method,
-        precision="bf16",
+        precision=case.precision,
         lora_dropout=case.dropout,
         adapter_dtype=case.adapter_dtype,
         lora_experts=bool(case.experts),
@@ -622,14 +636,19 @@ RUN_METHODS = ("full", "lora", "qlora")
 def dpo_run(method: str, root: Path, steps: int = 4) -> dict[str, Any]:
     """`python -m finetune +recipe=tiny_dpo method=METHOD` (mode=data, then mode=train) for a few steps, as a user
     runs it on the CPU (fp32, the recipe's 32 pairs a micro-batch): metrics.json's peak (the training process's
-    VmHWM, finetune/rundir/machine.py) against the plan's total, fixed share and allocator share included."""
+    VmHWM, finetune/rundir/machine.py) against the plan's total, fixed share and allocator share included.
+
+    At `train.seq_len=auto`: the plan's rows are the longest kept pair (prompt + longer answer, 44 tokens in the
+    bundled set), the widest a DPO batch can be (TRL's collator pads each batch to its longest pair; nothing is
+    packed). At the recipe's seq_len=64 the plan is an upper bound the batches never reach (31-42 tokens in the
+    first four), which read as full fine-tuning planned 9.9% high."""
     import os
     import subprocess
 
     run_dir = root / f"dpo-{method}"
     args = [
         "+recipe=tiny_dpo", f"method={method}", f"run_dir={run_dir}", f"data.cache_dir={root / 'data-cache'}",
-        f"train.max_steps={steps}", "train.save_steps=1000", "train.eval_steps=1000", "train.report_to=[]",
+        "train.seq_len=auto", f"train.max_steps={steps}", "train.save_steps=1000", "train.eval_steps=1000", "train.report_to=[]",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t0 = time.time()

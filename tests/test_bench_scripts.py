@@ -172,8 +172,9 @@ def test_bench_library_parts_measures_each_kept_part(tmp_path: Path):
 
 @pytest.mark.extended  # two processes' start-up and data stage: ~1.5 min on 2 idle cores
 def test_bench_dpo_overhead_quick_runs_both_sides_on_the_same_pairs(tmp_path: Path):
-    """finetune's DPO step and the plain TRL DPOTrainer script train the same pairs: the first DPO loss is log 2
-    on both (a fresh adapter: the policy is its reference), and the table gives the ratio."""
+    """finetune's DPO step and the plain TRL DPOTrainer script do the same work: the first DPO loss is log 2 on
+    both (a fresh adapter: the policy is its reference), the last is the same loss (same seed, arguments and
+    pairs; the script stops on any DPOConfig field that differs), and the table gives the ratio."""
     out = tmp_path / "overhead.json"
     proc = _script(str(SCRIPTS / "bench_dpo_overhead.py"), "--quick", "--json", str(out), timeout=1500)
     assert "| training loop | **overhead** |" in proc.stdout
@@ -183,3 +184,4 @@ def test_bench_dpo_overhead_quick_runs_both_sides_on_the_same_pairs(tmp_path: Pa
         (run,) = result[side]
         assert run["first_loss"] == pytest.approx(0.6931, abs=1e-3)
         assert run["loop"] > 0 and run["whole"] >= run["loop"]
+    assert result["finetune"][0]["last_loss"] == pytest.approx(result["plain"][0]["last_loss"], rel=1e-5)
