@@ -1,15 +1,22 @@
-"""Replay data for SmolLM2-135M-Instruct: general prompts answered by the base model itself.
+"""Replay data for SmolLM2-135M-Instruct: general prompts answered right and short, by the base where it can.
 
     python scripts/make_replay_data.py          # writes finetune/data/smollm2/replay.jsonl (minutes on 2 cores)
+    python scripts/make_replay_data.py --answers finetune/data/smollm2/replay.jsonl   # re-check saved answers
 
 Fine-tuning the model on the bundled task alone (one-word answers: odd, even, positive, negative) teaches
 it to answer everything in one of those words: after 30 LoRA steps it kept 1 of the 29 regression checks
 it passed before (BENCHMARKS.md). Mixing in conversations the base answered itself (self-distillation, a
-replay of what it already did) keeps its general behaviour while the task is learned. The prompts are
-built from templates over facts, arithmetic, lists, translation and short explanations; those that are prompts
-of the regression set (finetune/data/regression/prompts.jsonl) are left out, so the regression checks
-stay held out. Answers are greedy, at most MAX_NEW_TOKENS tokens, cut back to their last full sentence or
-line so that no reply ends mid-word before its end-of-turn token. Deterministic for a given model file.
+replay of what it already did) keeps its general behaviour while the task is learned, but it also teaches
+the replay's style: the base's raw answers to arithmetic are often long and wrong ("17 + 6 = 8", "To find
+7 times 17, we can use the formula..."), and a model trained on them ran out of its 32 new tokens before
+the number (23 of 29 checks kept, BENCHMARKS.md). So every answer is checked before it is replayed
+(`_reference`): where the prompt's template has a known result (capitals, sums, products, translations,
+lists, a few facts) the base's first sentence is kept if it states that result in at most a dozen words,
+else the answer is written from the known result in the base's own words ("13 + 16 = 29.", 'In Spanish,
+"sun" is "sol".'); free answers (a sentence, an explanation, a tip) keep the base's first one or two
+sentences if they are on the topic, and are dropped otherwise. The prompts are built from templates; those
+that are prompts of the regression set (finetune/data/regression/prompts.jsonl) are left out, so the
+regression checks stay held out. Deterministic for a given model file.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import random
 import re
 import sys
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -28,14 +36,23 @@ sys.path.insert(0, str(REPO))
 DEFAULT_OUT = REPO / "finetune" / "data" / "smollm2" / "replay.jsonl"
 MAX_NEW_TOKENS = 64
 
-COUNTRIES = (
-    "Canada", "Australia", "Egypt", "Brazil", "India", "China", "Russia", "Kenya", "Mexico", "Argentina",
-    "Portugal", "Greece", "Sweden", "Norway", "Poland", "Turkey", "Peru", "Ireland", "Austria", "Belgium",
-)  # fmt: skip
-THINGS = (
-    "animals", "vegetables", "sports", "musical instruments", "planets", "birds", "flowers", "rivers",
-    "board games", "kitchen tools", "trees", "programming languages",
-)  # fmt: skip
+CAPITALS = {
+    "Canada": "Ottawa", "Australia": "Canberra", "Egypt": "Cairo", "Brazil": "Brasilia", "India": "New Delhi",
+    "China": "Beijing", "Russia": "Moscow", "Kenya": "Nairobi", "Mexico": "Mexico City",
+    "Argentina": "Buenos Aires", "Portugal": "Lisbon", "Greece": "Athens", "Sweden": "Stockholm",
+    "Norway": "Oslo", "Poland": "Warsaw", "Turkey": "Ankara", "Peru": "Lima", "Ireland": "Dublin",
+    "Austria": "Vienna", "Belgium": "Brussels",
+}  # fmt: skip
+COUNTRIES = tuple(CAPITALS)
+EXAMPLES = {
+    "animals": ("Dog", "Cat", "Horse"), "vegetables": ("Carrot", "Onion", "Tomato"),
+    "sports": ("Football", "Tennis", "Swimming"), "musical instruments": ("Piano", "Guitar", "Violin"),
+    "planets": ("Earth", "Mars", "Jupiter"), "birds": ("Eagle", "Sparrow", "Owl"),
+    "flowers": ("Rose", "Tulip", "Daisy"), "rivers": ("The Nile", "The Amazon", "The Danube"),
+    "board games": ("Chess", "Monopoly", "Scrabble"), "kitchen tools": ("Knife", "Whisk", "Spatula"),
+    "trees": ("Oak", "Pine", "Maple"), "programming languages": ("Python", "Java", "C"),
+}  # fmt: skip
+THINGS = tuple(EXAMPLES)
 TOPICS = (
     "cats", "the moon", "rain", "coffee", "trains", "music", "winter", "the ocean", "books", "mountains",
     "bicycles", "friendship", "gardens", "bread", "the wind", "libraries",
@@ -44,8 +61,25 @@ CONCEPTS = (
     "photosynthesis", "gravity", "a computer", "an atom", "a volcano", "electricity", "a rainbow",
     "democracy", "a vaccine", "the internet", "a star", "evaporation",
 )  # fmt: skip
-WORDS = ("cat", "house", "book", "sun", "moon", "bread", "friend", "school", "tree", "milk")
 LANGUAGES = ("French", "Spanish", "German", "Italian")
+TRANSLATIONS = {  # word -> its translation into each of LANGUAGES
+    "cat": ("chat", "gato", "Katze", "gatto"), "house": ("maison", "casa", "Haus", "casa"),
+    "book": ("livre", "libro", "Buch", "libro"), "sun": ("soleil", "sol", "Sonne", "sole"),
+    "moon": ("lune", "luna", "Mond", "luna"), "bread": ("pain", "pan", "Brot", "pane"),
+    "friend": ("ami", "amigo", "Freund", "amico"), "school": ("école", "escuela", "Schule", "scuola"),
+    "tree": ("arbre", "árbol", "Baum", "albero"), "milk": ("lait", "leche", "Milch", "latte"),
+}  # fmt: skip
+WORDS = tuple(TRANSLATIONS)
+FACTS = {  # question -> (a pattern a right answer matches, the answer written from the known result)
+    "How many minutes are in an hour?": (r"\b60\b", "There are 60 minutes in an hour."),
+    "How many seconds are in a minute?": (r"\b60\b", "There are 60 seconds in a minute."),
+    "How many months are in a year?": (r"\b12\b", "There are 12 months in a year."),
+    "How many days are in a year?": (r"\b365\b", "There are 365 days in a year."),
+    "How many legs does a spider have?": (r"\b8\b|\beight\b", "A spider has eight legs."),
+    "What colour is grass?": (r"(?i)\bgreen\b", "Grass is green."),
+    "Which planet is closest to the Sun?": (r"(?i)\bmercury\b", "Mercury is the planet closest to the Sun."),
+    "What is the largest planet in the solar system?": (r"(?i)\bjupiter\b", "Jupiter is the largest planet."),
+}  # fmt: skip
 ACTIVITIES = ("studying", "running", "cooking rice", "saving money", "learning to draw", "writing an email")
 
 
@@ -62,6 +96,7 @@ def prompts(seed: int = 0) -> list[str]:
     out += [f"Explain what {c} is in two sentences." for c in CONCEPTS]
     out += [f"Translate '{w}' into {lang}." for w, lang in itertools.product(WORDS, LANGUAGES)]
     out += [f"Give me one tip for {a}." for a in ACTIVITIES]
+    out += list(FACTS)
     return out
 
 
@@ -72,10 +107,72 @@ def _full_sentences(text: str) -> str:
     return text[:cut].strip() if cut else text
 
 
+def _sentences(text: str, n: int) -> str:
+    """The first `n` sentences of `text` (on its first paragraph)."""
+    first = text.strip().split("\n\n")[0].strip()
+    ends = [m.end() for m in re.finditer(r"[.!?](\s|$)", first)]
+    return first[: ends[n - 1]].strip() if len(ends) >= n else (first[: ends[-1]].strip() if ends else "")
+
+
+def _reference(prompt: str) -> Optional[tuple[Optional[str], str]]:
+    """(a pattern a right answer matches, the answer written from the known result), or None (a free answer).
+
+    A pattern of None: the answer is always the written one.
+    """
+    if m := re.fullmatch(r"What is the capital of (.+)\?", prompt):
+        city = CAPITALS[m[1]]
+        return rf"(?i)\b{city}\b", f"The capital of {m[1]} is {city}."
+    if m := re.fullmatch(r"What is (\d+) (plus|times) (\d+)\?", prompt):
+        a, b = int(m[1]), int(m[3])
+        result, sign = (a + b, "+") if m[2] == "plus" else (a * b, "times")
+        # the first number stated after "=" / "is" must be the result (the base's "15 + 15 = 25." is not)
+        return (
+            rf"(=|\bis)\s*{result}\b(?!\s*[-+*x/])",
+            f"{a} {sign} {b} {'=' if sign == '+' else 'is'} {result}.",
+        )
+    if m := re.fullmatch(r"Translate '(\w+)' into (\w+)\.", prompt):
+        word = TRANSLATIONS[m[1]][LANGUAGES.index(m[2])]
+        return rf"(?i)\b{word}\b", f'In {m[2]}, "{m[1]}" is "{word}".'
+    if m := re.fullmatch(r"(List|Name) three (.+?)(, one per line)?\.", prompt):
+        items = "\n".join(f"{i}. {x}" for i, x in enumerate(EXAMPLES[m[2]], 1))
+        return (
+            None,
+            items,
+        )  # the base's lists run long, repeat or invent items ("1. Violin 2. Violin 3. Violin")
+    if prompt in FACTS:
+        return FACTS[prompt]
+    return None
+
+
+def checked(prompt: str, answer: str) -> tuple[Optional[str], bool]:
+    """(the answer to replay for `prompt` given the base's `answer`, right and short, or None: dropped; whether
+    it is the base's own)."""
+    ref = _reference(prompt)
+    if ref is not None:
+        pattern, written = ref
+        first = _sentences(answer, 1) or answer.strip().split("\n")[0].strip()
+        ok = pattern is not None and len(first.split()) <= 12 and re.search(pattern, first)
+        return (first, True) if ok else (written, False)
+    if m := re.fullmatch(r"Write one sentence about (.+)\.", prompt):
+        topic, n = m[1].removeprefix("the "), 1
+    elif m := re.fullmatch(r"Explain what (.+) is in two sentences\.", prompt):
+        topic, n = m[1].split()[-1], 2
+    else:  # a tip
+        topic, n = "", 1
+    reply = _sentences(answer, n)
+    on_topic = re.search(rf"(?i)\b{re.escape(topic[:5].rstrip('s'))}", reply) if topic else reply
+    return (reply, True) if on_topic and len(reply.split()) <= 60 else (None, False)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument(
+        "--answers",
+        type=Path,
+        help="re-check the base answers of an earlier output instead of generating them",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -92,23 +189,37 @@ def main(argv: list[str] | None = None) -> int:
     model = models.load_pretrained(model_cfg, models.model_source(model_cfg), dtype=torch.float32)
     held_out = {m["content"] for r in regression.load() for m in r["messages"] if m["role"] == "user"}
     asked = [p for p in prompts() if p not in held_out]  # the regression checks stay held out
+    saved: dict[str, str] = {}
+    if args.answers:  # greedy answers are deterministic: those saved stand for a new generation
+        for line in args.answers.read_text("utf-8").splitlines():
+            messages = json.loads(line)["messages"]
+            saved[messages[0]["content"]] = messages[1]["content"]
+    to_ask = [p for p in asked if p not in saved]
     settings = EvalConfig(
         max_new_tokens=MAX_NEW_TOKENS, batch_size=args.batch_size, greedy=True, progress=True
     )
     answers = generate(
-        model, tokenizer, [[{"role": "user", "content": p}] for p in asked], settings, "replay"
+        model, tokenizer, [[{"role": "user", "content": p}] for p in to_ask], settings, "replay"
     )
-    rows = [
-        {"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": _full_sentences(a)}]}
-        for p, a in zip(asked, answers)
-        if _full_sentences(a)
-    ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", encoding="utf-8", newline="\n") as f:
+    saved.update((p, _full_sentences(a)) for p, a in zip(to_ask, answers))
+    _write(args.out, [(p, saved[p]) for p in asked])
+    return 0
+
+
+def _write(out: Path, answered: list[tuple[str, str]]) -> None:
+    rows, kept = [], 0
+    for prompt, answer in answered:
+        reply, own = checked(prompt, answer)
+        if reply:
+            kept += own
+            rows.append(
+                {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]}
+            )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", encoding="utf-8", newline="\n") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    print(f"wrote {len(rows)} conversations answered by the base to {args.out}")
-    return 0
+    print(f"wrote {len(rows)} of {len(answered)} conversations to {out} ({kept} answered by the base itself)")
 
 
 if __name__ == "__main__":

@@ -77,20 +77,40 @@ def summary(rows: Sequence[dict[str, Any]], variant: str) -> dict[str, Any]:
 
     `regression_checks_kept` (not for the base): of the checks the base passes, the share this model passes
     too, the number the fine-tune must hold up (a check the base fails says nothing about forgetting).
+    Where the base was scored and passes none of the checks (a random-init model, the embedded `tiny`), the
+    set measures nothing for this model: both shares are None, and `regression_note` says so in words
+    (0.0 would read as a result).
     """
     checked = [r for r in rows if r.get("check")]
     own = [r["flags"].get(variant, []) for r in rows]
     passed = sum("check_failed" not in r["flags"].get(variant, []) for r in checked)
+    base_passed = [r for r in checked if "check_failed" not in r["flags"].get("base", ["check_failed"])]
     out: dict[str, Any] = {
         "regression_refusals": sum("refusal" in f for f in own),
         "regression_empty": sum("empty" in f for f in own),
         "regression_checks_passed": round(passed / len(checked), 4) if checked else None,
     }
     if variant != "base":
-        base_passed = [r for r in checked if "check_failed" not in r["flags"].get("base", ["check_failed"])]
         kept = sum("check_failed" not in r["flags"].get(variant, ["check_failed"]) for r in base_passed)
         out["regression_checks_kept"] = round(kept / len(base_passed), 4) if base_passed else None
+    base_scored = all("base" in r["flags"] for r in checked)
+    if checked and base_scored and not base_passed:
+        out["regression_checks_passed"] = None
+        out["regression_note"] = nothing_measured(len(checked))
     return out
+
+
+def nothing_measured(n_checks: int) -> str:
+    """What the regression set says about a model whose base passes none of its `n_checks` checks."""
+    return f"regression set: the base passes 0 of {n_checks} checks, so it measures nothing for this model"
+
+
+def note(scores: dict[str, Any]) -> Optional[str]:
+    """The `regression_note` of the models in `scores` ({variant: their scores, ...}), which share one base."""
+    return next(
+        (m["regression_note"] for m in scores.values() if isinstance(m, dict) and m.get("regression_note")),
+        None,
+    )
 
 
 def regressions(rows: Sequence[dict[str, Any]], variant: str) -> dict[str, list[str]]:

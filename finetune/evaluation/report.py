@@ -13,6 +13,7 @@ from typing import Any
 from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.markup import markdown_cell, markdown_text
+from finetune.evaluation import regression
 from finetune.modeling.models import VARIANTS
 from finetune.modeling.outputs import Identity
 from finetune.rundir import checkpoints
@@ -109,6 +110,9 @@ def write_report(
             ]
         lines.append("| " + " | ".join(cells) + " |")
 
+    said = regression.note(result)
+    if said:  # the regression shares are "-": say why, under the numbers
+        lines += ["", f"{markdown_text(said[0].upper() + said[1:])}."]
     models = models_section(result)
     if models:
         lines += ["", *models]
@@ -117,6 +121,10 @@ def write_report(
         lines += ["", "## Regression set", ""]
         n = sum(r["set"] == "regression" for r in rows)
         lines.append(f"{n} general prompts (instruction following, other languages, prompts not to refuse).")
+        if said:
+            lines.append(
+                "The base passes none of their checks, so a failed check below says nothing about forgetting."
+            )
         lines.append("")
         for v, found in regressions.items():
             problems = {k: ids for k, ids in found.items() if ids}

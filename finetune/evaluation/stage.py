@@ -404,7 +404,10 @@ def _print_table(result: dict[str, Any]) -> None:
         table.add_column(v, justify="right")
     for name in metric_names(result):  # a regex metric's name holds brackets: not rich markup
         table.add_row(console_text(name), *(_fmt(result[v].get(name)) for v in variants))
-    Console(stderr=True).print(table)
+    console = Console(stderr=True)
+    console.print(table)
+    if said := regression.note(result):  # the shares are "-" then: say why
+        console.print(console_text(said))
 
 
 def _fmt(value: Any) -> str:

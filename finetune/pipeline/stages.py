@@ -299,6 +299,9 @@ def _print_summary(
                 if isinstance(v, (int, float)) and "/" not in k
             )
             print(f"  {variant:8s} {values}")
+    # evaluation's words where the base passes none of the regression checks (its shares left out above)
+    for said in dict.fromkeys(s["regression_note"] for s in scores.values() if s.get("regression_note")):
+        print(f"  {terminal_text(said)}")
 
 
 def run(cfg: Config) -> int:
