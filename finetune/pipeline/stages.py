@@ -90,15 +90,21 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
         seq_len = data_seq_len(run_dir)
         if seq_len is None:
             raise PlanError("train.seq_len=auto needs the data stage: run mode=data (or mode=all) first")
+    generates = cfg.objective.spec.generates
+    rows_why = None
+    if generates:  # the rows the trainer forms from prompts and completions, when the data stage ran
+        seq_len, rows_why = rollout.training_rows(cfg, run_dir, seq_len or int(cfg.train.seq_len))
     plan = config_plan(cfg, cfg.hardware, seq_len)
 
     def replan(hardware: Any) -> Plan:
         return config_plan(cfg, hardware, seq_len)
 
-    generates = cfg.objective.spec.generates
     if generates:
         plan = rollout.training_plan(cfg, plan, replan)
-    plan = replace(plan, reasons=(*cfg.hardware.notes, *plan.reasons))  # hardware=local: what was detected
+    rows_note = (rows_why,) if rows_why else ()
+    plan = replace(
+        plan, reasons=(*cfg.hardware.notes, *rows_note, *plan.reasons)
+    )  # hardware=local: what was detected
     plan = plan.with_processes(cfg.launch.nproc_per_node, cfg.launch.nnodes)  # the layout the launcher starts
     # An objective that generates: where its rollout runs (rollout.json); a server split trains on fewer ranks.
     sampling = rollout.plan_generation(cfg, run_dir, plan, replan) if generates else None
