@@ -51,12 +51,6 @@ def test_grpo_under_ddp_on_two_cpu_ranks(tiny_cache: Path, tmp_path: Path) -> No
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.extended
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured 2026-12-01: on CPU ranks the GRPO policy comes back from accelerate's prepare as "
-    "DistributedDataParallel, not FSDP2, and TRL's disable_gradient_checkpointing(self.model) then fails "
-    "reading is_gradient_checkpointing on the wrapper (DPO's FSDP2 run takes the same install); not fixed",
-)
 def test_grpo_under_fsdp2_on_two_cpu_ranks(tiny_cache: Path, tmp_path: Path) -> None:
     engine = _two_ranks(tmp_path, "train.sharding=fsdp", "train.engine=fsdp")
     assert engine["wrapper"].startswith("FSDP")

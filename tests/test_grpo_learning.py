@@ -7,10 +7,14 @@ adapter. Both runs are evaluated on the same 64 held-out prompts with the same g
 pass rate is exact match. The GRPO run's measured peak (its worker's own VmHWM) is within 5% of the
 plan's CPU total.
 
-Measured by hand (2026-12-01, BENCHMARKS.md "GRPO from a partly trained SFT start"): from 0.594, the
-recipe's settings drop EOS within 50 steps (completions run to the limit, pass rate 0.0); learning
-rates 1e-4 to 5e-4 leave it at 0.578 in 50-200 steps, or collapse the same way later. Marked xfail until a
-setting that raises it is found; the plan-vs-peak check is not met either (+18%).
+Measured by hand (2026-12-01, BENCHMARKS.md "GRPO from a partly trained SFT start" and "GRPO pass rate
+under sampling"): from 0.594, the recipe's settings drop EOS within 50 steps (completions run to the limit,
+pass rate 0.0). Rates of 1e-4 to 5e-4 leave it at 0.578 in 50-200 steps, or collapse the same way later.
+With mask_truncated_completions, a KL term to the SFT model, dr_grpo, groups of 8 or 8 prompts a step,
+nothing collapses, and the sampled pass rate rises by 0.04. But greedy falls to the start's one answer
+per task: that start does not condition on its input. Marked xfail until a start and a setting that
+raise it are found. The plan-vs-peak check is not met either: the plan at the rows TRL forms is 3-7%
+under the pipeline worker's peak, a constant the worker holds beyond the CPU's fixed share.
 """
 
 from __future__ import annotations

@@ -37,15 +37,38 @@ def settings(cfg: Config) -> Any:
     return getattr(cfg, spec.settings)
 
 
+def _prompt_lengths(run_dir: Optional[Path]) -> dict[str, Any]:
+    """The data stage's rendered prompt lengths of the train split (p95, max), when it ran."""
+    stats = run_dir / rundir.DATA_STATS_FILE if run_dir is not None else None
+    if stats is None or not stats.is_file():
+        return {}
+    return dict(json.loads(rundir.read_own_text(stats)).get("splits", {}).get("train", {}))
+
+
+def training_rows(cfg: Config, run_dir: Optional[Path], seq_len: int) -> tuple[int, Optional[str]]:
+    """The tokens of one training row, and why where it is not `seq_len`. TRL's GRPOTrainer pads each batch's
+    prompts to the longest of them and its completions to the longest sampled, and the policy's forward runs
+    over those rows only: at most the longest prompt the data stage kept plus `max_completion_length`
+    (train.seq_len bounds them; before the data stage ran it is all that is known)."""
+    longest = _prompt_lengths(run_dir).get("max")
+    if not longest:
+        return seq_len, None
+    rows = int(longest) + settings(cfg).max_completion_length
+    if rows >= seq_len:
+        return seq_len, None
+    why = (
+        f"GRPO rows: the longest prompt ({int(longest)} tokens) + max_completion_length "
+        f"({settings(cfg).max_completion_length}) = {rows} tokens, planned instead of train.seq_len={seq_len}"
+    )
+    return rows, why
+
+
 def rollout_job(cfg: Config, run_dir: Optional[Path], plan: Plan) -> rollout.RolloutJob:
     s, layout = plan.strategy, plan.layout
     gen = settings(cfg)
     steps_per_generation = gen.steps_per_generation or s.grad_accum_steps
     # the data stage's prompts (p95 of their rendered lengths) when it ran, else the rest of seq_len
-    prompt_tokens = None
-    stats = run_dir / rundir.DATA_STATS_FILE if run_dir is not None else None
-    if stats is not None and stats.is_file():
-        prompt_tokens = json.loads(rundir.read_own_text(stats)).get("splits", {}).get("train", {}).get("p95")
+    prompt_tokens = _prompt_lengths(run_dir).get("p95")
     if not prompt_tokens:
         prompt_tokens = max(1, plan.seq_len - gen.max_completion_length)
     return rollout.rollout_job(

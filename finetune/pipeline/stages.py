@@ -132,6 +132,10 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
         seq_len = data_seq_len(run_dir)
         if seq_len is None:
             raise PlanError("train.seq_len=auto needs the data stage: run mode=data (or mode=all) first")
+    generates = cfg.objective.spec.generates
+    rows_why = None
+    if generates:  # the rows the trainer forms from prompts and completions, when the data stage ran
+        seq_len, rows_why = rollout.training_rows(cfg, run_dir, seq_len or int(cfg.train.seq_len))
     run_length = data_run_length(cfg, run_dir)
     if run_length is not None:
         cfg = replace(cfg, train=replace(cfg.train, dataset_tokens=run_length[0]))
@@ -140,11 +144,14 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
     def replan(hardware: Any) -> Plan:
         return config_plan(cfg, hardware, seq_len)
 
-    generates = cfg.objective.spec.generates
     if generates:
         plan = rollout.training_plan(cfg, plan, replan)
-    # hardware=local: what was detected; and where the run length came from
-    noted = (*cfg.hardware.notes, *((run_length[1],) if run_length is not None else ()))
+    # hardware=local: what was detected; the rows GRPO's trainer forms; where the run length came from
+    noted = (
+        *cfg.hardware.notes,
+        *((rows_why,) if rows_why else ()),
+        *((run_length[1],) if run_length is not None else ()),
+    )
     plan = replace(plan, reasons=(*noted, *plan.reasons))
     plan = plan.with_processes(cfg.launch.nproc_per_node, cfg.launch.nnodes)  # the layout the launcher starts
     # An objective that generates: where its rollout runs (rollout.json); a server split trains on fewer ranks.

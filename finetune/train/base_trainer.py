@@ -174,6 +174,7 @@ class RunTrainerMixin:
         silently runs DDP over gloo instead, so a planned FSDP run on CPU processes (the tests' stand-in
         for GPUs) would prove nothing. The plugin is installed as accelerate would on GPUs."""
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        from accelerate import PartialState
         from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
         state = self.accelerator.state
@@ -187,6 +188,9 @@ class RunTrainerMixin:
         if state.mixed_precision != "no":
             plugin.set_mixed_precision(state.mixed_precision)
         state.distributed_type = DistributedType.FSDP
+        # as accelerate does for FSDP on GPUs: an AcceleratorState() built later (accelerate's helpers build them)
+        # copies PartialState's fields over its own, which would turn this run back into DDP
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         state.fsdp_plugin = plugin
         self.is_fsdp_enabled = True
         log.info("FSDP2 on %d CPU ranks (gloo)", state.num_processes)

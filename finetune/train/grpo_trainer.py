@@ -104,6 +104,8 @@ def grpo_arguments(grpo: GrpoConfig, rewards: Sequence[Reward], generation: str)
         max_completion_length=grpo.max_completion_length,
         temperature=grpo.temperature,
         beta=grpo.beta,
+        loss_type=grpo.loss_type,
+        mask_truncated_completions=grpo.mask_truncated_completions,
         reward_weights=[r.weight for r in rewards],
         # ZeRO-3: gather the sharded weights for transformers' generation (TRL's default, stated)
         ds3_gather_for_generation=True,

@@ -18,6 +18,8 @@ from finetune.core.config.evaluation import check_metric_name
 from finetune.core.errors import ConfigError
 
 GENERATION_MODES = ("auto", "transformers", "colocate", "server")
+# TRL 1.16's GRPOConfig.loss_type values (how the per-token losses are aggregated; `dapo` is TRL's default).
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 # A format reward: the whole completion matches the pattern.
 FORMAT_PREFIX = "format:"
 
@@ -47,6 +49,12 @@ class GrpoConfig:
     """Sampling temperature of the rollout (and of the evaluation's pass rate)."""
     beta: float = 0.0
     """KL coefficient; above 0 the reference model (with adapters: the base, adapter disabled) is used."""
+    loss_type: str = "dapo"
+    """How the per-token losses are aggregated (TRL's `loss_type`): dapo (TRL's default: over the active tokens
+    of the accumulated batch), dr_grpo (over a constant, max_completion_length), grpo (per sequence), ..."""
+    mask_truncated_completions: bool = False
+    """Leave completions cut at max_completion_length out of the loss (TRL's guard against a policy that learns
+    to stop emitting its end-of-turn token)."""
     steps_per_generation: Optional[int] = None
     """Optimizer steps trained on one generation batch; None: TRL's default (the accumulation steps)."""
     generation: str = "auto"
@@ -79,6 +87,8 @@ class GrpoConfig:
             raise ConfigError(f"grpo.temperature={self.temperature} must be > 0 (the rollout samples)")
         if self.beta < 0:
             raise ConfigError(f"grpo.beta={self.beta} must be >= 0")
+        if self.loss_type not in LOSS_TYPES:
+            raise ConfigError(f"grpo.loss_type={self.loss_type!r} must be one of {', '.join(LOSS_TYPES)}")
         if self.generation not in GENERATION_MODES:
             raise ConfigError(
                 f"grpo.generation={self.generation!r} must be one of {', '.join(GENERATION_MODES)}"
