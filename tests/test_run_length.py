@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import tiny_cfg
 
 from finetune import rundir
 from finetune.data import stage as data_stage
 from finetune.pipeline.stages import plan_stage, resolve
-from tests.helpers import tiny_cfg
 
 
 @pytest.fixture(scope="module")
