@@ -8,6 +8,7 @@ into metrics.json (train.grpo); the CLI runs plan, data, train, eval and export.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,29 @@ def test_training_stage_runs_grpo_and_records_the_rewards(tiny_cache: Path, tmp_
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
     on_disk = json.loads((run / "metrics.json").read_text())
     assert on_disk["train"]["grpo"] == grpo
+    # the in-worker evaluation scores the held-out answers with the same rewards, weights included
+    for v in ("base", "trained"):
+        scored = metrics["eval"][v]
+        assert scored["pass_rate"] <= scored["exact_match"]  # passing needs exact_match's full value too
+        assert scored["exact_match"] <= scored["mean_reward"] <= scored["exact_match"] + 0.5
+
+    # and so does the evaluation stage, on its own answers: recomputed here from samples.jsonl
+    from finetune.evaluation import rewards
+    from finetune.evaluation import stage as eval_stage
+
+    evaluated = eval_stage.run(replace(cfg, eval=replace(cfg.eval, num_samples=4, regression=False)), run)
+    rows = [json.loads(x) for x in (run / "eval" / "samples.jsonl").read_text().splitlines()]
+    task = [r for r in rows if r["set"] == "task"]
+    assert len(task) == 4
+    resolved = rewards.for_objective(cfg)
+    assert resolved is not None
+    for v in ("base", "trained"):
+        summed, each = rewards.total(
+            resolved, [r["prompt"] for r in task], [r[v] for r in task], [r["reference"] for r in task]
+        )
+        assert evaluated[v]["mean_reward"] == pytest.approx(sum(summed) / 4)
+        assert evaluated[v]["pass_rate"] == rewards.pass_rate(resolved, each)
+    assert "mean_reward" in (run / "eval" / "report.md").read_text()
 
 
 @pytest.mark.slow

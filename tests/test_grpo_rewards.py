@@ -36,6 +36,28 @@ def test_weighted_sum_and_pass_rate() -> None:
     assert summed == [1.0, 0.5, 0.0, 1.5]
     # every reward at its full value: only the last completion
     assert rewards.pass_rate(resolved, each) == 0.25
+    # the evaluation's metrics of the same answers: the mean of the weighted sums, and that pass rate
+    assert rewards.scores(resolved, PROMPTS, COMPLETIONS, REFERENCES) == {
+        "mean_reward": 0.75,
+        "pass_rate": 0.25,
+    }
+    assert rewards.scores(resolved, [], [], []) == {}
+
+
+def test_the_evaluation_scores_with_the_objectives_rewards_only() -> None:
+    from helpers import tiny_cfg
+
+    assert rewards.for_objective(tiny_cfg()) is None  # SFT trains on no reward
+    assert rewards.for_objective(tiny_cfg("objective=dpo")) is None
+    cfg = tiny_cfg(
+        "objective=grpo",
+        "grpo.num_generations=4",
+        r"grpo.rewards=[exact_match,'format:\w+']",
+        "grpo.reward_weights=[1.0,0.5]",
+    )
+    resolved = rewards.for_objective(cfg)
+    assert resolved is not None
+    assert [(r.name, r.weight) for r in resolved] == [("exact_match", 1.0), (r"format:\w+", 0.5)]
 
 
 def test_user_reward_by_dotted_path(tmp_path, monkeypatch) -> None:

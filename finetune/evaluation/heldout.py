@@ -10,12 +10,14 @@ held-out prompts rendered with the same chat template.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
 
 from finetune.core import tasks
 from finetune.core.config.evaluation import EvalConfig
+from finetune.evaluation import rewards
 from finetune.evaluation.generate import generate
 from finetune.modeling.chunked_loss import add_chunked_loss_head
 from finetune.modeling.collator import NUM_TOKENS_KEY, PackedCollator
@@ -73,8 +75,10 @@ def evaluate(
     max_generate: Optional[int] = 256,
     batch_size: int = 16,
     examples: int = 0,
+    reward_fns: Optional[Sequence[rewards.Reward]] = None,
 ) -> dict[str, Any]:
-    """{"loss", "exact_match", per-task exact match...} on the held-out split (model left in train mode after)."""
+    """{"loss", "exact_match", per-task exact match...} on the held-out split (model left in train mode after);
+    with `reward_fns` (the objective's rewards) also `mean_reward` and `pass_rate` of the same answers."""
     was_training = model.training
     model.eval()
     try:
@@ -99,6 +103,8 @@ def evaluate(
                 next((m["content"] for m in reversed(p) if m["role"] == "user"), "") for p in prompts
             ]
             result.update(tasks.score(last_user, predictions, references))
+            if reward_fns:
+                result.update(rewards.scores(reward_fns, last_user, predictions, references))
             result["generated"] = n
             if examples:
                 result["examples"] = [

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from finetune.core import tasks
+from finetune.core.config import Config
 from finetune.core.config.evaluation import REGEX_PREFIX
 from finetune.core.config.grpo import FORMAT_PREFIX, check_reward_name
 from finetune.core.errors import ConfigError, RewardError
@@ -147,3 +148,26 @@ def pass_rate(rewards: Sequence[Reward], each: dict[str, list[float]]) -> float:
         return 0.0
     n = len(next(iter(each.values())))
     return sum(all(each[r.name][i] >= 1.0 for r in rewards) for i in range(n)) / n
+
+
+def for_objective(cfg: Config) -> Optional[list[Reward]]:
+    """The rewards the run's objective trains on (its settings section's `rewards`, GRPO's), resolved; None for
+    an objective without rewards. The evaluation scores every model's answers with them, so the report says
+    whether the policy earns more of what it was trained to earn."""
+    spec = cfg.objective.spec
+    section = getattr(cfg, spec.settings, None) if spec.settings else None
+    names = getattr(section, "rewards", None)
+    if not names:
+        return None
+    return resolve(names, getattr(section, "reward_weights", None), key=f"{spec.settings}.rewards")
+
+
+def scores(
+    rewards: Sequence[Reward], prompts: Sequence[str], completions: Sequence[str], references: Sequence[str]
+) -> dict[str, float]:
+    """One model's reward metrics on its held-out answers: `mean_reward` (the weighted sum GRPO ranks by,
+    averaged) and `pass_rate` (the share of answers earning every reward's full value). Empty without answers."""
+    if not completions:
+        return {}
+    summed, each = total(rewards, prompts, completions, references)
+    return {"mean_reward": sum(summed) / len(summed), "pass_rate": pass_rate(rewards, each)}

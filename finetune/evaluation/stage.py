@@ -3,7 +3,8 @@
     python -m finetune +recipe=tiny mode=eval       # after mode=train; again after mode=export adds `merged`
 
 For each model: the held-out loss over the data stage's eval split, task
-metrics on generated answers to its prompts (`eval.metrics`), and the
+metrics on generated answers to its prompts (`eval.metrics`), the objective's own
+rewards on those answers where it has them (GRPO: `mean_reward`, `pass_rate`), and the
 regression set's answers with their flags. Writes into RUN_DIR/eval/:
 
 - metrics.json  {base: {loss, <metrics>...}, trained: {...}, merged: {...},
@@ -36,7 +37,7 @@ from finetune.core.config import Config
 from finetune.core.config.evaluation import EvalConfig
 from finetune.core.markup import console_text
 from finetune.data.stage import load_prepared
-from finetune.evaluation import curves, metrics, preference, regression
+from finetune.evaluation import curves, metrics, preference, regression, rewards
 from finetune.evaluation.generate import generate, sampling_kwargs
 from finetune.evaluation.heldout import heldout_loss, split_prompt
 from finetune.evaluation.report import metric_names, write_report
@@ -298,6 +299,7 @@ def _evaluate_variants(
     result: dict[str, Any] = {}
     model = None
     pairs = preference.applies(eval_dataset)
+    reward_fns = rewards.for_objective(cfg)  # GRPO's rewards: every model's answers scored with them too
     started_on_adapter = initial_output(cfg)[0] is not None
     # Preference pairs: every model is scored against the base's log-probabilities (the reference): the model
     # training started from (`load_start`), so under init_from the SFT'd model, as DPO's own reference was.
@@ -313,6 +315,12 @@ def _evaluate_variants(
             model = load_variant(cfg, run_dir, v)
         log.info("evaluating %s", v)
         result[v] = _score_variant(model, tokenizer, eval_dataset, prompts, cfg.eval, metric_fns, v)
+        if reward_fns and prompts.items:
+            answers = [row[v] for row in prompts.rows if row["set"] == "task"]
+            refs = [it["reference"] for it in prompts.items]
+            result[v].update(
+                rewards.scores(reward_fns, [it["prompt"] for it in prompts.items], answers, refs)
+            )
         if pairs:
             mine = preference.log_probs(model, eval_dataset, tokenizer.pad_token_id)
             reference = reference if reference is not None else mine

@@ -41,7 +41,7 @@ from finetune.core.config import Config
 from finetune.core.errors import INTERRUPTED_EXIT_CODE, ConfigError, FinetuneError, is_disk_full
 from finetune.core.secrets import install_log_filter
 from finetune.data.stage import load_prepared
-from finetune.evaluation import heldout, preference
+from finetune.evaluation import heldout, preference, rewards
 from finetune.modeling import models, outputs
 from finetune.planner import Plan
 from finetune.rundir import checkpoints, preflight
@@ -309,7 +309,8 @@ def _evaluate(cfg: Config, loaded: _Model, eval_ds: Any, **generation: Any) -> d
     """The held-out scores of the model as it is now. Preference pairs add the preference metrics against
     the model training started from (`preference`): its log-probabilities, taken at the base evaluation."""
     if not preference.applies(eval_ds):
-        return heldout.evaluate(loaded.model, loaded.tokenizer, eval_ds, **generation)
+        reward_fns = rewards.for_objective(cfg)
+        return heldout.evaluate(loaded.model, loaded.tokenizer, eval_ds, reward_fns=reward_fns, **generation)
     result, mine = preference.evaluate(
         loaded.model, loaded.tokenizer, eval_ds, cfg.dpo.beta, loaded.reference_log_probs, **generation
     )
