@@ -6,11 +6,16 @@ what differs is its router (fp32 top-k weights, always renormalized) and its exp
 from __future__ import annotations
 
 import json
-import math
-from pathlib import Path
 
 import pytest
-from helpers import EXPERT_LORA, TINY_MIXTRAL, last_losses, planned, run_cli, tiny_cfg, tiny_model, train_run
+from helpers import (
+    EXPERT_LORA,
+    TINY_MIXTRAL,
+    four_steps_learn,
+    planned,
+    run_cli,
+    tiny_model,
+)
 
 from finetune.core.config import MethodConfig
 from finetune.planner.activations import LayerRun, LayerShape, layer_bytes_per_token
@@ -94,22 +99,7 @@ def test_mixtral_recipes_plan_as_their_comments_say(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_mixtral_trains_with_lora_on_attention_and_experts(tmp_path, tiny_cache, tiny_data):
-    cfg = tiny_cfg(
-        *TINY_MIXTRAL,
-        *EXPERT_LORA,
-        "method.learning_rate=3e-3",
-        "train.max_steps=4",
-        "train.save_steps=1000",
-        "train.warmup_ratio=0.0",
-        run_dir=tmp_path / "run",
-    )
-    metrics = train_run(
-        cfg, tiny_data, n_train=8, n_eval=8, max_generate=2, micro_batch_size=2, grad_accum_steps=1
-    )
-    losses = last_losses(Path(metrics["train"]["output_dir"]).parent)
-    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
-    base, trained = metrics["eval"]["base"]["loss"], metrics["eval"]["trained"]["loss"]
-    assert trained < base - 0.1, (base, trained)
+    four_steps_learn(tmp_path, tiny_data, *TINY_MIXTRAL, *EXPERT_LORA)
 
 
 def test_serve_sh_for_expert_adapters_serves_the_merged_model(tmp_path):
