@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import run_modes
+from helpers import SHORT_RUN, run_modes
 
 GRPO_TWO_RANKS = (
     "objective=grpo",
@@ -20,12 +20,9 @@ GRPO_TWO_RANKS = (
     "hardware.gpus_per_node=2",
     "train.micro_batch_size=2",
     "train.grad_accum_steps=1",
-    "train.seq_len=128",
     "train.max_steps=2",
     "train.save_steps=2",
-    "train.logging_steps=1",
-    "train.eval_steps=1000",
-    "train.report_to=[]",
+    *SHORT_RUN,
 )
 
 

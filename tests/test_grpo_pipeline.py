@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from helpers import prepare_run, run_cli, run_modes, tiny_cfg
+from helpers import SHORT_RUN, prepare_run, run_cli, run_modes, tiny_cfg
 
 from finetune.core import tasks
 from finetune.core.errors import ConfigError
@@ -191,12 +191,9 @@ def test_grpo_under_zero3_on_two_cpu_ranks(tiny_cache: Path, tmp_path: Path) -> 
         "train.engine=zero3",
         "train.micro_batch_size=2",
         "train.grad_accum_steps=1",
-        "train.seq_len=128",
         "train.max_steps=2",
         "train.save_steps=2",
-        "train.logging_steps=1",
-        "train.eval_steps=1000",
-        "train.report_to=[]",
+        *SHORT_RUN,
         f"run_dir={run}",
     ]
     run_modes(args, tmp_path / "run", timeout=1200)
