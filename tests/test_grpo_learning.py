@@ -13,7 +13,10 @@ pass rate 0.0). Rates of 1e-4 to 5e-4 leave it at 0.578 in 50-200 steps, or coll
 With mask_truncated_completions, a KL term to the SFT model, dr_grpo, groups of 8 or 8 prompts a step,
 nothing collapses, and the sampled pass rate rises by 0.04. But greedy falls to the start's one answer
 per task: that start does not condition on its input. Marked xfail until a start and a setting that
-raise it are found. The plan-vs-peak check is not met either: the plan at the rows TRL forms is 3-7%
+raise it are found. A start that does read its input (the same SFT at 150 steps, greedy 0.79, both classes of
+each task answered) was tried too, in three settings (2026-12-02): GRPO lowered it to 0.66-0.75 on 128
+held-out prompts, every run answering "positive" to nearly every sentence (BENCHMARKS.md, "GRPO from a tiny
+start that reads its input"). The plan-vs-peak check is not met either: the plan at the rows TRL forms is 3-7%
 under the pipeline worker's peak, a constant the worker holds beyond the CPU's fixed share.
 """
 
