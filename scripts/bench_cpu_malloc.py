@@ -91,9 +91,11 @@ def run_row(out: Path, row: str, sides: list[str], repeat: int, steps: int) -> N
             raise SystemExit(f"{row} {side}: mode=train failed; see {logs[side]}")
 
 
-def plan_split(run_dir: Path) -> tuple[float, float, float]:
-    """The run's plan (its config.yaml at plan.json's rows) as the CPU overhead's parts: the tensors with the
-    working set above the loss, the fluctuating bytes the allocator share multiplies, and the total (GB)."""
+def plan_split(run_dir: Path, cal=None) -> dict[str, float]:
+    """The run's plan (its config.yaml at plan.json's rows) as the CPU overhead's parts (GB): the tensors with
+    the working set above the loss, the fluctuating bytes `allocator_fraction` multiplies, the adapters'
+    freed heap-sized outputs `retained_adapter_outputs` multiplies, and the total with `cal` (default: the
+    shipped calibration)."""
     from dataclasses import replace
     from unittest import mock
 
@@ -103,17 +105,58 @@ def plan_split(run_dir: Path) -> tuple[float, float, float]:
 
     cfg = load_config(run_dir)
     seq_len = json.loads((run_dir / "plan.json").read_text())["seq_len"]
-    shipped = Calibration.default()
+    shipped = cal or Calibration.default()
 
-    def total(fixed_gb: float, allocator_fraction: float) -> float:
-        cal = replace(
-            shipped, cpu=replace(shipped.cpu, fixed_gb=fixed_gb, allocator_fraction=allocator_fraction)
-        )
-        with mock.patch.object(Calibration, "default", staticmethod(lambda: cal)):
+    def total(**cpu: float) -> float:
+        changed = replace(shipped, cpu=replace(shipped.cpu, **cpu))
+        with mock.patch.object(Calibration, "default", staticmethod(lambda: changed)):
             return config_plan(cfg, seq_len=seq_len).gpu_memory.total
 
-    tensors = total(0.0, 0.0)
-    return tensors, total(0.0, 1.0) - tensors, total(shipped.cpu.fixed_gb, shipped.cpu.allocator_fraction)
+    zero = dict(fixed_gb=0.0, allocator_fraction=0.0, retained_adapter_outputs=0.0)
+    tensors = total(**zero)
+    return {
+        "tensors": tensors,
+        "fluctuating": total(**{**zero, "allocator_fraction": 1.0}) - tensors,
+        "adapter_outputs": total(**{**zero, "retained_adapter_outputs": 1.0}) - tensors,
+        "total": total(),
+    }
+
+
+FIT_UNDER = 0.01  # the adapters' share is fitted so that no row's plan is more than 1% under its median peak
+
+
+def _by_row(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """Runs grouped by row and side; glibc's default repeats (default, default-2, ...) are one side."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in runs:
+        side = "default" if r["side"].startswith("default") else r["side"]
+        groups.setdefault((r["row"], side), []).append(r)
+    return groups
+
+
+def fit(runs: list[dict]) -> dict[str, float]:
+    """cpu.fixed_gb, allocator_fraction and retained_adapter_outputs from the glibc-default runs.
+
+    The process's share: the largest peak beyond the tensors of any full fine-tuning run (no adapters, so no
+    retained outputs). The fluctuating share: 0, since the full rows' peak beyond the tensors does not grow with
+    their fluctuating bytes (measured at 0.06 and 0.19 GB). The adapters' retained outputs: the smallest share of
+    their heap-sized outputs that keeps every adapter row's plan at most FIT_UNDER under its median peak.
+    """
+    default = {row: rs for (row, side), rs in _by_row(runs).items() if side == "default"}
+    fixed = max(
+        r["peak_gb"] - r["tensors_gb"] for rs in default.values() for r in rs if not r["adapter_outputs_gb"]
+    )
+    needed = [
+        ((1 - FIT_UNDER) * statistics.median(r["peak_gb"] for r in rs) - fixed - rs[0]["tensors_gb"])
+        / rs[0]["adapter_outputs_gb"]
+        for rs in default.values()
+        if rs[0]["adapter_outputs_gb"]
+    ]
+    return {
+        "fixed_gb": round(fixed, 3),
+        "allocator_fraction": 0.0,
+        "retained_adapter_outputs": round(max(0.0, *needed), 2),
+    }
 
 
 def measured(out: Path) -> list[dict]:
@@ -124,7 +167,7 @@ def measured(out: Path) -> list[dict]:
         t = json.loads(metrics.read_text())["train"]
         plan = json.loads((metrics.parent / "plan.json").read_text())["gpu_memory_gb"]
         later = t.get("step_seconds", [])[1:]
-        tensors, fluctuating, replanned = plan_split(metrics.parent)
+        split = plan_split(metrics.parent)
         runs.append(
             {
                 "row": row,
@@ -140,9 +183,10 @@ def measured(out: Path) -> list[dict]:
                 "plan_logits_gb": plan["logits"],
                 # the same plan recomputed here: tensors with the working set above the loss, the fluctuating
                 # bytes, the total with the shipped calibration (the GRPO plan adds its rollout to plan.json's)
-                "tensors_gb": round(tensors, 4),
-                "fluctuating_gb": round(fluctuating, 4),
-                "replanned_gb": round(replanned, 4),
+                "tensors_gb": round(split["tensors"], 4),
+                "fluctuating_gb": round(split["fluctuating"], 4),
+                "adapter_outputs_gb": round(split["adapter_outputs"], 4),
+                "replanned_gb": round(split["total"], 4),
                 "step_s_median": statistics.median(later)
                 if later
                 else t["loop_seconds"] / max(1, t["steps"]),
@@ -154,23 +198,19 @@ def measured(out: Path) -> list[dict]:
 
 def table(runs: list[dict]) -> str:
     lines = [
-        "| row | side | runs | peak GB (VmHWM), median [min-max] | baseline GB | plan GB (tensors + overhead) "
-        "| plan against the peak | median s a step (after the first) | final loss |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| row | side | runs | peak GB (VmHWM), median [min-max] | baseline GB | plan at the run GB | error "
+        "| plan now GB (tensors + overhead) | error | median s a step (after the first) | final loss |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for r in runs:
-        groups.setdefault((r["row"], r["side"]), []).append(r)
     order = {name: i for i, name in enumerate(ROWS)}
-    for (row, side), rs in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][1])):
+    for (row, side), rs in sorted(_by_row(runs).items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][1])):
         peaks = [r["peak_gb"] for r in rs]
-        peak, plan = statistics.median(peaks), rs[0]["planned_gb"]
+        peak, then, now = statistics.median(peaks), rs[0]["planned_gb"], rs[0]["replanned_gb"]
         lines.append(
             f"| {row} | {side} | {len(rs)} | {peak:.3f} [{min(peaks):.3f}-{max(peaks):.3f}] "
-            f"| {statistics.median(r['baseline_gb'] for r in rs):.3f} "
-            f"| {plan:.3f} ({rs[0]['plan_tensors_gb']:.3f} + {rs[0]['plan_overhead_gb']:.3f}) "
-            f"| {(plan - peak) / peak:+.1%} | {statistics.median(r['step_s_median'] for r in rs):.2f} "
-            f"| {rs[0]['final_loss']:.4f} |"
+            f"| {statistics.median(r['baseline_gb'] for r in rs):.3f} | {then:.3f} | {(then - peak) / peak:+.1%} "
+            f"| {now:.3f} ({rs[0]['tensors_gb']:.3f} + {now - rs[0]['tensors_gb']:.3f}) | {(now - peak) / peak:+.1%} "
+            f"| {statistics.median(r['step_s_median'] for r in rs):.2f} | {rs[0]['final_loss']:.4f} |"
         )
     return "\n".join(lines)
 
@@ -184,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write every run's figures here")
     parser.add_argument("--table", action="store_true", help="print the table of the runs done, run nothing")
+    parser.add_argument("--fit", action="store_true", help="print the cpu calibration these runs ask for")
     args = parser.parse_args(argv)
     if not args.table:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -194,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
     print(table(runs))
+    if args.fit:
+        print("\nfitted on the glibc-default runs:", json.dumps(fit(runs)))
     return 0
 
 
