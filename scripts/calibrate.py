@@ -28,7 +28,9 @@ evaluated for exactly that. What the rows inform, for their device kind:
   bf16 peak, the median over the chunked-loss rows of that method;
 - cuda.trl_loss_extra_hv_flops: the time TRL's fused LM head takes beyond the
   chunked loss, in h x V FLOPs a token, the median over the TRL-loss rows;
-- cpu.fixed_gb (from a `--cpu` run): the RSS peak beyond the terms.
+- cpu.fixed_gb (from a `--cpu` run): the RSS peak beyond the terms of a plain process. The shipped cpu
+  section's fixed_gb, allocator_fraction and retained_adapter_outputs come instead from whole runs through the
+  training worker (`scripts/bench_cpu_malloc.py --fit`), whose libraries a plain process lacks.
 
 Prints each case's plan total before and after against the measured peak, and
 writes the file atomically (a temporary file renamed over it). A row whose

@@ -36,6 +36,8 @@ class DeviceCalibration:
     utilisation: dict[str, float] = field(default_factory=dict)
     # TRL's fused LM head, beyond the project's chunked loss: extra seconds per token, as FLOPs of h x V matmuls.
     trl_loss_extra_hv_flops: float = 0.0
+    # CPU: freed outputs of each adapted projection that glibc keeps resident in its heap (memory.retained_heap).
+    retained_adapter_outputs: float = 0.0
 
 
 @dataclass(frozen=True)

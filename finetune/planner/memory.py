@@ -636,6 +636,30 @@ def _fluctuating(job: Job, s: Strategy, rt: Runtime, acts: float, loss: float, a
     return acts + loss + above + step_gradients(job, s, rt)
 
 
+# glibc's ceiling on its dynamic mmap threshold on 64-bit (malloc.c's DEFAULT_MMAP_THRESHOLD_MAX, 4 MiB x
+# sizeof(long)): a block this large or larger is always mapped apart and unmapped when freed, never kept in the heap
+GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
+
+
+def retained_heap(job: Job, s: Strategy, rt: Runtime) -> float:
+    """Bytes of freed heap glibc keeps resident at a CPU step's peak (the process's RSS counts them).
+
+    Each adapted projection's forward frees its d_out-wide outputs (the frozen layer's and the adapter's, summed
+    into the result) between the small tensors the adapter saves for the backward (its r-wide input), so the
+    holes they leave cannot be trimmed and stay resident. glibc's dynamic mmap threshold rises to the largest
+    block freed, so outputs under 32 MiB come from that heap; larger ones are mapped apart and given back.
+    `retained_adapter_outputs` of them per projection stay (calibration.json, fitted on whole CPU runs: BENCHMARKS.md,
+    "The CPU plan's retained heap"). Full fine-tuning keeps no small tensors between its outputs: measured none.
+    CUDA's caching allocator has its own share (`allocator_fraction`); its coefficient here is 0.
+    """
+    per_output = job.device.retained_adapter_outputs
+    if not (per_output and rt.resident and job.method.uses_adapters):
+        return 0.0
+    tokens, shapes = rank_tokens(job, s), projection_shapes(job.model)
+    outputs = [tokens * shapes[name][1] * rt.compute for name in job.method.targets(job.model.architecture)]
+    return per_output * job.model.num_layers * sum(b for b in outputs if b < GLIBC_MMAP_THRESHOLD_MAX)
+
+
 def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory, float]:
     """Per-GPU memory terms (GB) and host memory offloaded per GPU (bytes)."""
     rt = rt or runtime(job, s)
@@ -648,7 +672,10 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
     dev = job.device
     above = _above_loss(job, s, rt, loss)
     overhead = (
-        dev.fixed_gb * GB + above + dev.allocator_fraction * _fluctuating(job, s, rt, acts, loss, above)
+        dev.fixed_gb * GB
+        + above
+        + dev.allocator_fraction * _fluctuating(job, s, rt, acts, loss, above)
+        + retained_heap(job, s, rt)
     )
     mem = Memory(
         weights=weights_gpu / GB,

@@ -433,6 +433,8 @@ def _train_metrics(
         "train_seconds": round(trained.seconds, 2),
         # From the first step's start to the last step's end: no set-up, no end-of-run eval or save.
         "loop_seconds": round(monitor.train_seconds, 2),
+        # each step's seconds, so a benchmark can take the median past the first (warm-up) step
+        "step_seconds": [round(t, 3) for t in monitor.step_seconds],
         "wall_seconds": round(time.perf_counter() - t0, 2),
         "stopped_early": session.early.reason,
         "resumed_from": str(Path(trained.resumed_from).resolve()) if trained.resumed_from else None,
