@@ -70,12 +70,7 @@ def id_dtype(vocab_size: int) -> Any:
 
 def _encode_batch(texts: list[str], renderer: Renderer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(flat ids as int64, flat mask, lengths) of a batch of conversations (JSON texts)."""
-    input_ids, labels = renderer.encode([json.loads(t) for t in texts])
-    lengths = np.fromiter((len(x) for x in input_ids), dtype=np.int32, count=len(input_ids))
-    total = int(lengths.sum())
-    ids = np.fromiter((t for x in input_ids for t in x), dtype=np.int64, count=total)
-    flat_labels = np.fromiter((t for x in labels for t in x), dtype=np.int64, count=total)
-    mask = flat_labels != IGNORE_INDEX
+    ids, mask, lengths = renderer.encode_flat([json.loads(t) for t in texts])
     starts = np.cumsum(lengths, dtype=np.int64) - lengths
     mask[starts[lengths > 0]] = False  # never predict a sample's first token
     return ids, mask, lengths
