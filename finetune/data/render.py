@@ -28,13 +28,10 @@ from __future__ import annotations
 
 import bisect
 import functools
-import itertools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
-
-import numpy as np
 
 from finetune.core.errors import DataError
 from finetune.data.formats import Messages
@@ -337,22 +334,6 @@ class Renderer:
             all_labels.append(labels)
         return all_ids, all_labels
 
-    def encode_flat(self, convs: list[Messages]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`encode` as flat arrays: (every token id as int64, True where its label is trained on, each
-        conversation's length as int32), with no Python list of labels made."""
-        rendered = [self.render(m) for m in convs]
-        all_ids, all_offsets = self._tokenize([t for t, _ in rendered])
-        lengths = np.fromiter(map(len, all_ids), dtype=np.int32, count=len(all_ids))
-        total = int(lengths.sum())
-        ids = np.fromiter(itertools.chain.from_iterable(all_ids), dtype=np.int64, count=total)
-        mask = np.zeros(total, dtype=bool)
-        base = 0
-        for offsets, (_, spans), n in zip(all_offsets, rendered, lengths.tolist()):
-            for ta, tb in _token_spans(offsets, spans):
-                mask[base + ta : base + tb] = True
-            base += n
-        return ids, mask, lengths
-
     def _tokenize(self, texts: list[str]) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
         """Each text's token ids and character offsets, without special tokens: the Rust tokenizer's batch
         call read directly where the transformers tokenizer has one, since turning each of its encodings
@@ -365,7 +346,10 @@ class Renderer:
         if backend is not None and texts:
             first = tok(texts[:1], **kwargs)
             encodings = backend.encode_batch(texts, add_special_tokens=False)
-            if encodings[0].ids == first["input_ids"][0] and encodings[0].offsets == first["offset_mapping"][0]:
+            if (
+                encodings[0].ids == first["input_ids"][0]
+                and encodings[0].offsets == first["offset_mapping"][0]
+            ):
                 return [e.ids for e in encodings], [e.offsets for e in encodings]
         enc = tok(texts, **kwargs)
         return list(enc["input_ids"]), list(enc["offset_mapping"])
