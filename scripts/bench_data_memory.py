@@ -11,7 +11,8 @@ probe of 10 million records in 504 MB), then `python -m finetune mode=data data.
 process (its VmHWM, read as `finetune/rundir/machine.py` reads it, and its process tree's RSS sampled; the tiny model's tokenizer, the default data settings: deduplication, near-duplicate removal,
 PII scrubbing, a 10% held-out split), run twice: a cache miss, then a hit (the entry checked and copied
 into a second run directory). The child's process tree's resident memory is sampled every 0.1 s.
-Prints one row per run (records, file size, kept samples, tokens, peak RSS, bytes per record, seconds),
+Prints one row per run (records, file size, kept samples, tokens, peak RSS, bytes per record, seconds and
+the child's CPU seconds),
 then the checksums the cache could use, over the largest entry's files read from the page cache, and
 near-duplicate removal on `--parts` keys both ways: datasketch's MinHash objects and MinHashLSH index
 (what the stage ran before) against `finetune.data.clean`'s signature rows and numpy buckets (its
@@ -24,6 +25,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -98,7 +100,7 @@ def run_stage(tree: Path, data: Path, run_dir: Path, cache: Path, models: Path, 
         f"run_dir={run_dir}",
     ]
     argv += [f"data.cache_dir={cache}", *extra]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(
         argv, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -107,6 +109,7 @@ def run_stage(tree: Path, data: Path, run_dir: Path, cache: Path, models: Path, 
     sampler.start()
     _, err = proc.communicate()
     seconds = time.perf_counter() - t0
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     stop.set()
     sampler.join()
     if proc.returncode != 0:
@@ -120,6 +123,8 @@ def run_stage(tree: Path, data: Path, run_dir: Path, cache: Path, models: Path, 
         "peak": peak[0],
         "vmhwm": int(hwm_file.read_text()),
         "seconds": seconds,
+        # CPU seconds of the child (user + system): what a shared, loaded machine's wall time hides
+        "cpu": cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime,
     }
 
 
@@ -247,7 +252,7 @@ def main() -> None:
             rows.append((n, data.stat().st_size, r))
             print(
                 f"  {n:,} records, cache {'hit' if r['hit'] else 'miss'}: VmHWM {r['vmhwm'] / 1e9:.2f} GB, "
-                f"{r['seconds']:.0f} s",
+                f"{r['seconds']:.0f} s ({r['cpu']:.0f} CPU s)",
                 file=sys.stderr,
             )
         largest = rows[-1][2]["entry"]
@@ -274,14 +279,14 @@ def main() -> None:
 def _table(rows: list) -> None:
     print(
         "| records | file MB | cache | kept | tokens | VmHWM GB | sampled tree RSS GB | bytes/record "
-        "| bytes/token | seconds |"
+        "| bytes/token | seconds | CPU seconds |"
     )
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, size, r in rows:
         print(
             f"| {n:,} | {size / 1e6:,.0f} | {'hit' if r['hit'] else 'miss'} | {r['kept']:,} | {r['tokens']:,} "
             f"| {r['vmhwm'] / 1e9:.2f} | {r['peak'] / 1e9:.2f} | {r['vmhwm'] / n:,.0f} "
-            f"| {r['vmhwm'] / max(r['tokens'], 1):,.0f} | {r['seconds']:,.0f} |"
+            f"| {r['vmhwm'] / max(r['tokens'], 1):,.0f} | {r['seconds']:,.0f} | {r['cpu']:,.0f} |"
         )
 
 

@@ -27,7 +27,9 @@ the same labels for the same conversation (tested).
 from __future__ import annotations
 
 import bisect
+import functools
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -74,6 +76,26 @@ def _put(table: dict, key: Any, value: str) -> bool:
     return table.setdefault(key, value) == value
 
 
+@functools.lru_cache(maxsize=1)
+def _helpers() -> tuple[Any, Any]:
+    """transformers' private helpers (compiling a template, rendering it with the markers' spans), imported
+    when first needed; (None, None) if they move, and the public path is taken."""
+    try:
+        from transformers.utils.chat_template_utils import (
+            _compile_jinja_template,
+            _render_with_assistant_indices,
+        )
+    except ImportError:
+        return None, None
+    return _compile_jinja_template, _render_with_assistant_indices
+
+
+def _compiled(template: str) -> Any:
+    """The template compiled as transformers compiles it (cached there), or None without its helper."""
+    compile_template = _helpers()[0]
+    return None if compile_template is None else compile_template(template)
+
+
 def has_generation_markers(template: str) -> bool:
     return bool(_MARKERS.search(template))
 
@@ -101,12 +123,7 @@ class Renderer:
         self.prefix_fallbacks = 0  # conversations whose prefixes did not render as prefixes
         self._layout_learned = False
         self._layout: Optional[_Layout] = None
-        try:
-            from transformers.utils.chat_template_utils import _compile_jinja_template
-
-            self._compiled: Any = _compile_jinja_template(template)
-        except ImportError:  # a private helper: fall back to the public path if it moves
-            self._compiled = None
+        self._compiled: Any = _compiled(template)
 
     def __getstate__(self) -> dict:  # compiled templates do not pickle (data.num_proc worker processes)
         return {**self.__dict__, "_compiled": None, "_recompile": True}
@@ -115,22 +132,31 @@ class Renderer:
         recompile = state.pop("_recompile", False)
         self.__dict__.update(state)
         if recompile:
-            try:
-                from transformers.utils.chat_template_utils import _compile_jinja_template
-
-                self._compiled = _compile_jinja_template(self.template)
-            except ImportError:
-                self._compiled = None
+            self._compiled = _compiled(self.template)
 
     def _render(self, convs: list[Messages], add_generation_prompt: bool = False, markers: bool = False):
-        if not markers and self._compiled is not None:
-            # The same compiled template and variables transformers uses, without its per-call copying.
-            return [
-                self._compiled.render(
-                    messages=c, add_generation_prompt=add_generation_prompt, **self.template_kwargs
-                )
-                for c in convs
-            ], []
+        if self._compiled is not None:
+            # The same compiled template and variables transformers uses, without its per-call copying of
+            # every message into plain data (ours are plain: {"role": str, "content": str}, from
+            # formats.to_messages); with the markers, through its own helper that tracks their spans. That
+            # copying was a third of the rendering's time on tiny records (BENCHMARKS.md, rel9).
+            if not markers:
+                return [
+                    self._compiled.render(
+                        messages=c, add_generation_prompt=add_generation_prompt, **self.template_kwargs
+                    )
+                    for c in convs
+                ], []
+            with_indices = _helpers()[1]
+            if with_indices is not None:
+                texts, indices = [], []
+                for c in convs:
+                    text, spans = with_indices(
+                        self._compiled, c, None, None, add_generation_prompt, **self.template_kwargs
+                    )
+                    texts.append(text)
+                    indices.append(spans)
+                return texts, indices
         from transformers.utils.chat_template_utils import render_jinja_template
 
         return render_jinja_template(
@@ -299,21 +325,41 @@ class Renderer:
     def encode(self, convs: list[Messages]) -> tuple[list[list[int]], list[list[int]]]:
         """Render, tokenize (one batched call) and mask a batch of conversations."""
         rendered = [self.render(m) for m in convs]
-        enc = self.tokenizer(
-            [t for t, _ in rendered],
-            add_special_tokens=False,
-            return_offsets_mapping=True,
-            return_attention_mask=False,
-        )
+        all_ids, all_offsets = self._tokenize([t for t, _ in rendered])
         all_labels = []
-        for ids, offsets, (_, spans) in zip(enc["input_ids"], enc["offset_mapping"], rendered):
+        for ids, offsets, (_, spans) in zip(all_ids, all_offsets, rendered):
             labels = [IGNORE_INDEX] * len(ids)
-            for a, b in spans:  # tokens starting inside [a, b): a slice per span, found by bisection
-                ta = bisect.bisect_left(offsets, a, key=_start)
-                tb = bisect.bisect_left(offsets, b, lo=ta, key=_start)
+            for ta, tb in _token_spans(offsets, spans):
                 labels[ta:tb] = ids[ta:tb]
             all_labels.append(labels)
-        return list(enc["input_ids"]), all_labels
+        return all_ids, all_labels
+
+    def _tokenize(self, texts: list[str]) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+        """Each text's token ids and character offsets, without special tokens: the Rust tokenizer's batch
+        call read directly where the transformers tokenizer has one, since turning each of its encodings
+        into a dict of lists (`_convert_encoding`) took as long as tokenizing (BENCHMARKS.md, rel9). The
+        first text goes through the transformers call too, which sets the backend's truncation, padding
+        and special-token handling as it would for the whole batch, and must agree."""
+        tok = self.tokenizer
+        kwargs = dict(add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is not None and texts:
+            first = tok(texts[:1], **kwargs)
+            encodings = backend.encode_batch(texts, add_special_tokens=False)
+            if (
+                encodings[0].ids == first["input_ids"][0]
+                and encodings[0].offsets == first["offset_mapping"][0]
+            ):
+                return [e.ids for e in encodings], [e.offsets for e in encodings]
+        enc = tok(texts, **kwargs)
+        return list(enc["input_ids"]), list(enc["offset_mapping"])
+
+
+def _token_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """The tokens starting inside each character span [a, b), as [ta, tb): found by bisection."""
+    for a, b in spans:
+        ta = bisect.bisect_left(offsets, a, key=_start)
+        yield ta, bisect.bisect_left(offsets, b, lo=ta, key=_start)
 
 
 def _start(offset: tuple[int, int]) -> int:

@@ -20,6 +20,7 @@ import json
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +72,11 @@ def id_dtype(vocab_size: int) -> Any:
 def _encode_batch(texts: list[str], renderer: Renderer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(flat ids as int64, flat mask, lengths) of a batch of conversations (JSON texts)."""
     input_ids, labels = renderer.encode([json.loads(t) for t in texts])
-    lengths = np.fromiter((len(x) for x in input_ids), dtype=np.int32, count=len(input_ids))
+    lengths = np.fromiter(map(len, input_ids), dtype=np.int32, count=len(input_ids))
     total = int(lengths.sum())
-    ids = np.fromiter((t for x in input_ids for t in x), dtype=np.int64, count=total)
-    flat_labels = np.fromiter((t for x in labels for t in x), dtype=np.int64, count=total)
-    mask = flat_labels != IGNORE_INDEX
+    # chain.from_iterable walks the lists in C, without a generator step a token (2% of the stage's time)
+    ids = np.fromiter(chain.from_iterable(input_ids), dtype=np.int64, count=total)
+    mask = np.fromiter(chain.from_iterable(labels), dtype=np.int64, count=total) != IGNORE_INDEX
     starts = np.cumsum(lengths, dtype=np.int64) - lengths
     mask[starts[lengths > 0]] = False  # never predict a sample's first token
     return ids, mask, lengths
