@@ -433,6 +433,7 @@ def _train_metrics(
         "train_seconds": round(trained.seconds, 2),
         # From the first step's start to the last step's end: no set-up, no end-of-run eval or save.
         "loop_seconds": round(monitor.train_seconds, 2),
+        "loop_cpu_seconds": round(monitor.train_cpu_seconds, 2),
         "wall_seconds": round(time.perf_counter() - t0, 2),
         "stopped_early": session.early.reason,
         "resumed_from": str(Path(trained.resumed_from).resolve()) if trained.resumed_from else None,
