@@ -14,7 +14,7 @@ from transformers.trainer_callback import TrainerControl
 from finetune.train.callbacks import RichProgress
 
 
-def test_the_bar_starts_no_thread_and_redraws_at_most_every_redraw_s(tmp_path, monkeypatch):
+def test_the_bar_starts_no_thread_and_redraws_at_most_every_redraw_s(tmp_path, monkeypatch, capsys):
     progress = RichProgress()
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     state, control = TrainerState(max_steps=100), TrainerControl()
@@ -40,3 +40,6 @@ def test_the_bar_starts_no_thread_and_redraws_at_most_every_redraw_s(tmp_path, m
     progress.on_train_end(args, state, control)
     assert draws == [5, 10, 11, 12]
     assert progress.loss == "0.6931" and progress.progress is None
+    # Not a terminal here: one bar, the final one, printed when it stops (what tests/test_distributed.py counts).
+    err = capsys.readouterr().err
+    assert err.count("train ━") == 1 and "12/100" in err and "loss 0.6931" in err
