@@ -184,4 +184,6 @@ def test_bench_dpo_overhead_quick_runs_both_sides_on_the_same_pairs(tmp_path: Pa
         (run,) = result[side]
         assert run["first_loss"] == pytest.approx(0.6931, abs=1e-3)
         assert run["loop"] > 0 and run["whole"] >= run["loop"]
+        # the loop's CPU seconds (one intra-op thread each): at most the wall clock's, plus the odd clock tick
+        assert 0 < run["cpu"] <= run["loop"] * 1.05
     assert result["finetune"][0]["last_loss"] == pytest.approx(result["plain"][0]["last_loss"], rel=1e-5)

@@ -9,7 +9,7 @@
 - `Preemption`: SIGTERM or SIGINT saves a checkpoint at the next step boundary
   and stops (all ranks at the same step); a second signal stops at once.
 - `RichProgress`: one progress bar with loss and throughput on the terminal
-  (replaces transformers' tqdm bars and printed dicts).
+  (replaces transformers' tqdm bars and printed dicts), redrawn from the loop, at most twice a second.
 """
 
 from __future__ import annotations
@@ -61,6 +61,10 @@ class RunMonitor(TrainerCallback):
         self._tokens_at_start = 0
         self.step_seconds: list[float] = []
         self.train_seconds = 0.0
+        # The process's CPU seconds over the same span (every thread): on a shared machine the wall clock
+        # measures the other tenants too, the CPU time mostly this process's own work.
+        self.train_cpu_seconds = 0.0
+        self._cpu_train = 0.0
 
     # The trainer calls this for every micro-batch with the rows' real lengths. Not the Trainer's
     # include_num_input_tokens_seen="non_padding": it counts ids != pad, and with pad = eos (Llama 3.x) misses every
@@ -83,6 +87,7 @@ class RunMonitor(TrainerCallback):
         if self.device == "cuda" and torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         self._t_train = time.perf_counter()
+        self._cpu_train = time.process_time()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.steps_begun += 1
@@ -92,6 +97,7 @@ class RunMonitor(TrainerCallback):
         now = time.perf_counter()
         self.step_seconds.append(now - self._t_step)
         self.train_seconds = now - self._t_train
+        self.train_cpu_seconds = time.process_time() - self._cpu_train
         if self.planned_memory_gb and not self.warned and self.compared_gb() > self.planned_memory_gb:
             self.warned = True
             log.warning(
@@ -271,7 +277,14 @@ class Preemption(TrainerCallback):
 
 
 class RichProgress(TrainerCallback):
-    """A rich progress bar with the latest loss, eval loss and tokens/s (main process only)."""
+    """A rich progress bar with the latest loss, eval loss and tokens/s (main process only).
+
+    Redrawn by the training loop itself, at most every `redraw_s` seconds, not by rich's refresh thread (10 a
+    second): that thread took the GIL from the step and, on a loaded 2-core machine, 43-59 ms of CPU a DPO step
+    (BENCHMARKS.md, "Framework overhead per DPO step").
+    """
+
+    redraw_s = 0.5
 
     def __init__(self, monitor: Optional[RunMonitor] = None):
         self.monitor = monitor
@@ -279,6 +292,7 @@ class RichProgress(TrainerCallback):
         self.task: Any = None
         self.loss = "-"
         self.eval_loss = "-"
+        self._drawn_at = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
@@ -302,18 +316,29 @@ class RichProgress(TrainerCallback):
             TimeRemainingColumn(),
             console=Console(stderr=True),
             transient=False,
+            auto_refresh=False,
         )
         self.progress.start()
         self.task = self.progress.add_task(
             "train", total=state.max_steps, completed=state.global_step, loss="-", eval_loss="-", tps="-"
         )
+        self._refresh(state, force=True)
 
-    def _refresh(self, state) -> None:
+    def _refresh(self, state, force: bool = False) -> None:
         if self.progress is None:
             return
+        now = time.monotonic()
+        if not force and now - self._drawn_at < self.redraw_s:
+            return
+        self._drawn_at = now
         tps = f"{self.monitor.tokens_per_second:,.0f}" if self.monitor else "-"
         self.progress.update(
-            self.task, completed=state.global_step, loss=self.loss, eval_loss=self.eval_loss, tps=tps
+            self.task,
+            completed=state.global_step,
+            loss=self.loss,
+            eval_loss=self.eval_loss,
+            tps=tps,
+            refresh=True,
         )
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -325,10 +350,10 @@ class RichProgress(TrainerCallback):
             self.loss = f"{logs['loss']:.4f}"
         if "eval_loss" in logs:
             self.eval_loss = f"{logs['eval_loss']:.4f}"
-        self._refresh(state)
+        self._refresh(state, force=True)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.progress is not None:
-            self._refresh(state)
+            self._refresh(state, force=True)
             self.progress.stop()
             self.progress = None

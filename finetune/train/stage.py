@@ -435,6 +435,7 @@ def _train_metrics(
         "loop_seconds": round(monitor.train_seconds, 2),
         # each step's seconds, so a benchmark can take the median past the first (warm-up) step
         "step_seconds": [round(t, 3) for t in monitor.step_seconds],
+        "loop_cpu_seconds": round(monitor.train_cpu_seconds, 2),
         "wall_seconds": round(time.perf_counter() - t0, 2),
         "stopped_early": session.early.reason,
         "resumed_from": str(Path(trained.resumed_from).resolve()) if trained.resumed_from else None,
