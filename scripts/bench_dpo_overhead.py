@@ -15,13 +15,14 @@ the plain side recomputed every forward and ran 21% slower a step, which read as
 Neither evaluates nor saves inside the measured loop. Every pair compares the two sides' DPOConfig field by
 field (finetune's from the checkpoint's training_args.bin) and stops on any difference but the output folders.
 
-Three figures a run: the loop (the first step's start to the last step's end, over the steps: finetune's
-`loop_seconds` in metrics.json, the plain script's own callback), the per-step overhead; the process's CPU
-seconds over the same span (`loop_cpu_seconds`, every thread: on a 2-core machine shared with other
-tenants the wall clock measures them too, the CPU time mostly the process's own work); and the whole
-`train()` call over the steps (set-up and the end-of-run evaluation and checkpoint included). The pairs run
-A B, B A, A B, ... Prints medians, the overhead of the medians and each pair's. Target (issue 22): within 3%
-per step.
+Both sides run under one probe (scripts/trainer_loop_probe.py: finetune's side is the worker `mode=train`
+starts, on the config it writes), which reads from the first step's start to the last step's end: the wall
+clock, the process's user and system CPU seconds (every thread: on a 2-core machine shared with other tenants
+the wall clock measures them too, the CPU time mostly the process's own work), its minor page faults, the
+garbage collector's seconds and the callbacks' on_step_end; and the whole `train()` call over the steps
+(set-up and the end-of-run evaluation and checkpoint included). `--off base_eval,...` switches parts of
+finetune's worker off (ablations, to find what a step's extra time belongs to). The pairs run A B, B A, A B, ...
+Prints medians, the overhead of the medians and each pair's. Target (issue 22): within 3% per step.
 """
 
 from __future__ import annotations
@@ -38,16 +39,17 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+PROBE = ROOT / "scripts" / "trainer_loop_probe.py"
 RECIPE = "+recipe=tiny_dpo"
 
 # The baseline a user would write by hand with TRL + PEFT: no finetune code in the loop (the run directory's
 # config, tokenizer and prepared pairs are read with finetune's helpers, outside it).
 PLAIN = textwrap.dedent(
     """
-    import json, sys, time
+    import json, sys
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import TrainerCallback, set_seed
+    from transformers import set_seed
     from trl import DPOConfig, DPOTrainer
     from trl.trainer.dpo_trainer import DataCollatorForPreference
     from finetune.rundir import load_config
@@ -70,12 +72,6 @@ PLAIN = textwrap.dedent(
         def _prepare_dataset(self, dataset, *args, **kwargs):
             return dataset
 
-    class Loop(TrainerCallback):  # first step's start to last step's end: wall and process CPU seconds
-        def on_train_begin(self, *a, **k): self.start, self.cpu_start = time.perf_counter(), time.process_time()
-        def on_step_end(self, *a, **k):
-            self.seconds = time.perf_counter() - self.start
-            self.cpu_seconds = time.process_time() - self.cpu_start
-
     d = cfg.dpo
     args = DPOConfig(output_dir=f"{run_dir}/plain", per_device_train_batch_size=plan["micro_batch_size"],
                      gradient_accumulation_steps=plan["grad_accum_steps"], learning_rate=m.learning_rate,
@@ -92,14 +88,13 @@ PLAIN = textwrap.dedent(
                      activation_checkpointing=plan["activation_checkpointing"], data_seed=cfg.train.seed,
                      num_train_epochs=cfg.train.epochs,
                      ddp_find_unused_parameters=False)
-    loop = Loop()
     trainer = Pretokenized(model=model, args=args, train_dataset=train, eval_dataset=held_out,
-                           processing_class=tokenizer, callbacks=[loop],
+                           processing_class=tokenizer,
                            data_collator=DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id))
     result = trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    json.dump({"steps": result.global_step, "seconds": result.metrics["train_runtime"], "loop_seconds": loop.seconds,
-               "loop_cpu_seconds": loop.cpu_seconds, "first_loss": losses[0], "last_loss": losses[-1], "threads": torch.get_num_threads(),
+    json.dump({"steps": result.global_step, "seconds": result.metrics["train_runtime"],
+               "first_loss": losses[0], "last_loss": losses[-1], "threads": torch.get_num_threads(),
                "args": args.to_dict()}, open(out, "w"), default=str)
     """
 )
@@ -115,13 +110,18 @@ def _run(argv: list[str]) -> None:
         sys.exit(f"{' '.join(argv[:4])} ... exited with {r.returncode}:\n{r.stderr[-3000:]}")
 
 
-def finetune_run(run_dir: Path, steps: int) -> dict[str, Any]:
-    """Seconds per step (loop, whole train()), the first and last logged loss and the trainer's arguments of one
-    `python -m finetune mode=train`."""
+def _probe(out: Path, off: list[str], *command: str) -> dict[str, Any]:
+    """`command` under the loop probe (scripts/trainer_loop_probe.py, the same for both sides); its figures."""
+    _run([sys.executable, str(PROBE), str(out), "--off", ",".join(off), *command])
+    return json.loads(out.read_text())
+
+
+def finetune_run(run_dir: Path, steps: int, off: list[str]) -> dict[str, Any]:
+    """Seconds per step (loop, whole train()), the probe's figures, the first and last logged loss and the
+    trainer's arguments of one run of the worker `python -m finetune mode=train` starts (the planned config)."""
     import torch
 
-    _run([sys.executable, "-m", "finetune", RECIPE, f"run_dir={run_dir}", "mode=train", "resume=false",
-          f"train.max_steps={steps}", "train.save_steps=1000000", "train.eval_steps=1000000"])  # fmt: skip
+    probe = _probe(run_dir / "probe_finetune.json", off, "-m", "finetune.train", str(run_dir))
     train = json.loads((run_dir / "metrics.json").read_text())["train"]
     checkpoint = run_dir / "checkpoints" / f"checkpoint-{steps}"
     history = json.loads((checkpoint / "trainer_state.json").read_text())
@@ -129,8 +129,8 @@ def finetune_run(run_dir: Path, steps: int) -> dict[str, Any]:
     # The DPOConfig the run trained with, as the Trainer saved it (a pickled dataclass: this run's own file).
     args = torch.load(checkpoint / "training_args.bin", weights_only=False).to_dict()
     return dict(
-        loop=train["loop_seconds"] / train["steps"],
-        cpu=train["loop_cpu_seconds"] / train["steps"],
+        probe,
+        loop=probe["wall"],
         whole=train["train_seconds"] / train["steps"],
         first_loss=losses[0],
         last_loss=losses[-1],
@@ -141,11 +141,11 @@ def finetune_run(run_dir: Path, steps: int) -> dict[str, Any]:
 def plain_run(run_dir: Path, steps: int, script: Path) -> dict[str, Any]:
     """The same figures for one run of the plain script."""
     out = run_dir / "plain.json"
-    _run([sys.executable, str(script), str(run_dir), str(steps), str(out)])
+    probe = _probe(run_dir / "probe_plain.json", [], str(script), str(run_dir), str(steps), str(out))
     r = json.loads(out.read_text())
     return dict(
-        loop=r["loop_seconds"] / r["steps"],
-        cpu=r["loop_cpu_seconds"] / r["steps"],
+        probe,
+        loop=probe["wall"],
         whole=r["seconds"] / r["steps"],
         first_loss=r["first_loss"],
         last_loss=r["last_loss"],
@@ -169,6 +169,8 @@ def table(ours: list[dict[str, Any]], plain: list[dict[str, Any]]) -> str:
     for key, figure in (
         ("loop", "training loop"),
         ("cpu", "training loop, process CPU time"),
+        ("user", "training loop, user CPU"),
+        ("system", "training loop, system CPU (page faults, madvise)"),
         ("whole", "whole train() (set-up, end-of-run eval and save)"),
     ):
         a = statistics.median(r[key] for r in ours)
@@ -183,6 +185,14 @@ def table(ours: list[dict[str, Any]], plain: list[dict[str, Any]]) -> str:
             + ", ".join(f"{100 * r:+.1f}%" for r in ratios)
             + " |"
         )
+    for key, figure, scale, unit in (
+        ("minor_faults", "minor page faults", 1, "a step"),
+        ("step_end_callbacks", "callbacks' on_step_end", 1e3, "ms a step"),
+        ("gc", "Python's garbage collector", 1e3, "ms a step"),
+    ):
+        a = statistics.median(r[key] for r in ours) * scale
+        b = statistics.median(r[key] for r in plain) * scale
+        lines.append(f"| {figure} ({unit}, median) | finetune {a:,.1f} | plain {b:,.1f} | |")
     return "\n".join(lines)
 
 
@@ -194,26 +204,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="1 pair of 2 steps")
     parser.add_argument("--json", type=Path, help="also write every run's figures here")
+    parser.add_argument(
+        "--off",
+        default="",
+        help="switch parts of finetune's worker off, to find where a step's time goes (comma-separated: "
+        "base_eval, malloc_trim, tensorboard, callbacks, token_count; scripts/trainer_loop_probe.py)",
+    )
     args = parser.parse_args(argv)
     pairs, steps = (1, 2) if args.quick else (args.pairs, args.steps)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         script = Path(tmp) / "plain_trl_dpo.py"
         script.write_text(PLAIN)
+        off = [p for p in args.off.split(",") if p]
+        # The config the worker reads: mode=train with these overrides writes the same, then starts it.
+        overrides = [
+            "resume=false",
+            f"train.max_steps={steps}",
+            "train.save_steps=1000000",
+            "train.eval_steps=1000000",
+        ]
         for mode in ("data", "plan"):
             subprocess.run(
-                [sys.executable, "-m", "finetune", RECIPE, f"run_dir={run_dir}", f"mode={mode}"],
+                [sys.executable, "-m", "finetune", RECIPE, f"run_dir={run_dir}", f"mode={mode}", *overrides],
                 cwd=ROOT, env=_env(), check=True, capture_output=True,
             )  # fmt: skip
         ours, plain = [], []
         for i in range(pairs):
             # A B, then B A: a load that rises or falls through the run weighs on both sides alike.
             if i % 2 == 0:
-                ours.append(finetune_run(run_dir, steps))
+                ours.append(finetune_run(run_dir, steps, off))
                 plain.append(plain_run(run_dir, steps, script))
             else:
                 plain.append(plain_run(run_dir, steps, script))
-                ours.append(finetune_run(run_dir, steps))
+                ours.append(finetune_run(run_dir, steps, off))
             print(
                 f"pair {i + 1}: loop ms/step finetune {ours[-1]['loop'] * 1e3:.1f}, "
                 f"plain {plain[-1]['loop'] * 1e3:.1f}; CPU ms/step finetune {ours[-1]['cpu'] * 1e3:.1f}, "
@@ -225,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
             if differences:
                 # Not the same work: a ratio would measure the difference, not the framework.
                 sys.exit("the two sides' DPOConfig differ:\n  " + "\n  ".join(differences))
-    print(f"\n{steps} DPO steps a run ({RECIPE}), {pairs} interleaved pair(s)\n")
+    print(
+        f"\n{steps} DPO steps a run ({RECIPE}), {pairs} interleaved pair(s); finetune's parts off: {off or 'none'}\n"
+    )
     print(table(ours, plain))
     if args.json:
         runs = {
