@@ -224,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
             "train.save_steps=1000000",
             "train.eval_steps=1000000",
         ]
-        for mode in ("data", "plan"):
+        # The data, the plan and the engine files (launch.dry_run writes them and starts nothing).
+        for step in (["mode=data"], ["mode=plan"], ["mode=launch", "launch.dry_run=true"]):
             subprocess.run(
-                [sys.executable, "-m", "finetune", RECIPE, f"run_dir={run_dir}", f"mode={mode}", *overrides],
+                [sys.executable, "-m", "finetune", RECIPE, f"run_dir={run_dir}", *step, *overrides],
                 cwd=ROOT, env=_env(), check=True, capture_output=True,
             )  # fmt: skip
         ours, plain = [], []

@@ -135,6 +135,8 @@ class Probe:
             return result
 
         def on_step_end(handler: Any, args: Any, state: Any, control: Any) -> Any:
+            if not probe.in_loop:  # an evaluation's or another trainer's steps: not this loop's
+                return step_end(handler, args, state, control)
             t = time.perf_counter()
             result = step_end(handler, args, state, control)
             probe.step_end_seconds += time.perf_counter() - t
