@@ -28,7 +28,7 @@ def _held_out(run: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # SFT 400 steps, then 100 GRPO steps, each evaluated: about 20 minutes on the shared 2 cores
+@pytest.mark.extended  # SFT 400 steps, then 100 GRPO steps, each evaluated: 10 minutes on the shared 2 cores
 def test_grpo_raises_the_held_out_pass_rate_over_its_sft_start(tmp_path: Path) -> None:
     env = child_env(FINETUNE_CACHE=str(tmp_path / "cache"))
     sft, grpo = tmp_path / "sft", tmp_path / "grpo"
