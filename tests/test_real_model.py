@@ -236,7 +236,7 @@ def recipe_run(smollm2, tmp_path_factory):
     return run, json.loads((run / "eval" / "metrics.json").read_text())
 
 
-@pytest.mark.extended  # the whole recipe on the real model: never run to the end on the 2 shared cores (README)
+@pytest.mark.extended  # the whole recipe on the real model: 24 minutes on the 2 shared cores (README)
 def test_the_recipe_fine_tunes_smollm2_with_a_task_gain_and_merged_equal_to_trained(smollm2, recipe_run):
     """The targets of BENCHMARKS.md: the task metric up by at least 0.4 and merged scoring as trained;
     the template reaching the served folders."""
