@@ -42,6 +42,7 @@ SETTINGS: dict[str, tuple[int, list[str]]] = {
     ),
     "task400-lr5e-4": (400, ["method.learning_rate=5e-4"]),
     "task400-lr1e-3-steps20": (400, ["method.learning_rate=1e-3", "train.max_steps=20"]),
+    "task400-lr1e-3-steps15": (400, ["method.learning_rate=1e-3", "train.max_steps=15"]),
     # fourth round: more replay per task conversation, a lower rate, a lower rank
     "task200-lr1e-3": (200, ["method.learning_rate=1e-3"]),
     "task200-lr1e-3-steps15": (200, ["method.learning_rate=1e-3", "train.max_steps=15"]),

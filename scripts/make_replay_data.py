@@ -14,7 +14,11 @@ the number (23 of 29 checks kept, BENCHMARKS.md). So every answer is checked bef
 lists, a few facts) the base's first sentence is kept if it states that result in at most a dozen words,
 else the answer is written from the known result in the base's own words ("13 + 16 = 29.", 'In Spanish,
 "sun" is "sol".'); free answers (a sentence, an explanation, a tip) keep the base's first one or two
-sentences if they are on the topic, and are dropped otherwise. The prompts are built from templates; those
+sentences if they are on the topic, and are dropped otherwise. Prompts nearer the regression set's kinds (time
+units, sums asked with "+", doubling and small products, words into English, a sentence about an animal) are
+always answered from their known result (`NEAR`): a model trained on the replay's one-sentence form loses the
+checks whose base answer is right only after a wrong first sentence (BENCHMARKS.md, fourth round), so those
+kinds need right first sentences to learn from. The prompts are built from templates; those
 that are prompts of the regression set (finetune/data/regression/prompts.jsonl) are left out, so the
 regression checks stay held out. Deterministic for a given model file.
 """
@@ -82,6 +86,88 @@ FACTS = {  # question -> (a pattern a right answer matches, the answer written f
 }  # fmt: skip
 ACTIVITIES = ("studying", "running", "cooking rice", "saving money", "learning to draw", "writing an email")
 
+# Fifth round (BENCHMARKS.md): prompts nearer the regression set's kinds, answered right in one sentence from known
+# results. Trained on the replay's one-sentence form, the model lost checks whose base answer reaches the result
+# only after a wrong first sentence ("A day is approximately 86 minutes.", "7 + 7 = 12.", 'In Spanish, "dog" is
+# "caballo".'). The regression's own facts stay out in every wording: no day of 24 hours, no week of 7 days, no
+# 2 + 3, 7 + 7, 3 x 4, 2 x 5 or half of 10, and none of hello, dog and thank you translated.
+UNIT_FACTS = {
+    "How many hours are in a week?": "There are 168 hours in a week.",
+    "How many hours are in two days?": "There are 48 hours in two days.",
+    "How many hours are in three days?": "There are 72 hours in three days.",
+    "How many hours are in half a day?": "There are 12 hours in half a day.",
+    "How many minutes are in a day?": "There are 1,440 minutes in a day.",
+    "How many minutes are in two hours?": "There are 120 minutes in two hours.",
+    "How many minutes are in half an hour?": "There are 30 minutes in half an hour.",
+    "How many seconds are in an hour?": "There are 3,600 seconds in an hour.",
+    "How many days are in two weeks?": "There are 14 days in two weeks.",
+    "How many days are in a leap year?": "There are 366 days in a leap year.",
+    "How many days are in June?": "There are 30 days in June.",
+    "How many weeks are in a year?": "There are 52 weeks in a year.",
+    "How many centimetres are in a metre?": "There are 100 centimetres in a metre.",
+    "How many grams are in a kilogram?": "There are 1,000 grams in a kilogram.",
+    "How many sides does a triangle have?": "A triangle has three sides.",
+    "How many wheels does a bicycle have?": "A bicycle has two wheels.",
+    "What is the normal body temperature of a person in Celsius?": "It is about 37 degrees Celsius.",
+}  # fmt: skip
+MORE_WORDS = {  # more words for the translations both ways (LANGUAGES' order)
+    "goodbye": ("au revoir", "adiós", "auf Wiedersehen", "arrivederci"),
+    "water": ("eau", "agua", "Wasser", "acqua"), "please": ("s'il vous plaît", "por favor", "bitte", "per favore"),
+    "yes": ("oui", "sí", "ja", "sì"),
+}  # fmt: skip
+SENTENCES = {  # one sentence about an animal, the animal named first (the base's "A loyal and loving companion...")
+    "horses": "Horses are strong, fast animals that people have ridden for thousands of years.",
+    "rabbits": "Rabbits are small animals with long ears that love to eat plants.",
+    "birds": "Birds are animals with feathers, and most of them can fly.",
+    "elephants": "Elephants are the largest land animals and have long trunks.",
+    "bees": "Bees are insects that make honey and carry pollen from flower to flower.",
+    "lions": "Lions are big cats that live in groups called prides.",
+    "owls": "Owls are birds that hunt at night and can turn their heads very far.",
+    "fish": "Fish live in water and breathe through their gills.",
+}  # fmt: skip
+HELD_OUT_SUMS = {(2, 3), (7, 7)}
+HELD_OUT_PRODUCTS = {(3, 4), (2, 5)}
+
+
+def near_regression() -> dict[str, str]:
+    """Prompt -> its answer, written from the known result: the replay nearer the regression set's kinds."""
+    out = dict(UNIT_FACTS)
+    sums = [(4, 5), (6, 2), (8, 3), (9, 4), (5, 7), (6, 9), (12, 5), (3, 8), (11, 7)]
+    sums += [(n, n) for n in (3, 4, 6, 8, 9, 11, 12, 15)]
+    out |= {
+        f"What is {a} + {b}?": f"{a} + {b} = {a + b}."
+        for a, b in sums
+        if (min(a, b), max(a, b)) not in HELD_OUT_SUMS
+    }
+    products = [(2, n) for n in (2, 3, 4, 6, 7, 8, 9, 11, 12)] + [(n, 2) for n in (3, 6, 8)]
+    products += [(3, 3), (3, 5), (4, 4), (4, 5), (5, 6), (6, 6), (3, 6), (4, 6)]
+    out |= {
+        f"What is {a} times {b}?": f"{a} times {b} is {a * b}."
+        for a, b in products
+        if (min(a, b), max(a, b)) not in HELD_OUT_PRODUCTS
+    }
+    out |= {f"What is double {n}?": f"Double {n} is {2 * n}." for n in (3, 4, 6, 8, 9, 12)}
+    out |= {f"What is half of {n}?": f"Half of {n} is {n // 2}." for n in (4, 6, 8, 12, 14, 20)}
+    words = TRANSLATIONS | MORE_WORDS
+    for english, foreign in words.items():
+        for word in foreign:
+            out.setdefault(
+                f"What does '{word}' mean in English?",
+                f'"{word[0].upper() + word[1:]}" means "{english}" in English.',
+            )
+    for english, foreign in MORE_WORDS.items():
+        for lang, word in zip(LANGUAGES, foreign):
+            out[f"Translate '{english}' into {lang}."] = f'In {lang}, "{english}" is "{word}".'
+    for english in ("cat", "water", "book", "goodbye", "friend", "please"):
+        for lang in ("French", "Spanish"):
+            word = words[english][LANGUAGES.index(lang)]
+            out[f"How do you say {english} in {lang}?"] = f'In {lang}, "{english}" is "{word}".'
+    out |= {f"Write one sentence about {animal}.": s for animal, s in SENTENCES.items()}
+    return out
+
+
+NEAR = near_regression()
+
 
 def prompts(seed: int = 0) -> list[str]:
     rng = random.Random(seed)
@@ -97,6 +183,7 @@ def prompts(seed: int = 0) -> list[str]:
     out += [f"Translate '{w}' into {lang}." for w, lang in itertools.product(WORDS, LANGUAGES)]
     out += [f"Give me one tip for {a}." for a in ACTIVITIES]
     out += list(FACTS)
+    out += [p for p in NEAR if p not in out]
     return out
 
 
@@ -119,6 +206,8 @@ def _reference(prompt: str) -> Optional[tuple[Optional[str], str]]:
 
     A pattern of None: the answer is always the written one.
     """
+    if prompt in NEAR:
+        return None, NEAR[prompt]
     if m := re.fullmatch(r"What is the capital of (.+)\?", prompt):
         city = CAPITALS[m[1]]
         return rf"(?i)\b{city}\b", f"The capital of {m[1]} is {city}."
@@ -183,25 +272,26 @@ def main(argv: list[str] | None = None) -> int:
     from finetune.evaluation.generate import generate
     from finetune.modeling import models
 
-    torch.set_num_threads(1)  # shared cores: one thread is faster (finetune/train/stage.py: cpu_threads)
-    model_cfg = models.resolve_model(compose(["model=smollm2_135m", "mode=plan"]).model)
-    tokenizer = models.load_tokenizer(model_cfg)
-    model = models.load_pretrained(model_cfg, models.model_source(model_cfg), dtype=torch.float32)
     held_out = {m["content"] for r in regression.load() for m in r["messages"] if m["role"] == "user"}
     asked = [p for p in prompts() if p not in held_out]  # the regression checks stay held out
-    saved: dict[str, str] = {}
+    # an answer always written from its known result (a pattern of None) needs no base answer
+    saved = {p: "" for p in asked if (ref := _reference(p)) is not None and ref[0] is None}
     if args.answers:  # greedy answers are deterministic: those saved stand for a new generation
         for line in args.answers.read_text("utf-8").splitlines():
             messages = json.loads(line)["messages"]
             saved[messages[0]["content"]] = messages[1]["content"]
-    to_ask = [p for p in asked if p not in saved]
-    settings = EvalConfig(
-        max_new_tokens=MAX_NEW_TOKENS, batch_size=args.batch_size, greedy=True, progress=True
-    )
-    answers = generate(
-        model, tokenizer, [[{"role": "user", "content": p}] for p in to_ask], settings, "replay"
-    )
-    saved.update((p, _full_sentences(a)) for p, a in zip(to_ask, answers))
+    if to_ask := [p for p in asked if p not in saved]:
+        torch.set_num_threads(1)  # shared cores: one thread is faster (finetune/train/stage.py: cpu_threads)
+        model_cfg = models.resolve_model(compose(["model=smollm2_135m", "mode=plan"]).model)
+        tokenizer = models.load_tokenizer(model_cfg)
+        model = models.load_pretrained(model_cfg, models.model_source(model_cfg), dtype=torch.float32)
+        settings = EvalConfig(
+            max_new_tokens=MAX_NEW_TOKENS, batch_size=args.batch_size, greedy=True, progress=True
+        )
+        answers = generate(
+            model, tokenizer, [[{"role": "user", "content": p}] for p in to_ask], settings, "replay"
+        )
+        saved.update((p, _full_sentences(a)) for p, a in zip(to_ask, answers))
     _write(args.out, [(p, saved[p]) for p in asked])
     return 0
 

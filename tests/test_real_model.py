@@ -236,7 +236,7 @@ def recipe_run(smollm2, tmp_path_factory):
     return run, json.loads((run / "eval" / "metrics.json").read_text())
 
 
-@pytest.mark.extended  # the whole recipe on the real model: never run to the end on the 2 shared cores (README)
+@pytest.mark.extended  # the whole recipe on the real model: 24 minutes on the 2 shared cores (README)
 def test_the_recipe_fine_tunes_smollm2_with_a_task_gain_and_merged_equal_to_trained(smollm2, recipe_run):
     """The targets of BENCHMARKS.md: the task metric up by at least 0.4 and merged scoring as trained;
     the template reaching the served folders."""
@@ -266,14 +266,14 @@ def test_the_recipe_fine_tunes_smollm2_with_a_task_gain_and_merged_equal_to_trai
 @pytest.mark.extended
 @pytest.mark.xfail(
     strict=True,
-    reason="not met yet: 23 of the base's 29 regression checks kept with the raw replay, 22 with the checked "
-    "replay and attention-only LoRA (BENCHMARKS.md, issue 21)",
+    reason="not met yet: 25 of the base's 29 regression checks kept by the recipe with the near-kind replay, "
+    "27 needed (BENCHMARKS.md fifth round, issue 21)",
 )
 def test_the_recipe_keeps_the_regression_checks_the_base_passes(recipe_run):
     """The other target: at least 90% of the regression checks the base passes are kept by the trained
-    (and merged) model. Measured 0.79 (23 of 29) with the 400 + 156 raw mix at lr 1e-3 and 0.76 (22 of 29) with the
-    checked replay and attention-only LoRA (BENCHMARKS.md), so this is a strict xfail: it turns
-    into a failure, to be flipped, the day the recipe meets it."""
+    (and merged) model. Measured 0.86 (25 of 29) with the recipe's 400 + 316 mix at lr 1e-3 (BENCHMARKS.md, fifth
+    round; 0.79 and 0.76 in the rounds before), so this is a strict xfail: it turns into a failure, to be
+    flipped, the day the recipe meets it."""
     _, metrics = recipe_run
     assert metrics["base"]["regression_checks_passed"] >= 0.8
     assert metrics["trained"]["regression_checks_kept"] >= 0.9, metrics["regression"]
