@@ -8,6 +8,7 @@ No test module imports another one; tests/test_architecture.py checks it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Optional
 
 from finetune.core.config import Config
@@ -26,6 +28,18 @@ from finetune.planner import Plan
 from finetune.rundir import checkpoints
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def script_module(name: str) -> ModuleType:
+    """scripts/NAME.py imported as module NAME (scripts/ is not a package); registered in sys.modules so its
+    dataclasses resolve their own module."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 # The tiny data's sequence length: what the session's `tiny_data` fixture prepares.
 SEQ_LEN = "train.seq_len=128"

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from helpers import script_module
 
 from finetune.planner.activations import (
     LayerRun,
@@ -24,16 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MEASUREMENTS = json.loads((ROOT / "finetune" / "planner" / "activations.json").read_text())["measurements"]
 
 
-def _script() -> ModuleType:
-    path = ROOT / "scripts" / "measure_activations.py"
-    spec = importlib.util.spec_from_file_location("measure_activations", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SCRIPT = _script()
+SCRIPT = script_module("measure_activations")
 CASES = SCRIPT.CASES
 
 

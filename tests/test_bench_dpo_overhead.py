@@ -7,23 +7,11 @@ any field that differs but where each side saves.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import warnings
 from pathlib import Path
-from types import ModuleType
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "bench_dpo_overhead", ROOT / "scripts" / "bench_dpo_overhead.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import script_module
 
 
 def _args(tmp_path: Path, **kwargs) -> dict:
@@ -39,7 +27,7 @@ def _args(tmp_path: Path, **kwargs) -> dict:
 
 
 def test_activation_checkpointing_left_on_is_a_difference_and_the_output_folders_are_not(tmp_path: Path):
-    differences = _script().argument_differences
+    differences = script_module("bench_dpo_overhead").argument_differences
     ours = _args(tmp_path, output_dir=str(tmp_path / "a"), activation_checkpointing=False, save_total_limit=2)
     # TRL's default: activation checkpointing on; another output folder, no rotation
     plain = _args(tmp_path, output_dir=str(tmp_path / "b"))

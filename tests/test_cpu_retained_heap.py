@@ -5,12 +5,10 @@ retained heap")."""
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-from helpers import planned
+from helpers import planned, script_module
 
 from finetune.planner.calibration import Calibration
 from finetune.planner.memory import GLIBC_MMAP_THRESHOLD_MAX, make_job, retained_heap, runtime
@@ -61,10 +59,7 @@ def test_outputs_glibc_maps_apart_are_not_retained():
 
 
 def test_the_bench_fit_reads_the_process_from_full_rows_and_the_share_from_adapter_rows():
-    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_cpu_malloc.py"
-    spec = importlib.util.spec_from_file_location("bench_cpu_malloc", script)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    bench = script_module("bench_cpu_malloc")
 
     def run(row: str, side: str, peak: float, tensors: float, outputs: float) -> dict:
         return {

@@ -6,13 +6,12 @@ projections); nothing here compares family names beyond choosing the case.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 import torch
 import yaml
-from helpers import REPO, four_steps_learn, planned, tiny_model
+from helpers import REPO, four_steps_learn, planned, script_module, tiny_model
 
 from finetune.core.config import MethodConfig, ModelConfig
 from finetune.core.errors import ConfigError
@@ -120,20 +119,10 @@ def test_each_family_is_planned(name, hardware, extra):
     assert plan.fits
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location(
-        "measure_activations", REPO / "scripts" / "measure_activations.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_stored_family_measurements_cover_every_family_and_case():
     rows = json.loads((REPO / "finetune" / "planner" / "activations.json").read_text())["measurements"]
     rows = [r for r in rows if "experts" not in r]  # the sparse layers' rows: tests/test_activations.py
-    script = _script()
+    script = script_module("measure_activations")
     seen = {(r["family"], r["case"]) for r in rows if "family" in r}
     assert seen == {(f, c) for f in FAMILIES.values() for c in script.FAMILY_CASES}
     assert {r["shape"] for r in rows if "family" in r} == set(script.FAMILY_SHAPES)
@@ -145,7 +134,7 @@ def test_stored_family_measurements_cover_every_family_and_case():
 @pytest.mark.parametrize("case", ["full", "lora_fp32_autocast", "lora_bf16_dropout", "full_autocast"])
 @pytest.mark.parametrize("family", FAMILIES.values())
 def test_live_measurement_of_each_family_layer(family, case):
-    script = _script()
+    script = script_module("measure_activations")
     shape = (256, 640, 4, 2, 64, False)
     layer = script.build_layer(shape, case, family=family)
     row = dict(family=family, dims=list(shape), case=case, tokens=64)

@@ -4,11 +4,10 @@ for what was not measured."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
-from helpers import planned
+from helpers import planned, script_module
 
 from finetune.core.config import ModelConfig
 from finetune.core.errors import ConfigError, PlanError
@@ -66,16 +65,6 @@ def test_an_unmeasured_sparse_layer_is_refused():
         check_model(m)
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location(
-        "measure_activations", REPO / "scripts" / "measure_activations.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow  # builds and measures a decoder layer (about a minute on a shared core)
 @pytest.mark.parametrize("experts", [False, True])
 def test_the_sparse_layer_formula_is_the_measured_bytes(experts):
@@ -87,7 +76,7 @@ def test_the_sparse_layer_formula_is_the_measured_bytes(experts):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
 
-    script = _script()
+    script = script_module("measure_activations")
     h, i, heads, kv, d, e, k = 256, 128, 4, 2, 64, 8, 2
     hf = Qwen3MoeConfig(
         hidden_size=h, moe_intermediate_size=i, num_attention_heads=heads, num_key_value_heads=kv, head_dim=d,

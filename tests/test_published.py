@@ -3,26 +3,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import script_module
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _published() -> Any:
-    spec = importlib.util.spec_from_file_location("published", ROOT / "scripts" / "published.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["published"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-PUBLISHED = _published()
+PUBLISHED = script_module("published")
 ROWS = PUBLISHED.load()["rows"]
 
 

@@ -3,23 +3,8 @@ steps between the first step's start and the last step's end, and refuses an unk
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _probe_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "trainer_loop_probe", ROOT / "scripts" / "trainer_loop_probe.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import script_module
 
 
 def test_the_probe_reads_the_loop_from_train_begin_to_the_last_step(monkeypatch: pytest.MonkeyPatch):
@@ -32,7 +17,7 @@ def test_the_probe_reads_the_loop_from_train_begin_to_the_last_step(monkeypatch:
     for name in ("on_train_begin", "on_step_end"):
         monkeypatch.setattr(CallbackHandler, name, getattr(CallbackHandler, name))
     monkeypatch.setattr(gc, "callbacks", list(gc.callbacks))
-    probe = _probe_module().Probe()
+    probe = script_module("trainer_loop_probe").Probe()
     probe.install()
     handler = CallbackHandler([], None, None, None, None)
     args, state, control = (
@@ -57,4 +42,6 @@ def test_the_probe_reads_the_loop_from_train_begin_to_the_last_step(monkeypatch:
 
 def test_an_unknown_part_to_switch_off_is_refused():
     with pytest.raises(SystemExit, match=r"--off: unknown part\(s\) \['nonsense'\]"):
-        _probe_module().main(["out.json", "--off", "nonsense", "-m", "finetune.train", "RUN_DIR"])
+        script_module("trainer_loop_probe").main(
+            ["out.json", "--off", "nonsense", "-m", "finetune.train", "RUN_DIR"]
+        )
