@@ -228,6 +228,17 @@ def test_dpo_plan_carries_two_sequences_and_the_reference_forward():
     assert not dpo.strategy.chunked_loss
 
 
+def test_launch_counts_a_dpo_batch_in_pairs_and_sequences(tmp_path, capsys):
+    """train.micro_batch_size counts pairs under DPO: the launch line says so, and the sequences they carry."""
+    from finetune.pipeline.cli import main
+
+    run = tmp_path / "run"
+    assert main(["+recipe=tiny_dpo", "mode=launch", "launch.dry_run=true", f"run_dir={run}"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 32 x accumulation 1 x 1 data-parallel rank(s) = 32 pairs a step (64 sequences)" in out
+    assert "= 32 pairs a step (64 sequences)" in (run / "launch.sh").read_text()
+
+
 def test_full_fine_tuning_reference_copy_or_precompute():
     base = ("+recipe=llama70b_full", "hardware=h100x8", "train.micro_batch_size=1", "train.sharding=zero3",
             "train.offload_params=false", "train.offload_optimizer=true")  # fmt: skip

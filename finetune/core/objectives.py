@@ -49,6 +49,8 @@ class ObjectiveSpec:
     # that gives the count instead (GRPO's num_generations).
     sequences_per_example: int = 1
     sequences_setting: Optional[str] = None
+    # What `train.micro_batch_size` counts, for people ("8 pairs a step (16 sequences)"): TRL's batch is examples.
+    batch_unit: str = "sequences"
     # The frozen reference model (one of REFERENCES): with adapters it is the base with the adapter disabled
     # (no second copy); with full fine-tuning a frozen copy or precomputed log-probabilities (the planner chooses).
     reference: str = "none"
@@ -102,6 +104,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         trl_trainer="DPOTrainer",
         trl_config="DPOConfig",
         sequences_per_example=2,
+        batch_unit="pairs",
         reference="always",
         settings="dpo",
         eval_metrics=("preference_accuracy", "reward_margin"),

@@ -21,6 +21,7 @@ from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.config.launch import LaunchConfig
 from finetune.core.errors import LaunchError
+from finetune.core.objectives import ObjectiveSpec
 from finetune.launch import vllm_server
 from finetune.launch.commands import NODE_RANK_SLOT, Command, build_command, launch_script, python_of
 from finetune.launch.engines import EngineFiles, launch_of, layout, nccl_env, write_engine_files
@@ -41,17 +42,20 @@ from finetune.rundir.machine import Machine
 from finetune.rundir.preflight import MachineCheck, check, check_machine, handoff
 
 
-def describe(files: EngineFiles, lay: Layout) -> str:
+def describe(files: EngineFiles, lay: Layout, objective: ObjectiveSpec) -> str:
     s = lay.strategy
     offload = [
         name for name, on in (("optimizer", s.offload_optimizer), ("parameters", s.offload_params)) if on
     ]
     dp = lay.mesh.data_parallel  # a sequence split's ranks share each sequence
+    examples = s.micro_batch_size * s.grad_accum_steps * dp
+    sequences = examples * objective.sequences_per_example
     parts = [
         lay.engine.label,
         f"{lay.nnodes} node(s) x {lay.nproc_per_node} process(es)",
         f"micro-batch {s.micro_batch_size} x accumulation {s.grad_accum_steps} x {dp} data-parallel rank(s)"
-        f" = {s.micro_batch_size * s.grad_accum_steps * dp} sequences a step"
+        f" = {examples} {objective.batch_unit} a step"
+        + (f" ({sequences} sequences)" if sequences != examples else "")
         + (f", each split over {lay.mesh.sequence} ranks" if lay.mesh.sequence > 1 else ""),
         f"offload to CPU: {', '.join(offload) if offload else 'none'}",
         f"activation checkpointing: {'on' if s.activation_checkpointing else 'off'}",
@@ -90,11 +94,11 @@ def run(
         check(cfg, run_dir, plan)
     files = write_engine_files(cfg, plan, run_dir, launch)
     env = {**nccl_env(launch, lay), **here.env}
-    _print_engine(files, lay, here)
+    _print_engine(files, lay, here, cfg.objective.spec)
     if launch.scheduler == "slurm":
         return _slurm(cfg, plan, launch, lay, files, run_dir, env, runner, which)
 
-    cmd, script = _write_launch_script(cfg.name, launch, lay, files, run_dir, env, server)
+    cmd, script = _write_launch_script(cfg.name, launch, lay, files, run_dir, env, cfg.objective.spec, server)
     _print_command(cmd, script, lay, launch)
     if launch.dry_run:
         print("dry run: nothing started")
@@ -176,8 +180,8 @@ def _check_this_machine(
     )
 
 
-def _print_engine(files: EngineFiles, lay: Layout, here: MachineCheck) -> None:
-    print(f"launch: {describe(files, lay)}")
+def _print_engine(files: EngineFiles, lay: Layout, here: MachineCheck, objective: ObjectiveSpec) -> None:
+    print(f"launch: {describe(files, lay, objective)}")
     for path in (files.deepspeed, files.accelerate_config):
         if path is not None:
             print(f"  engine settings: {path}")
@@ -192,6 +196,7 @@ def _write_launch_script(
     files: EngineFiles,
     run_dir: Path,
     env: dict[str, str],
+    objective: ObjectiveSpec,
     server: Optional[ServerSpec] = None,
 ) -> tuple[Command, Path]:
     """The command for this node, and run_dir/launch.sh written to re-run it (on any node: NODE_RANK);
@@ -200,7 +205,7 @@ def _write_launch_script(
     script_cmd = build_command(launch, lay, files, run_dir, name, env, node_rank=NODE_RANK_SLOT)
     script = run_dir / rundir.LAUNCH_SCRIPT
     header = [
-        f"{name}: {describe(files, lay)}",
+        f"{name}: {describe(files, lay, objective)}",
         "Written by mode=launch; re-run as is: " + rundir.command_line("bash", script),
     ]
     # Only the owner may read a script that names where its secrets come from.
