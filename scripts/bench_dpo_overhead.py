@@ -100,8 +100,13 @@ PLAIN = textwrap.dedent(
 )
 
 
+# Environment variables set for both sides alike (`--env NAME=VALUE`): glibc's malloc tunables, torch's
+# THP_MEM_ALLOC_ENABLE, to see whether a difference between the sides lives in the allocator's state.
+EXTRA_ENV: dict[str, str] = {}
+
+
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    return {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", **EXTRA_ENV}
 
 
 def _run(argv: list[str]) -> None:
@@ -210,7 +215,19 @@ def main(argv: list[str] | None = None) -> int:
         help="switch parts of finetune's worker off, to find where a step's time goes (comma-separated: "
         "base_eval, malloc_trim, tensorboard, callbacks, token_count; scripts/trainer_loop_probe.py)",
     )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for both sides alike (repeatable), e.g. MALLOC_TRIM_THRESHOLD_=...",
+    )
     args = parser.parse_args(argv)
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            parser.error(f"--env {item!r}: expected NAME=VALUE")
+        EXTRA_ENV[name] = value
     pairs, steps = (1, 2) if args.quick else (args.pairs, args.steps)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
@@ -251,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                 # Not the same work: a ratio would measure the difference, not the framework.
                 sys.exit("the two sides' DPOConfig differ:\n  " + "\n  ".join(differences))
     print(
-        f"\n{steps} DPO steps a run ({RECIPE}), {pairs} interleaved pair(s); finetune's parts off: {off or 'none'}\n"
+        f"\n{steps} DPO steps a run ({RECIPE}), {pairs} interleaved pair(s); finetune's parts off: {off or 'none'}; "
+        f"environment for both: {EXTRA_ENV or 'as inherited'}\n"
     )
     print(table(ours, plain))
     if args.json:
@@ -259,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             side: [{k: v for k, v in r.items() if k != "args"} for r in rs]
             for side, rs in (("finetune", ours), ("plain", plain))
         }
-        args.json.write_text(json.dumps(dict(steps=steps, **runs), indent=1))
+        args.json.write_text(json.dumps(dict(steps=steps, off=off, env=EXTRA_ENV, **runs), indent=1))
     return 0
 
 

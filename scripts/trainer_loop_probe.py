@@ -72,6 +72,28 @@ def _usage() -> tuple[float, ...]:
     return time.perf_counter(), ru.ru_utime, ru.ru_stime, float(ru.ru_minflt)
 
 
+_MALLINFO2 = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+              "keepcost")  # fmt: skip
+
+
+def _heap() -> dict[str, int]:
+    """glibc's heap at this moment (mallinfo2: bytes in the main heap, free in it, in mmapped chunks and how many),
+    or {} where the C library has no mallinfo2 (not glibc, glibc < 2.33)."""
+    import ctypes
+
+    class Info(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2]
+
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return {}
+    fn.restype = Info
+    info = fn()
+    return {name: int(getattr(info, name)) for name in ("arena", "ordblks", "hblks", "hblkhd", "uordblks",
+                                                        "fordblks", "keepcost")}  # fmt: skip
+
+
 def _thread_cpu() -> dict[str, float]:
     """Each thread's CPU seconds (user + system), by thread id and name."""
     ticks = os.sysconf("SC_CLK_TCK")
@@ -128,6 +150,7 @@ class Probe:
                 "callbacks": [type(c).__name__ for c in handler.callbacks],
                 "gc_objects": len(gc.get_objects()),
                 "modules": len(sys.modules),
+                "heap": _heap(),
             }
             probe.threads_start = _thread_cpu()
             probe.start = _usage()
@@ -145,6 +168,7 @@ class Probe:
             if state.global_step >= state.max_steps:
                 probe.in_loop = False
                 probe.threads_end = _thread_cpu()
+                probe.state["heap_end"] = _heap()
             return result
 
         CallbackHandler.on_train_begin = on_train_begin  # type: ignore[method-assign]

@@ -66,7 +66,7 @@ def test_stable_names():
     assert set(recipe_names()) == {
         "tiny", "llama8b_lora", "llama8b_lora_128k", "llama8b_qlora", "llama70b_qlora", "llama70b_lora",
         "llama70b_full", "qwen32b_lora", "qwen32b_full", "tiny_dpo", "llama8b_dpo", "llama70b_qlora_dpo",
-        "tiny_grpo", "llama8b_grpo", "llama8b_grpo_8gpu", "smollm2_135m_lora", "tiny_moe", "qwen3_30b_a3b_lora",
+        "tiny_grpo", "llama8b_grpo", "llama8b_grpo_8gpu", "smollm2_135m_lora", "smollm2_135m_dpo", "tiny_moe", "qwen3_30b_a3b_lora",
         "tiny_mixtral", "mixtral_8x7b_lora",
     }  # fmt: skip
     assert set(group_choices("model")) == {
