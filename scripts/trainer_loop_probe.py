@@ -72,6 +72,7 @@ def _usage() -> tuple[float, ...]:
     return time.perf_counter(), ru.ru_utime, ru.ru_stime, float(ru.ru_minflt)
 
 
+# glibc's struct mallinfo2, in order (size_t fields).
 _MALLINFO2 = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
               "keepcost")  # fmt: skip
 
@@ -90,8 +91,7 @@ def _heap() -> dict[str, int]:
         return {}
     fn.restype = Info
     info = fn()
-    return {name: int(getattr(info, name)) for name in ("arena", "ordblks", "hblks", "hblkhd", "uordblks",
-                                                        "fordblks", "keepcost")}  # fmt: skip
+    return {name: int(getattr(info, name)) for name in _MALLINFO2}
 
 
 def _thread_cpu() -> dict[str, float]:
