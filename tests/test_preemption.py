@@ -166,8 +166,9 @@ def _slow_worker(run: Path, flag: Path, module: str, name: str) -> subprocess.Po
 )
 def test_sigterm_outside_the_training_loop_stops_at_once_with_75(tmp_path, tiny_cache, module, name, during):
     """The reported cases: SIGTERM during model load exited 2; during the base evaluation it waited for all
-    of it, then claimed a checkpoint that this attempt had not saved."""
-    run = prepare_worker_run(tmp_path / "run", tmp_path / "cache", "train.max_steps=4")
+    of it, then claimed a checkpoint that this attempt had not saved. Full fine-tuning: its base is scored
+    before the loop (adapters' after it, the next test)."""
+    run = prepare_worker_run(tmp_path / "run", tmp_path / "cache", "train.max_steps=4", "method=full")
     flag = tmp_path / "flag"
     proc = _slow_worker(run, flag, module, name)
     _wait(flag, proc)
@@ -184,8 +185,30 @@ def test_sigterm_outside_the_training_loop_stops_at_once_with_75(tmp_path, tiny_
     assert not (run / "checkpoints").exists() or not checkpoints.listing(run / "checkpoints")
 
 
-def test_sigterm_before_training_names_the_existing_resume_point_not_a_new_save(tmp_path, tiny_cache):
+def test_sigterm_during_the_base_evaluation_after_an_adapters_loop_names_its_final_checkpoint(
+    tmp_path, tiny_cache
+):
+    """LoRA's base is scored after the loop, the adapter switched off: a SIGTERM then stops at once, and the
+    line names the checkpoint the loop saved (the output is saved too; metrics.json is not written)."""
     run = prepare_worker_run(tmp_path / "run", tmp_path / "cache", "train.max_steps=4", "train.save_steps=2")
+    flag = tmp_path / "flag"
+    proc = _slow_worker(run, flag, "finetune.evaluation.heldout", "evaluate")
+    _wait(flag, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, err[-3000:]
+    final = run / "checkpoints" / "checkpoint-4"
+    assert (
+        f"during the base evaluation, at once (nothing was saved by this stop); the newest complete checkpoint is {final}"
+        in err
+    ), err[-3000:]
+    assert (run / "adapter" / "adapter_config.json").is_file() and not (run / "metrics.json").exists()
+
+
+def test_sigterm_before_training_names_the_existing_resume_point_not_a_new_save(tmp_path, tiny_cache):
+    run = prepare_worker_run(
+        tmp_path / "run", tmp_path / "cache", "train.max_steps=4", "train.save_steps=2", "method=full"
+    )
     code, err = finish(worker(run))
     assert code == 0, err[-3000:]
     (run / "metrics.json").unlink()  # as if the run had died after its last checkpoint
