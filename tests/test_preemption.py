@@ -185,18 +185,23 @@ def test_sigterm_outside_the_training_loop_stops_at_once_with_75(tmp_path, tiny_
     assert not (run / "checkpoints").exists() or not checkpoints.listing(run / "checkpoints")
 
 
+def _sigterm_during_base_evaluation(run: Path, flag: Path) -> str:
+    """The worker on `run`, stopped by SIGTERM inside its base evaluation: its stderr, once it exited 75."""
+    proc = _slow_worker(run, flag, "finetune.evaluation.heldout", "evaluate")
+    _wait(flag, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, err[-3000:]
+    return err
+
+
 def test_sigterm_during_the_base_evaluation_after_an_adapters_loop_names_its_final_checkpoint(
     tmp_path, tiny_cache
 ):
     """LoRA's base is scored after the loop, the adapter switched off: a SIGTERM then stops at once, and the
     line names the checkpoint the loop saved (the output is saved too; metrics.json is not written)."""
     run = prepare_worker_run(tmp_path / "run", tmp_path / "cache", "train.max_steps=4", "train.save_steps=2")
-    flag = tmp_path / "flag"
-    proc = _slow_worker(run, flag, "finetune.evaluation.heldout", "evaluate")
-    _wait(flag, proc)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 75, err[-3000:]
+    err = _sigterm_during_base_evaluation(run, tmp_path / "flag")
     final = run / "checkpoints" / "checkpoint-4"
     assert (
         f"during the base evaluation, at once (nothing was saved by this stop); the newest complete checkpoint is {final}"
@@ -214,12 +219,7 @@ def test_sigterm_before_training_names_the_existing_resume_point_not_a_new_save(
     (run / "metrics.json").unlink()  # as if the run had died after its last checkpoint
     newest = checkpoints.last_complete(run / "checkpoints")
     stamp = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
-    flag = tmp_path / "flag"
-    proc = _slow_worker(run, flag, "finetune.evaluation.heldout", "evaluate")
-    _wait(flag, proc)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 75, err[-3000:]
+    err = _sigterm_during_base_evaluation(run, tmp_path / "flag")
     assert (
         f"during the base evaluation, at once (nothing was saved by this stop); the newest complete checkpoint is {newest}"
         in err

@@ -44,6 +44,7 @@ from finetune.evaluation.report import metric_names, write_report
 from finetune.modeling import outputs
 from finetune.modeling.models import (
     VARIANTS,
+    adapter_on_unchanged_base,
     attach_adapter,
     available_variants,
     base_source,
@@ -300,7 +301,7 @@ def _evaluate_variants(
     model = None
     pairs = preference.applies(eval_dataset)
     reward_fns = rewards.for_objective(cfg)  # GRPO's rewards: every model's answers scored with them too
-    started_on_adapter = initial_output(cfg)[0] is not None
+    adapter_on_base = adapter_on_unchanged_base(cfg)
     # Preference pairs: every model is scored against the base's log-probabilities (the reference): the model
     # training started from (`load_start`), so under init_from the SFT'd model, as DPO's own reference was.
     reference = (
@@ -308,7 +309,7 @@ def _evaluate_variants(
     )
     for v in todo:
         # the trained adapter goes onto the base just scored, unless that base wore init_from's adapter
-        reuse = v == "trained" and cfg.method.uses_adapters and model is not None and not started_on_adapter
+        reuse = v == "trained" and model is not None and adapter_on_base
         model = attach_adapter(model, trained_dir(cfg, run_dir)) if reuse else None
         if model is None:
             gc.collect()
@@ -325,7 +326,7 @@ def _evaluate_variants(
             mine = preference.log_probs(model, eval_dataset, tokenizer.pad_token_id)
             reference = reference if reference is not None else mine
             result[v].update(preference.scores(mine, reference, cfg.dpo.beta))
-        if not (v == "base" and "trained" in todo and cfg.method.uses_adapters and not started_on_adapter):
+        if not (v == "base" and "trained" in todo and adapter_on_base):
             model = None  # keep the base only to put the adapter on it next
 
     model = None

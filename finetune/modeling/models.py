@@ -554,6 +554,12 @@ def initial_output(cfg: Config) -> tuple[Optional[Path], Optional[str]]:
     )
 
 
+def adapter_on_unchanged_base(cfg: Config) -> bool:
+    """The trained adapter sits on the base as it was loaded: with the adapter switched off (or not yet put
+    on) the model is the base. Not so under full fine-tuning, nor when the adapter trained is init_from's."""
+    return cfg.method.uses_adapters and initial_output(cfg)[0] is None
+
+
 def trainable_parameters(model: Any) -> tuple[int, int]:
     """(trainable, total) parameter counts (4-bit weights counted as their unpacked size)."""
     trainable = total = 0

@@ -307,7 +307,7 @@ def _base_after_training(cfg: Config) -> bool:
     the adapter trained is init_from's (the base then wore it). Not before the loop: on the CPU the steps
     that followed an evaluation ran slower than the same steps in a fresh process (a DPO step 10.8% slower
     than plain TRL's, -4.0% without it: scripts/bench_dpo_overhead.py, BENCHMARKS.md)."""
-    return cfg.method.uses_adapters and models.initial_output(cfg)[0] is None
+    return models.adapter_on_unchanged_base(cfg)
 
 
 def _base_evaluation(
