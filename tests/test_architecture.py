@@ -52,7 +52,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("launch", ("finetune.launch", "finetune.launch.*")),
     (
         "pipeline and command line",
-        ("finetune", "finetune.__main__", "finetune.pipeline", "finetune.pipeline.*"),
+        (
+            "finetune",
+            "finetune.__main__",
+            "finetune.pipeline",
+            "finetune.pipeline.*",
+            "finetune.ui",
+            "finetune.ui.*",
+        ),
     ),
 ]
 

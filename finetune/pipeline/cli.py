@@ -3,6 +3,7 @@
     python -m finetune                                      # embedded default: tiny recipe on the CPU
     python -m finetune +recipe=llama70b_qlora mode=plan     # will it fit, and how should it run?
     python -m finetune mode=plan model=llama3_1_8b method=lora hardware=auto train.seq_len=8192 plan.out=plan.json
+    python -m finetune mode=ui                              # the planner and the runs as a local web page
 
 Bad input ends with a one-line message naming the key and exit code 2; no traceback.
 """
@@ -28,6 +29,7 @@ from finetune.core.markup import terminal_line
 from finetune.core.secrets import install_log_filter
 from finetune.pipeline import smoke, stages
 from finetune.rundir import free_bytes
+from finetune.ui import server as ui_server
 
 __all__ = ["compose", "main", "run"]
 
@@ -48,6 +50,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     restore = interrupt_on_signals()
     try:
         cfg = compose(args)
+        if cfg.mode == "ui":
+            return ui_server.serve(cfg.ui)
         if cfg.smoke.enabled and cfg.mode in ("all", "train"):
             smoke.run(cfg, args)
         return run(cfg)

@@ -109,16 +109,18 @@ def _precompute_reference(cfg: Config) -> Optional[bool]:
     return None if source == "auto" else source == "precompute"
 
 
-def config_plan(cfg: Config, hardware: Any = None, seq_len: Optional[int] = None) -> Plan:
+def config_plan(
+    cfg: Config, hardware: Any = None, seq_len: Optional[int] = None, profiles: Optional[dict] = None
+) -> Plan:
     """The planner on this config's model, method, training, objective and packing, on `hardware` (None: the
-    config's own)."""
+    config's own), weighing `profiles` as alternatives (None: every profile under configs/hardware)."""
     return make_plan(
         cfg.model,
         cfg.method,
         hardware if hardware is not None else cfg.hardware,
         cfg.train,
         cfg.plan,
-        load_profiles(),
+        load_profiles() if profiles is None else profiles,
         seq_len=seq_len,
         objective=cfg.objective.spec,
         precompute_reference=_precompute_reference(cfg),

@@ -27,6 +27,7 @@ from finetune.core.config.model import ModelConfig
 from finetune.core.config.objective import DPOSettings, ObjectiveConfig
 from finetune.core.config.plan import PlanConfig, SmokeConfig
 from finetune.core.config.train import ATTENTIONS, SHARDINGS, TrainConfig
+from finetune.core.config.ui import UiConfig
 from finetune.core.errors import ConfigError
 
 __all__ = [
@@ -49,9 +50,10 @@ __all__ = [
     "PlanConfig",
     "SmokeConfig",
     "TrainConfig",
+    "UiConfig",
 ]
 
-MODES = ("all", "plan", "data", "train", "eval", "export", "launch", "compare")
+MODES = ("all", "plan", "data", "train", "eval", "export", "launch", "compare", "ui")
 # Where runs go by default: runs/<name> (mode=compare looks names up here too).
 RUNS_DIR = "runs"
 
@@ -73,6 +75,7 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    ui: UiConfig = field(default_factory=UiConfig)
     # What the model is trained to do (sft, dpo, grpo), and each objective's own settings section.
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     dpo: DPOSettings = field(default_factory=DPOSettings)
