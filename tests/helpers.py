@@ -386,3 +386,53 @@ def record_completions(prompts: list[str], completions: list[str], references: l
     with open(os.environ[COMPLETIONS_LOG_ENV], "a") as f:
         f.writelines(json.dumps(c) + "\n" for c in completions)
     return [0.0] * len(completions)
+
+
+def command_line_plan(tmp: Path, *overrides: str) -> dict:
+    """plan.json as `python -m finetune OVERRIDES mode=plan` writes it (the entry point, in this process)."""
+    from finetune.pipeline.cli import main
+
+    run = tmp / "cli-run"
+    assert main([*overrides, "mode=plan", f"run_dir={run}"]) == 0
+    return json.loads((run / "plan.json").read_text())
+
+
+# What a fake run's answers and names hold: markup that must show as text.
+HOSTILE = '<script>window.__injected = 1</script><img src=x onerror="window.__injected = 2">'
+
+
+def fake_run_dir(root: Path, name: str, plan: dict, steps: int = 6) -> Path:
+    """A run directory as training and evaluation leave it, written from files alone (no training): config.yaml,
+    plan.json, metrics.json, train_log.jsonl (a loss a step, an eval loss at the end), eval/metrics.json and
+    eval/samples.jsonl, whose answers hold `HOSTILE`."""
+    import yaml
+
+    run = root / name
+    (run / "eval").mkdir(parents=True)
+    (run / ".finetune-run").write_text("")
+    (run / "config.yaml").write_text(
+        yaml.safe_dump({"name": name, "model": {"name": "tiny"}, "method": {"name": "lora"}})
+    )
+    (run / "plan.json").write_text(json.dumps(plan))
+    train = {
+        "steps": steps,
+        "final_loss": 1.25,
+        "peak_memory_gb": 0.4321,
+        "compared_memory_gb": 0.2109,
+        "planned_memory_gb": plan["gpu_memory_gb"]["total"],
+        "peak_memory_source": "process_peak_rss",
+    }
+    scores = {"base": {"loss": 3.5, "exact_match": 0.1}, "trained": {"loss": 1.5, "exact_match": 0.75}}
+    (run / "metrics.json").write_text(json.dumps({"train": train, "eval": scores}))
+    log = [{"step": s, "loss": 4.0 - 0.5 * s} for s in range(1, steps + 1)] + [{"step": steps, "eval_loss": 1.4}]
+    (run / "train_log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
+    (run / "eval" / "metrics.json").write_text(
+        json.dumps({**scores, "merged": {"loss": 1.5, "exact_match": 0.75}, "settings": {"seed": 0}})
+    )
+    samples = [
+        {"id": "t0", "set": "task", "prompt": [{"role": "user", "content": "2+2?"}], "reference": "4",
+         "base": "5", "trained": HOSTILE, "merged": "4"},
+        {"id": "r0", "set": "regression", "prompt": "Say hi", "reference": None, "base": "hi", "trained": "hi"},
+    ]
+    (run / "eval" / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    return run

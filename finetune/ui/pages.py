@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from finetune.core.config import HardwareConfig
 from finetune.planner import Plan
-from finetune.ui.calculator import PASTED, Planned, PlanForm, choices
+from finetune.ui.calculator import PASTED, PlanForm, Planned, choices
 from finetune.ui.runs import RunView
 
 # plan.json's memory terms, bottom of the stack first, with their colours.
@@ -111,15 +111,17 @@ def memory_bars(plan: Plan) -> str:
             f'fill="{colour}"><title>{term}: {gb(value)} GB</title></rect>'
         )
         x += w
-    for value, label, dash in ((usable, "usable", "6 4"), (card, "GPU", "")):
+    # the usable line is labelled under the bar, the GPU's memory above it, so close values do not overlap
+    for value, label, dash, label_y in ((usable, "usable", "6 4", top + height + 20), (card, "GPU", "", 11.0)):
         lx = value * scale
+        dashes = f' stroke-dasharray="{dash}"' if dash else ""
         parts.append(
-            f'<line x1="{lx:.2f}" x2="{lx:.2f}" y1="14" y2="{top + height + 6}" stroke="#c0392b" '
-            f'stroke-width="2"{f" stroke-dasharray={chr(34)}{dash}{chr(34)}" if dash else ""}/>'
-            f'<text x="{lx:.2f}" y="11" text-anchor="middle" font-size="11">{label} {value:,.1f} GB</text>'
+            f'<line x1="{lx:.2f}" x2="{lx:.2f}" y1="14" y2="{top + height + 8}" stroke="#c0392b" '
+            f'stroke-width="2"{dashes}/>'
+            f'<text x="{lx:.2f}" y="{label_y}" text-anchor="middle" font-size="11">{label} {value:,.1f} GB</text>'
         )
     return (
-        f'<svg id=bars role=img viewBox="0 -4 {width + 60:.0f} 70" width="100%" '
+        f'<svg id=bars role=img viewBox="0 -4 {width + 60:.0f} 90" width="100%" '
         f'aria-label="memory per GPU against the usable memory">{"".join(parts)}</svg>'
     )
 

@@ -16,7 +16,6 @@ import json
 import logging
 import socket
 import sys
-import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -107,6 +106,8 @@ class Handler(BaseHTTPRequestHandler):
             if path.startswith("/runs/"):
                 status, body = self.app.run(unquote(path[len("/runs/") :]))
                 return self._send(status, "text/html; charset=utf-8", body, head)
+            if path == "/favicon.ico":
+                return self._send(HTTPStatus.NO_CONTENT, "text/plain", "", head)
             if path.startswith("/static/"):
                 return self._static(path[len("/static/") :], head)
         except Exception:  # a bug, not bad input: the page says so in one line, the console has the rest
@@ -137,6 +138,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(HTTPStatus.SEE_OTHER)
         self.send_header("Location", location)
         self.send_header("Content-Length", "0")
+        for key, value in _SECURITY_HEADERS.items():
+            self.send_header(key, value)
         self.end_headers()
 
     def _send(
@@ -170,23 +173,27 @@ def url(server: ThreadingHTTPServer) -> str:
     return f"http://{shown}:{port}/"
 
 
-def serve(cfg: UiConfig, ready: Optional[threading.Event] = None) -> int:
+def address_warning(cfg: UiConfig) -> Optional[str]:
+    """What binding `cfg.host` exposes, when it is not loopback; None on loopback."""
+    if cfg.loopback:
+        return None
+    return (
+        f"ui.host={terminal_line(cfg.host)} serves the plan page and the runs under {terminal_line(cfg.runs_dir)} "
+        "to every machine that can reach this one; 127.0.0.1 keeps them on this machine"
+    )
+
+
+def serve(cfg: UiConfig) -> int:
     """Serve until interrupted (Ctrl-C, SIGTERM); 0 then."""
-    if not cfg.loopback:
-        print(
-            f"finetune: warning: ui.host={terminal_line(cfg.host)} serves the plan page and the runs under "
-            f"{terminal_line(cfg.runs_dir)} to every machine that can reach this one; 127.0.0.1 keeps them on "
-            "this machine",
-            file=sys.stderr,
-        )
+    warning = address_warning(cfg)
+    if warning:
+        print(f"finetune: warning: {warning}", file=sys.stderr)
     try:
         server = make_server(cfg)
     except OSError as exc:
         raise ConfigError(f"ui.host={cfg.host} ui.port={cfg.port}: cannot listen ({exc.strerror})") from None
     print(f"finetune ui: {url(server)}  (plan and runs under {terminal_line(cfg.runs_dir)}; Ctrl-C stops it)")
     sys.stdout.flush()
-    if ready is not None:
-        ready.set()
     try:
         server.serve_forever()
     except KeyboardInterrupt:
