@@ -146,14 +146,17 @@ class Handler(BaseHTTPRequestHandler):
         self, status: int, kind: str, body: str, head: bool, extra: Optional[dict[str, str]] = None
     ) -> None:
         data = body.encode("utf-8")
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(data)))
-        for key, value in {**_SECURITY_HEADERS, **(extra or {})}.items():
-            self.send_header(key, value)
-        self.end_headers()
-        if not head:
-            self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            for key, value in {**_SECURITY_HEADERS, **(extra or {})}.items():
+                self.send_header(key, value)
+            self.end_headers()
+            if not head:
+                self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the browser left the page before it came (another setting changed meanwhile)
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the standard library's name)
         log.debug("%s " + format, self.address_string(), *args)

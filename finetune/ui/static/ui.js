@@ -8,7 +8,11 @@
   const configLabel = document.getElementById("config-label");
   const showConfig = () => { configLabel.hidden = model.value !== "config.json"; };
   showConfig();
+  // A text field's change (on leaving it) and the submit that left it are one request.
+  let going = false;
   const go = () => {
+    if (going) return;
+    going = true;
     const params = new URLSearchParams();
     for (const [key, value] of new FormData(form)) {
       if (!String(value).trim()) continue;
