@@ -424,15 +424,31 @@ def fake_run_dir(root: Path, name: str, plan: dict, steps: int = 6) -> Path:
     }
     scores = {"base": {"loss": 3.5, "exact_match": 0.1}, "trained": {"loss": 1.5, "exact_match": 0.75}}
     (run / "metrics.json").write_text(json.dumps({"train": train, "eval": scores}))
-    log = [{"step": s, "loss": 4.0 - 0.5 * s} for s in range(1, steps + 1)] + [{"step": steps, "eval_loss": 1.4}]
+    log = [{"step": s, "loss": 4.0 - 0.5 * s} for s in range(1, steps + 1)] + [
+        {"step": steps, "eval_loss": 1.4}
+    ]
     (run / "train_log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
     (run / "eval" / "metrics.json").write_text(
         json.dumps({**scores, "merged": {"loss": 1.5, "exact_match": 0.75}, "settings": {"seed": 0}})
     )
     samples = [
-        {"id": "t0", "set": "task", "prompt": [{"role": "user", "content": "2+2?"}], "reference": "4",
-         "base": "5", "trained": HOSTILE, "merged": "4"},
-        {"id": "r0", "set": "regression", "prompt": "Say hi", "reference": None, "base": "hi", "trained": "hi"},
+        {
+            "id": "t0",
+            "set": "task",
+            "prompt": [{"role": "user", "content": "2+2?"}],
+            "reference": "4",
+            "base": "5",
+            "trained": HOSTILE,
+            "merged": "4",
+        },
+        {
+            "id": "r0",
+            "set": "regression",
+            "prompt": "Say hi",
+            "reference": None,
+            "base": "hi",
+            "trained": "hi",
+        },
     ]
     (run / "eval" / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     return run

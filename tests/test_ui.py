@@ -18,7 +18,6 @@ import sys
 import threading
 from collections.abc import Iterator
 from html.parser import HTMLParser
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
@@ -171,12 +170,17 @@ def test_every_setting_is_an_override_of_the_command_line(app, tmp_path):
     assert_shows(source, expected)
     assert expected["strategy"]["micro_batch_size"] == 2 and expected["seq_len"] == 2048
     page = Page(source)
-    assert page.one(id="command").text == "python -m finetune " + " ".join(overrides) + " mode=plan plan.out=plan.json"
+    assert (
+        page.one(id="command").text
+        == "python -m finetune " + " ".join(overrides) + " mode=plan plan.out=plan.json"
+    )
     # the chosen profile's run cost is plan.json's; another priced one's is that profile's own plan
     chosen = expected["hardware"]["name"]
     row = page.cells(page.one("tr", data_hardware=chosen))
     assert row[-1] == f"{expected['estimate']['usd']:,.2f}"
-    other = next(a["hardware"] for a in expected["alternatives"] if a["usd_per_month"] and a["hardware"] != chosen)
+    other = next(
+        a["hardware"] for a in expected["alternatives"] if a["usd_per_month"] and a["hardware"] != chosen
+    )
     there = command_line_plan(tmp_path / "there", *overrides[:-4], f"hardware={other}", *overrides[-3:])
     row = page.cells(page.one("tr", data_hardware=other))
     assert row[-1] == f"{there['estimate']['usd']:,.2f}"
@@ -224,7 +228,10 @@ BAD_INPUTS = {
     ),
     "seq_len 0": ({"recipe": "llama8b_lora", "seq_len": "0"}, "train.seq_len=0 must be > 0"),
     "seq_len not a number": ({"seq_len": "4k"}, "seq_len='4k': write a whole number (train.seq_len)"),
-    "an override smuggled in": ({"seq_len": "1 hardware=h100"}, "seq_len='1 hardware=h100': write a whole number"),
+    "an override smuggled in": (
+        {"seq_len": "1 hardware=h100"},
+        "seq_len='1 hardware=h100': write a whole number",
+    ),
     "unknown method": ({"method": "dora"}, "method='dora' is not one of full, lora, qlora"),
     "this machine's hardware": ({"hardware": "local"}, "hardware='local' is not one of"),
     "a recipe with more": ({"recipe": "tiny mode=train"}, "recipe='tiny mode=train' is not one of"),
@@ -247,7 +254,9 @@ def test_bad_input_is_one_message(app, query, message):
 def test_user_text_is_escaped(app):
     """A model named by its pasted config, and a choice the page does not know, show as text."""
     named = {**SMALL_LLAMA, "_name_or_path": HOSTILE}
-    status, source = app.plan(urlencode({"model": "config.json", "config": json.dumps(named), "hardware": "l4"}))
+    status, source = app.plan(
+        urlencode({"model": "config.json", "config": json.dumps(named), "hardware": "l4"})
+    )
     assert status == 200
     assert HOSTILE not in source and html.escape(HOSTILE) in source
     status, source = app.plan(urlencode({"method": HOSTILE}))
@@ -275,7 +284,9 @@ def test_a_run_page_shows_its_plan_peak_loss_evaluation_and_samples(app, tiny_pl
     assert status == 200
     page = Page(source)
     table = page.one(id="plan-vs-peak")
-    rows = {e.attrs["data-term"]: page.cells(e) for e in page.all("tr", within=table) if "data-term" in e.attrs}
+    rows = {
+        e.attrs["data-term"]: page.cells(e) for e in page.all("tr", within=table) if "data-term" in e.attrs
+    }
     assert number(rows["total"][1]) == tiny_plan["gpu_memory_gb"]["total"]
     assert rows["peak"] == ["measured peak (process_peak_rss)", "0.432"]
     assert number(rows["compared"][1]) == 0.211
@@ -297,7 +308,9 @@ def test_a_run_page_shows_its_plan_peak_loss_evaluation_and_samples(app, tiny_pl
     assert "user: 2+2?" in page.one(id="samples").text
 
 
-@pytest.mark.parametrize("name", ["..", "../tiny-run", "/etc", "tiny-run/../..", "outside-link", "no-files", ""])
+@pytest.mark.parametrize(
+    "name", ["..", "../tiny-run", "/etc", "tiny-run/../..", "outside-link", "no-files", ""]
+)
 def test_paths_outside_the_runs_folder_are_refused(app, tiny_plan, tmp_path, name):
     outside = fake_run_dir(tmp_path, "elsewhere", tiny_plan)
     link = app.runs_root / "outside-link"

@@ -73,10 +73,15 @@ def assert_shows(shown: dict[str, Any], payload: dict[str, Any]) -> None:
     assert shown["alerts"] == 0
     assert shown["fits"] == str(payload["fits"]).lower() and shown["hardware"] == payload["hardware"]["name"]
     memory = payload["gpu_memory_gb"]
-    assert number(shown["total"]) == memory["total"] and number(shown["usable"]) == payload["usable_gpu_memory_gb"]
+    assert (
+        number(shown["total"]) == memory["total"]
+        and number(shown["usable"]) == payload["usable_gpu_memory_gb"]
+    )
     assert int(shown["seq_len"]) == payload["seq_len"]
     assert {k: number(v) for k, v in shown["terms"].items()} == {
-        **{k: memory[k] for k in ("weights", "trainable_state", "activations", "logits", "overhead", "total")},
+        **{
+            k: memory[k] for k in ("weights", "trainable_state", "activations", "logits", "overhead", "total")
+        },
         "usable": payload["usable_gpu_memory_gb"],
     }
     assert {k: v for k, v in shown["strategy"].items() if k != "layout"} == {
@@ -140,8 +145,15 @@ def test_the_form_plans_what_the_shown_command_plans(site, page, tmp_path):
     # the command as shown, run for real in a fresh folder
     words = shlex.split(shown["command"])
     proc = subprocess.run(
-        [sys.executable, *words[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
+        [sys.executable, *words[1:]],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        },
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     expected = json.loads((tmp_path / "plan.json").read_text())
@@ -164,7 +176,9 @@ def test_auto_hardware_and_a_pasted_config(site, page, tmp_path):
         page.select_option("#f-hardware", "auto")
     assert_shows(
         page.evaluate(SHOWN),
-        command_line_plan(tmp_path / "auto", "+recipe=llama70b_qlora", "hardware=auto", "train.dataset_tokens=100000000"),
+        command_line_plan(
+            tmp_path / "auto", "+recipe=llama70b_qlora", "hardware=auto", "train.dataset_tokens=100000000"
+        ),
     )
     config = {
         "model_type": "qwen2",
@@ -186,7 +200,9 @@ def test_auto_hardware_and_a_pasted_config(site, page, tmp_path):
         page.click("#submit")
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    assert_shows(page.evaluate(SHOWN), command_line_plan(tmp_path, f"model.config_path={path}", "hardware=l4"))
+    assert_shows(
+        page.evaluate(SHOWN), command_line_plan(tmp_path, f"model.config_path={path}", "hardware=l4")
+    )
 
 
 def test_bad_input_shows_one_message(site, page):

@@ -99,7 +99,8 @@ def plan_form(form: PlanForm) -> str:
 
 def memory_bars(plan: Plan) -> str:
     """The per-GPU terms stacked against the usable memory (dashed) and the GPU's memory (solid)."""
-    m, usable, card = plan.gpu_memory, plan.usable_gpu_memory_gb, plan.hardware.gpu_memory_gb
+    m, usable = plan.gpu_memory, plan.usable_gpu_memory_gb
+    card = plan.hardware.gpu_memory_gb or usable
     width, top, height = 800.0, 22.0, 36.0
     scale = width / (max(m.total, card) * 1.04 or 1.0)
     parts, x = [], 0.0
@@ -112,7 +113,10 @@ def memory_bars(plan: Plan) -> str:
         )
         x += w
     # the usable line is labelled under the bar, the GPU's memory above it, so close values do not overlap
-    for value, label, dash, label_y in ((usable, "usable", "6 4", top + height + 20), (card, "GPU", "", 11.0)):
+    for value, label, dash, label_y in (
+        (usable, "usable", "6 4", top + height + 20),
+        (card, "GPU", "", 11.0),
+    ):
         lx = value * scale
         dashes = f' stroke-dasharray="{dash}"' if dash else ""
         parts.append(

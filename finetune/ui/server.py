@@ -171,8 +171,9 @@ def make_server(cfg: UiConfig) -> ThreadingHTTPServer:
 
 
 def url(server: ThreadingHTTPServer) -> str:
-    host, port = server.server_address[:2]
-    shown = f"[{host}]" if ":" in str(host) else str(host)
+    address, port = server.server_address[:2]
+    host = address.decode() if isinstance(address, bytes) else str(address)
+    shown = f"[{host}]" if ":" in host else host
     return f"http://{shown}:{port}/"
 
 
