@@ -32,6 +32,7 @@ def test_config_folders_are_walked_recursively():
         "eval",
         "export",
         "objective",
+        "ui",
     }
 
 
@@ -51,7 +52,7 @@ def test_every_recipe_composes(recipe: str):
     "group,option",
     [
         (g, o)
-        for g in ("model", "method", "hardware", "data", "train", "plan", "launch", "eval", "export")
+        for g in ("model", "method", "hardware", "data", "train", "plan", "launch", "eval", "export", "ui")
         for o in group_choices(g)
     ],
 )
