@@ -35,6 +35,20 @@ MAX_CONFIG_BYTES = 1_000_000
 # Hardware the page does not offer: `local` reads the machine the server runs on, not the one to rent.
 HIDDEN_HARDWARE = ("local",)
 
+# The form's fields and the overrides they become, in the order the command shows them.
+CHOICE_OVERRIDES = {
+    "recipe": "+recipe",
+    "model": "model",
+    "method": "method",
+    "objective": "objective",
+    "hardware": "hardware",
+}
+NUMBER_OVERRIDES = {
+    "seq_len": "train.seq_len",
+    "micro_batch": "train.micro_batch_size",
+    "dataset_tokens": "train.dataset_tokens",
+}
+
 # Planning composes through Hydra's global state: one plan at a time.
 _LOCK = threading.Lock()
 
@@ -78,21 +92,12 @@ class PlanForm:
     def overrides(self, config_path: str = PASTED) -> list[str]:
         """The command line's overrides for these settings (before `mode=plan`); ConfigError names a bad field."""
         out = []
-        for name, key in (("recipe", "+recipe"), ("model", "model"), ("method", "method")):
+        for name, key in CHOICE_OVERRIDES.items():
             value = getattr(self, name)
             if value:
                 _check_choice(name, value)
                 out.append(f"model.config_path={config_path}" if value == PASTED else f"{key}={value}")
-        for name in ("objective", "hardware"):
-            value = getattr(self, name)
-            if value:
-                _check_choice(name, value)
-                out.append(f"{name}={value}")
-        for name, key in (
-            ("seq_len", "train.seq_len"),
-            ("micro_batch", "train.micro_batch_size"),
-            ("dataset_tokens", "train.dataset_tokens"),
-        ):
+        for name, key in NUMBER_OVERRIDES.items():
             value = getattr(self, name)
             if value:
                 if not re.fullmatch(r"\d{1,15}", value):

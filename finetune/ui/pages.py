@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import html
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import fields
 from typing import Any, Optional
 
-from finetune.core.config import HardwareConfig
-from finetune.planner import Plan
+from finetune.planner import Memory, Plan
 from finetune.ui.calculator import PASTED, PlanForm, Planned, choices
 from finetune.ui.runs import RunView
 
-# plan.json's memory terms, bottom of the stack first, with their colours.
-TERMS = (
-    ("weights", "#4e79a7"),
-    ("trainable_state", "#f28e2b"),
-    ("activations", "#59a14f"),
-    ("logits", "#b07aa1"),
-    ("overhead", "#9c9c9c"),
+# plan.json's memory terms (the contract's `Memory` fields), bottom of the stack first, with their colours.
+TERMS = tuple(
+    zip((f.name for f in fields(Memory)), ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#9c9c9c", "#76b7b2"))
 )
 
 
@@ -79,20 +75,22 @@ def _number(name: str, label: str, value: str, hint: str) -> str:
 
 
 def plan_form(form: PlanForm) -> str:
-    fields = [
+    kept = "the recipe's" if form.recipe else "the default"
+    hidden = "" if form.model == PASTED else " hidden"
+    controls = [
         _select("recipe", "recipe", form.recipe, "none (the defaults)"),
-        _select("model", "model", form.model, "the recipe's"),
-        "<label class=wide id=config-label>config.json (pasted; never executed)"
+        _select("model", "model", form.model, kept),
+        f"<label id=config-label{hidden}>config.json (pasted; never executed)"
         f"<textarea name=config id=f-config rows=6 spellcheck=false>{esc(form.config)}</textarea></label>",
-        _select("method", "method", form.method, "the recipe's"),
-        _select("objective", "objective", form.objective, "the recipe's"),
-        _number("seq_len", "sequence length", form.seq_len, "the recipe's"),
+        _select("method", "method", form.method, kept),
+        _select("objective", "objective", form.objective, kept),
+        _number("seq_len", "sequence length", form.seq_len, kept),
         _number("micro_batch", "micro-batch", form.micro_batch, "the planner's choice"),
-        _select("hardware", "hardware", form.hardware, "the recipe's"),
+        _select("hardware", "hardware", form.hardware, kept),
         _number("dataset_tokens", "dataset tokens (run length)", form.dataset_tokens, "for the run's cost"),
     ]
     return (
-        f'<form id=plan-form method=get action="/">{"".join(fields)}'
+        f'<form id=plan-form method=get action="/">{"".join(controls)}'
         "<button type=submit id=submit>plan</button></form>"
     )
 
@@ -262,9 +260,9 @@ def runs_page(views: Sequence[RunView], runs_dir: str) -> str:
     return page("runs", f"<h1>Runs under {esc(runs_dir)}</h1>{table}", "runs")
 
 
-def _plan_vs_peak(view: RunView, hardware: Optional[HardwareConfig]) -> str:
+def _plan_vs_peak(view: RunView) -> str:
     if view.plan is None:
-        return "<p>No plan.json.</p>"
+        return "<p id=no-plan>No readable plan.json (mode=plan writes it).</p>"
     plan = view.plan
     rows = "".join(
         f"<tr data-term={term}><td>{term}</td><td class=num>{gb(getattr(plan.gpu_memory, term))}</td></tr>"
@@ -392,7 +390,7 @@ def _text(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def run_page(view: RunView, hardware: Optional[HardwareConfig] = None) -> str:
+def run_page(view: RunView) -> str:
     facts = (
         f"<p id=facts>{esc(view.model)} · {esc(view.method)} · {esc(view.hardware)}"
         + (f" · {view.steps} steps" if view.steps is not None else "")
@@ -405,7 +403,7 @@ def run_page(view: RunView, hardware: Optional[HardwareConfig] = None) -> str:
     )
     body = (
         f"<h1 id=run-name>{esc(view.name)}</h1>{facts}"
-        f"<h2>plan against the measured peak</h2>{_plan_vs_peak(view, hardware)}"
+        f"<h2>plan against the measured peak</h2>{_plan_vs_peak(view)}"
         f"<h2>loss</h2>{loss_curve(view.loss)}"
         f"<h2>evaluation</h2>{_eval_table(view)}"
         f"<h2>samples</h2>{_samples(view)}"
