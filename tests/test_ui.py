@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -366,6 +367,21 @@ def test_ui_settings_are_checked():
     assert server.address_warning(UiConfig()) is None
     said = server.address_warning(UiConfig(host="0.0.0.0"))
     assert said is not None and "every machine that can reach this one" in said
+
+
+def test_a_port_in_use_is_one_line(tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(
+            ConfigError,
+            match=rf"^ui.host=127.0.0.1 ui.port={port}: cannot listen \(Address already in use\)$",
+        ):
+            server.serve(UiConfig(port=port, runs_dir=str(tmp_path)))
+    finally:
+        taken.close()
 
 
 def test_mode_ui_serves_until_interrupted(tmp_path):
