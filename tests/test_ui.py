@@ -188,6 +188,12 @@ def test_every_setting_is_an_override_of_the_command_line(app, tmp_path):
     assert number(row[-3]) == pytest.approx(there["hardware"]["usd_per_month"] / 730, abs=0.005)
 
 
+def test_a_hub_id_is_the_command_lines_model():
+    form = PlanForm(recipe="llama8b_lora", hub_id="Qwen/Qwen2.5-0.5B", method="lora")
+    assert form.overrides() == ["+recipe=llama8b_lora", "model=Qwen/Qwen2.5-0.5B", "method=lora"]
+    assert form.query() == "recipe=llama8b_lora&hub_id=Qwen%2FQwen2.5-0.5B&method=lora"
+
+
 SMALL_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -232,6 +238,11 @@ BAD_INPUTS = {
     "an override smuggled in": (
         {"seq_len": "1 hardware=h100"},
         "seq_len='1 hardware=h100': write a whole number",
+    ),
+    "a path for a hub id": ({"hub_id": "../../etc/x"}, "hub_id='../../etc/x': write a hub id as ORG/NAME"),
+    "a hub id and a preset": (
+        {"hub_id": "Qwen/Qwen2.5-0.5B", "model": "qwen3_8b"},
+        "hub_id='Qwen/Qwen2.5-0.5B' and model='qwen3_8b': choose one of them",
     ),
     "unknown method": ({"method": "dora"}, "method='dora' is not one of full, lora, qlora"),
     "this machine's hardware": ({"hardware": "local"}, "hardware='local' is not one of"),

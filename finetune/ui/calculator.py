@@ -49,6 +49,9 @@ NUMBER_OVERRIDES = {
     "dataset_tokens": "train.dataset_tokens",
 }
 
+# A hub id as the hub spells it: ORG/NAME (never a path: no leading '/', '.' or '~').
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
 # Planning composes through Hydra's global state: one plan at a time.
 _LOCK = threading.Lock()
 
@@ -70,6 +73,8 @@ class PlanForm:
 
     recipe: str = ""
     model: str = ""
+    # A model by hub id (ORG/NAME) instead of a preset: `model=ORG/NAME`, where composition resolves hub ids.
+    hub_id: str = ""
     # The pasted config.json, read when `model` is PASTED.
     config: str = ""
     method: str = ""
@@ -92,11 +97,19 @@ class PlanForm:
     def overrides(self, config_path: str = PASTED) -> list[str]:
         """The command line's overrides for these settings (before `mode=plan`); ConfigError names a bad field."""
         out = []
+        if self.hub_id and self.model:
+            raise ConfigError(
+                f"hub_id={self.hub_id[:80]!r} and model={self.model[:60]!r}: choose one of them"
+            )
         for name, key in CHOICE_OVERRIDES.items():
             value = getattr(self, name)
             if value:
                 _check_choice(name, value)
                 out.append(f"model.config_path={config_path}" if value == PASTED else f"{key}={value}")
+            if name == "model" and self.hub_id:
+                if not HUB_ID.fullmatch(self.hub_id) or ".." in self.hub_id:
+                    raise ConfigError(f"hub_id={self.hub_id[:80]!r}: write a hub id as ORG/NAME")
+                out.append(f"model={self.hub_id}")
         for name, key in NUMBER_OVERRIDES.items():
             value = getattr(self, name)
             if value:

@@ -80,6 +80,8 @@ def plan_form(form: PlanForm) -> str:
     controls = [
         _select("recipe", "recipe", form.recipe, "none (the defaults)"),
         _select("model", "model", form.model, kept),
+        f'<label>or a hub id<input name=hub_id id=f-hub_id value="{esc(form.hub_id)}" '
+        'placeholder="ORG/NAME" autocomplete=off spellcheck=false></label>',
         f"<label id=config-label{hidden}>config.json (pasted; never executed)"
         f"<textarea name=config id=f-config rows=6 spellcheck=false>{esc(form.config)}</textarea></label>",
         _select("method", "method", form.method, kept),
