@@ -168,8 +168,7 @@ def test_the_form_plans_what_the_shown_command_plans(site, page, tmp_path):
     assert shared.evaluate(SHOWN) == shown
 
 
-def test_auto_hardware_and_a_pasted_config(site, page, tmp_path):
-    """hardware=auto picks a profile as the command line does; a pasted config.json plans like its file."""
+def test_auto_hardware_picks_what_the_command_line_picks(site, page, tmp_path):
     base, _ = site
     page.goto(base + "/?recipe=llama70b_qlora&dataset_tokens=100000000")
     with page.expect_navigation():
@@ -180,6 +179,10 @@ def test_auto_hardware_and_a_pasted_config(site, page, tmp_path):
             tmp_path / "auto", "+recipe=llama70b_qlora", "hardware=auto", "train.dataset_tokens=100000000"
         ),
     )
+
+
+def test_a_pasted_config_plans_like_its_file(site, page, tmp_path):
+    base, _ = site
     config = {
         "model_type": "qwen2",
         "hidden_size": 896,

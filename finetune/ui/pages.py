@@ -97,12 +97,13 @@ def plan_form(form: PlanForm) -> str:
     )
 
 
-def memory_bars(plan: Plan) -> str:
-    """The per-GPU terms stacked against the usable memory (dashed) and the GPU's memory (solid)."""
+def memory_bars(plan: Plan, peak: Optional[float] = None) -> str:
+    """The per-GPU terms stacked against the usable memory (dashed) and the GPU's memory (solid); a run's
+    measured peak as a second bar under them."""
     m, usable = plan.gpu_memory, plan.usable_gpu_memory_gb
     card = plan.hardware.gpu_memory_gb or usable
     width, top, height = 800.0, 22.0, 36.0
-    scale = width / (max(m.total, card) * 1.04 or 1.0)
+    scale = width / (max(m.total, card, peak or 0.0) * 1.04 or 1.0)
     parts, x = [], 0.0
     for term, colour in TERMS:
         value = getattr(m, term)
@@ -112,6 +113,14 @@ def memory_bars(plan: Plan) -> str:
             f'fill="{colour}"><title>{term}: {gb(value)} GB</title></rect>'
         )
         x += w
+    bottom = top + height + 8
+    if peak is not None:
+        bottom = top + height + 46
+        parts.append(
+            f'<rect data-term=peak x="0" y="{top + height + 26}" width="{peak * scale:.2f}" height="16" '
+            f'fill="#263238"><title>measured peak: {gb(peak)} GB</title></rect>'
+            f'<text x="{peak * scale + 6:.2f}" y="{top + height + 38}" font-size="11">measured peak</text>'
+        )
     # the usable line is labelled under the bar, the GPU's memory above it, so close values do not overlap
     for value, label, dash, label_y in (
         (usable, "usable", "6 4", top + height + 20),
@@ -120,12 +129,11 @@ def memory_bars(plan: Plan) -> str:
         lx = value * scale
         dashes = f' stroke-dasharray="{dash}"' if dash else ""
         parts.append(
-            f'<line x1="{lx:.2f}" x2="{lx:.2f}" y1="14" y2="{top + height + 8}" stroke="#c0392b" '
-            f'stroke-width="2"{dashes}/>'
+            f'<line x1="{lx:.2f}" x2="{lx:.2f}" y1="14" y2="{bottom}" stroke="#c0392b" stroke-width="2"{dashes}/>'
             f'<text x="{lx:.2f}" y="{label_y}" text-anchor="middle" font-size="11">{label} {value:,.1f} GB</text>'
         )
     return (
-        f'<svg id=bars role=img viewBox="0 -4 {width + 60:.0f} 90" width="100%" '
+        f'<svg id=bars role=img viewBox="0 -4 {width + 60:.0f} {bottom + 14:.0f}" width="100%" '
         f'aria-label="memory per GPU against the usable memory">{"".join(parts)}</svg>'
     )
 
@@ -282,7 +290,7 @@ def _plan_vs_peak(view: RunView) -> str:
         else ""
     )
     return (
-        f"{memory_bars(plan)}<table id=plan-vs-peak><thead><tr><th>per GPU</th><th>GB</th></tr></thead>"
+        f"{memory_bars(plan, view.peak_gb)}<table id=plan-vs-peak><thead><tr><th>per GPU</th><th>GB</th></tr></thead>"
         f"<tbody>{rows}</tbody><tfoot><tr data-term=total><td>planned total</td>"
         f"<td class=num>{gb(plan.gpu_memory.total)}</td></tr>{measured}{compared}</tfoot></table>"
     )
