@@ -302,6 +302,7 @@ def test_a_run_page_shows_its_plan_peak_loss_evaluation_and_samples(app, tiny_pl
     assert number(rows["total"][1]) == tiny_plan["gpu_memory_gb"]["total"]
     assert rows["peak"] == ["measured peak (process_peak_rss)", "0.432"]
     assert number(rows["compared"][1]) == 0.211
+    assert page.one("rect", data_term="peak").text == "measured peak: 0.432 GB"
     train = page.one(data_series="train").attrs["points"].split()
     assert len(train) == 6 and len(page.one(data_series="eval").attrs["points"].split()) == 1
     # the loss falls: the polyline climbs down the SVG's y axis (y grows downwards)
