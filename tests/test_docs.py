@@ -149,12 +149,15 @@ def stage_inputs(cwd: Path, argv: list[str]) -> None:
 
 
 def as_planned(argv: list[str]) -> list[str]:
-    """The command as this test runs it: a stage that would train, download or start ranks is planned
-    instead; plan-only and dry-run commands run as they are."""
+    """The command as this test runs it: plan-only and dry-run commands, and the data stage on the tiny
+    model's tokenizer (built locally), run as they are; a command that would train, download or start
+    ranks is planned instead (without `train.seq_len=auto`, which needs the data stage)."""
     modes = [a.split("=", 1)[1] for a in argv if a.startswith("mode=")]
-    if modes == ["plan"] or "launch.dry_run=true" in argv:
+    local_data = modes == ["data"] and not any(a.startswith(("model=", "model.", "+recipe=")) for a in argv)
+    if modes == ["plan"] or "launch.dry_run=true" in argv or local_data:
         return argv
-    return [a for a in argv if not a.startswith("mode=") and a != "smoke=true"] + ["mode=plan"]
+    keep = [a for a in argv if not a.startswith("mode=") and a not in ("smoke=true", "train.seq_len=auto")]
+    return keep + ["mode=plan"]
 
 
 def _normalized(text: str) -> str:
@@ -184,9 +187,10 @@ def test_every_command_shown_is_one_this_test_knows():
     [s for s in SHOWN if s[1].startswith("python -m finetune")],
     ids=[f"{s[0]}:{s[1][len('python -m finetune') :].strip() or 'default'}" for s in SHOWN if s[1].startswith("python -m finetune")],
 )
-def test_finetune_command_composes_and_plans(page, command, quoted, tmp_path, monkeypatch, capsys):
+def test_finetune_command_composes_and_plans(page, command, quoted, tmp_path, monkeypatch, capsys, tiny_cache):
     """Each `python -m finetune ...` the documents show: composed, validated and planned (or dry-run
-    launched) in a fresh folder, exit code 0; each output line quoted under it appears in what it prints."""
+    launched, or its data prepared) in a fresh folder, exit code 0; each output line quoted under it
+    appears in what it prints."""
     from finetune.pipeline import cli
 
     argv = shlex.split(command)[3:]
@@ -204,6 +208,15 @@ def test_finetune_command_composes_and_plans(page, command, quoted, tmp_path, mo
     printed = _normalized(out + err)
     for line in quoted:
         assert _normalized(line) in printed, f"{page}: {command!r} no longer prints {line!r}"
+    if "mode=data" in run:
+        # The README's example lines: three records, the first two the same conversation.
+        (stats,) = tmp_path.glob("runs/*/data_stats.json")
+        counts = json.loads(stats.read_text())
+        assert (counts["num_input"], counts["dropped"], counts["num_train"] + counts["num_eval"]) == (
+            3,
+            {"duplicate": 1},
+            2,
+        )
 
 
 def test_example_data_lines_are_the_formats_they_claim():
