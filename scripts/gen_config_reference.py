@@ -186,9 +186,11 @@ def render() -> str:
     from finetune.core.config import Config
 
     fields = dataclasses.fields(Config)
-    sections = [f for f in fields if dataclasses.is_dataclass(f.default_factory)]  # type: ignore[arg-type]
+    sections = [f for f in fields if dataclasses.is_dataclass(f.default_factory)]
     top_rows = _rows("", Config, {f.name: f for f in fields})
-    top = [top_rows[0], top_rows[1]] + [r for r in top_rows[2:] if r.split("`")[1] not in {s.name for s in sections}]
+    top = [top_rows[0], top_rows[1]] + [
+        r for r in top_rows[2:] if r.split("`")[1] not in {s.name for s in sections}
+    ]
     out = [HEADER, "Sections: " + ", ".join(f"[`{s.name}`](#{s.name})" for s in sections) + ".", ""]
     out += ["## Top-level keys", ""] + top + [""]
     for f in sections:
@@ -198,13 +200,18 @@ def render() -> str:
 
 def gaps() -> list[str]:
     """The keys whose description is empty (no docstring and no comment in the schema)."""
+    sys.path.insert(0, str(ROOT))
+    from finetune.core.config import Config
+
     missing = []
-    for line in render().splitlines():
-        cells = line.split(" | ")
-        if line.startswith("| `") and len(cells) == 4 and cells[3].strip(" |") in ("",) or (
-            line.startswith("| `") and re.search(r"\| One of [^|]*\|$", line)
-        ):
-            missing.append(cells[0].strip("| `"))
+    for f in dataclasses.fields(Config):
+        section = f.default_factory if dataclasses.is_dataclass(f.default_factory) else None
+        owners = _owners(section) if section else [Config]
+        prefix = f"{f.name}." if section else ""
+        for owner in owners:
+            docs = _field_docs(owner)
+            names = _annotations(owner) if section else [f.name]
+            missing += [prefix + name for name in names if not docs.get(name)]
     return missing
 
 

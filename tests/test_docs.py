@@ -185,9 +185,15 @@ def test_every_command_shown_is_one_this_test_knows():
 @pytest.mark.parametrize(
     "page, command, quoted",
     [s for s in SHOWN if s[1].startswith("python -m finetune")],
-    ids=[f"{s[0]}:{s[1][len('python -m finetune') :].strip() or 'default'}" for s in SHOWN if s[1].startswith("python -m finetune")],
+    ids=[
+        f"{s[0]}:{s[1][len('python -m finetune') :].strip() or 'default'}"
+        for s in SHOWN
+        if s[1].startswith("python -m finetune")
+    ],
 )
-def test_finetune_command_composes_and_plans(page, command, quoted, tmp_path, monkeypatch, capsys, tiny_cache):
+def test_finetune_command_composes_and_plans(
+    page, command, quoted, tmp_path, monkeypatch, capsys, tiny_cache
+):
     """Each `python -m finetune ...` the documents show: composed, validated and planned (or dry-run
     launched, or its data prepared) in a fresh folder, exit code 0; each output line quoted under it
     appears in what it prints."""
@@ -251,11 +257,15 @@ def test_scripts_and_extras_shown_exist():
         for path in re.findall(r"(?:bash|python) (scripts/\S+)", command):
             assert (REPO / path).is_file(), f"{page}: {command!r} names a missing {path}"
         for extra in re.findall(r"\.\[(\w+)\]", command):
-            assert re.search(rf"(?m)^{extra} = \[", pyproject), f"{page}: no extra [{extra}] in pyproject.toml"
+            assert re.search(rf"(?m)^{extra} = \[", pyproject), (
+                f"{page}: no extra [{extra}] in pyproject.toml"
+            )
 
 
 def test_the_recipe_table_lists_every_recipe():
-    table = set(re.findall(r"(?m)^\| `(\w+)`", README.read_text().split("## Recipes", 1)[1].split("\n## ", 1)[0]))
+    table = set(
+        re.findall(r"(?m)^\| `(\w+)`", README.read_text().split("## Recipes", 1)[1].split("\n## ", 1)[0])
+    )
     assert table == {p.stem for p in (REPO / "recipes").glob("*.yaml")}
 
 
