@@ -133,14 +133,19 @@ def example_lines() -> list[dict]:
     return [json.loads(line) for line in block.splitlines() if line.strip()]
 
 
+def example_records(argv: list[str]) -> list[dict]:
+    """The README's example lines a command's objective reads: the preference pair for DPO, else the rest."""
+    pairs = "objective=dpo" in argv
+    return [r for r in example_lines() if ("chosen" in r) == pairs]
+
+
 def stage_inputs(cwd: Path, argv: list[str]) -> None:
     """The files and folders a shown command names, made in `cwd` as a user would have them: the data
     file from the README's example lines, a model folder's config.json, an earlier run's directory."""
     for arg in argv:
         key, _, value = arg.partition("=")
         if key == "data.path" and not (cwd / value).exists():
-            sft = [r for r in example_lines() if "chosen" not in r]
-            (cwd / value).write_text("".join(json.dumps(r) + "\n" for r in sft))
+            (cwd / value).write_text("".join(json.dumps(r) + "\n" for r in example_records(argv)))
         elif key == "model.config_path":
             (cwd / value).parent.mkdir(parents=True, exist_ok=True)
             (cwd / value).write_text(json.dumps(TINY_CONFIG))
@@ -215,13 +220,16 @@ def test_finetune_command_composes_and_plans(
     for line in quoted:
         assert _normalized(line) in printed, f"{page}: {command!r} no longer prints {line!r}"
     if "mode=data" in run:
-        # The README's example lines: three records, the first two the same conversation.
+        # The README's example lines, all read; of the SFT ones the first two are the same conversation.
         (stats,) = tmp_path.glob("runs/*/data_stats.json")
         counts = json.loads(stats.read_text())
+        records = len(example_records(argv))
+        duplicates = {} if "objective=dpo" in argv else {"duplicate": 1}
+        kept = records - sum(duplicates.values())
         assert (counts["num_input"], counts["dropped"], counts["num_train"] + counts["num_eval"]) == (
-            3,
-            {"duplicate": 1},
-            2,
+            records,
+            duplicates,
+            kept,
         )
 
 
