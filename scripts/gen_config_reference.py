@@ -164,6 +164,13 @@ def _rows(prefix: str, owner: type, fields: dict[str, dataclasses.Field]) -> lis
     return rows
 
 
+def _concern(name: str, section: str) -> str:
+    """A concern's heading from its class name: TrainEarlyStop in TrainConfig reads "Early stop"."""
+    prefix = section.removesuffix("Config")
+    words = re.findall(r"[A-Z][a-z0-9]*", name.removeprefix(prefix)) or [name]
+    return " ".join([words[0], *(w.lower() for w in words[1:])])
+
+
 def _section(key: str, cls: type) -> list[str]:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     out = [f"## `{key}`", ""]
@@ -174,7 +181,7 @@ def _section(key: str, cls: type) -> list[str]:
         if len(owners) > 1:
             if owner is cls:
                 continue
-            out += [f"### {owner.__name__}", ""]
+            out += [f"### {_concern(owner.__name__, cls.__name__)}", ""]
             if owner.__doc__:
                 out += [" ".join(inspect.cleandoc(owner.__doc__).split()), ""]
         out += _rows(f"{key}.", owner, fields) + [""]
