@@ -336,3 +336,22 @@ def test_configuration_reference_is_generated_from_the_schemas():
     assert "| `train.seq_len` | int or str | `2048` |" in page
     for section in Config.__dataclass_fields__:
         assert f"`{section}" in page
+
+
+def test_readme_quotes_the_default_job_as_benchmarks_records_it():
+    """The README's figures for the demo are BENCHMARKS.md's table for it, rounded as the README shows them."""
+    section = (REPO / "BENCHMARKS.md").read_text().split("## The default job", 1)[1].split("\n## ", 1)[0]
+    rows = {
+        m.group(1): [float(v) for v in m.group(2, 3)]
+        for m in re.finditer(r"(?m)^\| ([\w ,-]+) \| ([\d.]+) \| ([\d.]+) \| [\d.]+ \|$", section)
+    }
+    loss, exact = rows["held-out loss"], rows["exact match"]
+    readme = _normalized(README.read_text())
+    assert (
+        f"held-out loss {loss[0]:.2f} -> {loss[1]:.2f}, exact match {exact[0]:.2f} -> {exact[1]:.2f}"
+        in readme
+    )
+    assert (
+        f"falls from {loss[0]:.2f} to {loss[1]:.2f} and exact match rises from {exact[0]:.2f} to {exact[1]:.2f}"
+        in readme
+    )
