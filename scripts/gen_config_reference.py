@@ -34,8 +34,8 @@ HEADER = """\
 Every key `python -m finetune` accepts, by section. Set a key on the command line (`train.seq_len=4096`,
 `method=qlora` to pick a config group's file, `+recipe=NAME` to start from a recipe) or in a YAML file.
 The defaults below are the schemas' own; the config groups under `configs/` (`model=`, `method=`,
-`hardware=`, ...) and the recipes under `recipes/` set their values on top of them, and
-`python -m finetune ... mode=plan` prints what a job resolves to (`RUN_DIR/config.yaml` keeps it).
+`hardware=`, ...) and the recipes under `recipes/` set their values on top of them;
+`python -m finetune ... mode=plan` writes what a job resolves to into `RUN_DIR/config.yaml`.
 `null` leaves the choice to the planner or to a later stage. An unknown key, a value of the wrong type
 or one outside its allowed values stops the run before anything heavy starts, with one line naming the
 key (exit 2).
