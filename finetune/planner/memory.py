@@ -92,7 +92,7 @@ class Job:
     # What the model is trained to do (finetune/core/objectives.py): sequences per example, the reference model.
     objective: ObjectiveSpec = OBJECTIVES["sft"]
     # Full fine-tuning's reference: precomputed log-probabilities (True), a frozen copy (False), or the
-    # planner's choice on memory and time (None; `dpo.reference=auto`).
+    # planner's choice on memory and time (None; `objective.reference=auto`).
     precompute_reference: Optional[bool] = None
     # data.packing: rows packed from several samples (a sequence split must keep them apart)
     packing: bool = True
