@@ -42,7 +42,9 @@ def test_the_section_is_the_chosen_objectives_own_dataclass():
     assert type(tiny_cfg("objective=dpo").objective) is DPOObjective
     # a run directory's config.yaml holds a mapping: its name chooses the class
     assert Config(objective={"name": "dpo", "beta": 0.5}).objective == DPOObjective(beta=0.5)
-    with pytest.raises(ConfigError, match=r"objective\.bogus: unknown key for objective=dpo; valid keys: beta"):
+    with pytest.raises(
+        ConfigError, match=r"objective\.bogus: unknown key for objective=dpo; valid keys: beta"
+    ):
         Config(objective={"name": "dpo", "bogus": 1})
 
 
@@ -78,7 +80,9 @@ def test_every_objective_names_what_the_stages_read():
         assert (REPO / "configs" / "objective" / f"{name}.yaml").is_file()
     assert {s.record_kind for s in OBJECTIVES.values()} == set(RECORD_KINDS)
     with pytest.raises(ValueError, match="record_kind"):
-        ObjectiveSpec("x", "x", record_kind="images", settings="m:C", trainer="m", trl_trainer="T", trl_config="C")
+        ObjectiveSpec(
+            "x", "x", record_kind="images", settings="m:C", trainer="m", trl_trainer="T", trl_config="C"
+        )
 
 
 def test_recipe_tiny_dpo_composes_and_names_its_smoke_sibling():

@@ -30,7 +30,9 @@ def test_grpo_composes_and_refuses_a_batch_of_partial_groups() -> None:
     cfg = tiny_cfg(*GRPO_RUN)
     assert cfg.objective.spec.record_kind == "prompts" and cfg.objective.spec.trl_trainer == "GRPOTrainer"
     assert cfg.objective.spec.generates and cfg.objective.spec.reference == "when_kl"
-    with pytest.raises(ConfigError, match=r"train.batch_size=6 must be a multiple of objective.num_generations=4"):
+    with pytest.raises(
+        ConfigError, match=r"train.batch_size=6 must be a multiple of objective.num_generations=4"
+    ):
         tiny_cfg(*GRPO_RUN, "train.batch_size=6")
     with pytest.raises(ConfigError, match=r"objective.rewards: 'exact match' is not exact_match"):
         tiny_cfg(*GRPO_RUN, "objective.rewards=[exact match]")
