@@ -31,19 +31,26 @@ class RecordKind:
     # The module under finetune/data/ with `prepare(cfg, tokenizer, inp, path, console, scratch)` and
     # `save(prepared, out)`: the rows a cache entry holds and the training stage reads back.
     module: str
+    # The data set shipped for it under finetune/data/bundled/ (what the tiny model trains on by default).
+    bundled: str
 
 
 RECORD_KINDS: dict[str, RecordKind] = {
     "conversations": RecordKind(
         "messages with assistant turns to learn, tokenized with masked labels and packed",
         "finetune.data.conversations",
+        "chat.jsonl",
     ),
     "preferences": RecordKind(
         "prompt + chosen + rejected, tokenized as TRL's prompt_ids / chosen_ids / rejected_ids",
         "finetune.data.preferences",
+        "preferences.jsonl",
     ),
+    # GRPO's prompts are the bundled conversations: their answers are checkable (finetune/core/tasks.py).
     "prompts": RecordKind(
-        "prompts with reference answers, for rewards computed on generations", "finetune.data.prompts"
+        "prompts with reference answers, for rewards computed on generations",
+        "finetune.data.prompts",
+        "chat.jsonl",
     ),
 }
 
