@@ -128,7 +128,7 @@ def planned(completions: int, seq_len: int) -> dict[str, float]:
     from finetune.pipeline.stages import config_plan, resolve
     from finetune.planner import make_job, memory, tensors_gb
     from finetune.planner.contract import GB
-    from finetune.planner.memory import runtime
+    from finetune.planner.job import runtime
 
     cfg = resolve(
         compose(["+recipe=tiny_grpo", f"train.batch_size={completions}", f"train.seq_len={seq_len}"])

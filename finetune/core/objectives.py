@@ -54,6 +54,9 @@ RECORD_KINDS: dict[str, RecordKind] = {
     ),
 }
 
+# The objective of a config that names none (`objective=` left out).
+DEFAULT_OBJECTIVE = "sft"
+
 # When a frozen reference model runs beside the policy.
 REFERENCES = (
     "none",  # never (SFT)

@@ -1,6 +1,6 @@
 """Preference fine-tuning: TRL's `DPOTrainer` with a `DPOConfig` built from the typed config and the plan.
 
-The pairs arrive tokenized from the data stage (`prepare.preferences`: TRL's `prompt_ids`, `chosen_ids`,
+The pairs arrive tokenized from the data stage (the `preferences` record kind: TRL's `prompt_ids`, `chosen_ids`,
 `rejected_ids`, rendered with the model's chat template, cleaned and limited there), so TRL's own
 tokenizing is skipped (`_prepare_dataset`) and its `DataCollatorForPreference` batches them: every
 micro-batch carries each pair's chosen and rejected sequence (twice the sequences of SFT).

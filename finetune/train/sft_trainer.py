@@ -1,6 +1,6 @@
 """Supervised fine-tuning: TRL's `SFTTrainer` with an `SFTConfig` built from the typed config and the plan.
 
-The data arrive pre-tokenized and packed from the data stage (`prepare.conversations`), so TRL's own
+The data arrive pre-tokenized and packed from the data stage (the `conversations` record kind), so TRL's own
 preparation is skipped and `PackedCollator` batches them. What every objective shares (arguments, engine,
 FSDP2 on CPU ranks, atomic checkpoints) is `base_trainer`'s.
 

@@ -20,14 +20,14 @@ from typing import Any, Optional
 
 from finetune.core.config.checks import check_choices, choice
 from finetune.core.errors import ConfigError
-from finetune.core.objectives import OBJECTIVES, ObjectiveSpec
+from finetune.core.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, ObjectiveSpec
 
 
 @dataclass
 class ObjectiveConfig:
     """What the model is trained to do: `objective=NAME` on the command line, then `objective.KEY=VALUE`."""
 
-    name: str = choice("sft", OBJECTIVES)
+    name: str = choice(DEFAULT_OBJECTIVE, OBJECTIVES)
 
     def __post_init__(self) -> None:
         check_choices(self, "objective", ObjectiveConfig)
