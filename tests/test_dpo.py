@@ -311,6 +311,8 @@ def test_preference_scores_by_implicit_reward():
     assert better["preference_accuracy"] == 1.0
     assert better["reward_margin"] == pytest.approx(0.5 * ((1 + 1) + (1 + 2)) / 2)
     assert better["logprob_accuracy"] == 1.0
+    # what DPO's description says its evaluation adds is what the scores are
+    assert set(better) - {"pairs"} == set(OBJECTIVES["dpo"].eval_metrics)
 
 
 @pytest.mark.slow

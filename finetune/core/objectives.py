@@ -67,11 +67,16 @@ REFERENCES = (
 # What the evaluation adds on the held-out split beside the generation metrics and the regression set
 # (finetune/evaluation/stage.py reads the objective's settings for them).
 SCORES = {
+    # the implicit rewards beta x log(pi / pi_ref) of the held-out pairs' two answers, the settings' beta
     "preference": (
         "preference_accuracy",
         "reward_margin",
-    ),  # implicit rewards against the start, settings' beta
-    "rewards": ("mean_reward", "pass_rate"),  # the settings' rewards on the generated answers
+        "reward_chosen",
+        "reward_rejected",
+        "logprob_accuracy",
+    ),
+    # the settings' rewards on the generated answers to the held-out prompts
+    "rewards": ("mean_reward", "pass_rate"),
 }
 
 
