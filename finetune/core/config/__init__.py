@@ -122,16 +122,12 @@ class Config:
                     f"objective.{spec.sequences_setting}={per_example} (objective={spec.name} counts a "
                     "step's sequences in whole groups)"
                 )
+        self.objective.check_device(self.hardware.device)
         if self.method.optimizer == "paged_adamw_8bit" and self.hardware.device == "cpu":
             raise ConfigError(
                 "method.optimizer=paged_adamw_8bit needs CUDA (paged memory); use adamw on hardware=cpu"
             )
         if self.hardware.device == "cpu":
-            generation = getattr(self.objective, "generation", None)
-            if spec.generates and generation in ("colocate", "server"):
-                raise ConfigError(
-                    f"objective.generation={generation} needs CUDA (vLLM); use transformers or auto on hardware=cpu"
-                )
             if self.train.attention in ("flex", "flash"):
                 why = {
                     "flex": "FlexAttention has no backward on the CPU",

@@ -105,3 +105,9 @@ class GRPOObjective(ObjectiveConfig):
             raise ConfigError(
                 f"objective.vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be between 0 and 1"
             )
+
+    def check_device(self, device: str) -> None:
+        if device == "cpu" and self.generation in ("colocate", "server"):
+            raise ConfigError(
+                f"objective.generation={self.generation} needs CUDA (vLLM); use transformers or auto on hardware=cpu"
+            )

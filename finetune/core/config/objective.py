@@ -38,6 +38,9 @@ class ObjectiveConfig:
                 f"choose the objective with objective={self.name}"
             )
 
+    def check_device(self, device: str) -> None:
+        """Refuse settings this device cannot run (cpu | cuda | ...), in one line naming the key."""
+
     @property
     def spec(self) -> ObjectiveSpec:
         """What this objective is (finetune/core/objectives.py): every distinction is read from it."""
