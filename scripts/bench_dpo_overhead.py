@@ -72,7 +72,7 @@ PLAIN = textwrap.dedent(
         def _prepare_dataset(self, dataset, *args, **kwargs):
             return dataset
 
-    d = cfg.dpo
+    d = cfg.objective
     args = DPOConfig(output_dir=f"{run_dir}/plain", per_device_train_batch_size=plan["micro_batch_size"],
                      gradient_accumulation_steps=plan["grad_accum_steps"], learning_rate=m.learning_rate,
                      lr_scheduler_type=cfg.train.lr_scheduler, warmup_steps=cfg.train.warmup_ratio,

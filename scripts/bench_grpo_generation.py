@@ -51,7 +51,7 @@ def run_case(completion: int, generations: int, prompts: int, steps: int, out: P
 
     from finetune.core import tasks
     from finetune.core.config import ModelConfig
-    from finetune.core.config.grpo import GrpoConfig
+    from finetune.core.config.grpo import GRPOObjective
     from finetune.evaluation.rewards import resolve
     from finetune.modeling import tiny
     from finetune.train.grpo_trainer import build_grpo_config, build_grpo_trainer, prompt_rows
@@ -61,7 +61,9 @@ def run_case(completion: int, generations: int, prompts: int, steps: int, out: P
     tokenizer = tiny.load_tokenizer(model_cfg)
     model = tiny.load_model(model_cfg, dtype=torch.bfloat16)
     dataset = Dataset.from_list(prompt_rows(tasks.generate(64, 0)))
-    grpo = GrpoConfig(rewards=["exact_match"], num_generations=generations, max_completion_length=completion)
+    grpo = GRPOObjective(
+        rewards=["exact_match"], num_generations=generations, max_completion_length=completion
+    )
     rewards = resolve(grpo.rewards)
     args = build_grpo_config(
         grpo,

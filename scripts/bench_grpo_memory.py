@@ -60,7 +60,7 @@ def measure(completions: int, out: Path) -> dict[str, Any]:
 
     from finetune.core import tasks
     from finetune.core.config import ModelConfig
-    from finetune.core.config.grpo import GrpoConfig
+    from finetune.core.config.grpo import GRPOObjective
     from finetune.evaluation.rewards import resolve
     from finetune.modeling import tiny
     from finetune.train.grpo_trainer import build_grpo_config, build_grpo_trainer, prompt_rows
@@ -70,7 +70,7 @@ def measure(completions: int, out: Path) -> dict[str, Any]:
     tokenizer = tiny.load_tokenizer(model_cfg)
     model = tiny.load_model(model_cfg, dtype=torch.float32)
     dataset = Dataset.from_list(prompt_rows(tasks.generate(256, 0)))
-    grpo = GrpoConfig(
+    grpo = GRPOObjective(
         rewards=["exact_match", "format:\\w+"],
         reward_weights=[1.0, 0.2],
         num_generations=4,
@@ -128,7 +128,7 @@ def planned(completions: int, seq_len: int) -> dict[str, float]:
     from finetune.pipeline.stages import config_plan, resolve
     from finetune.planner import make_job, memory, tensors_gb
     from finetune.planner.contract import GB
-    from finetune.planner.memory import runtime
+    from finetune.planner.job import runtime
 
     cfg = resolve(
         compose(["+recipe=tiny_grpo", f"train.batch_size={completions}", f"train.seq_len={seq_len}"])

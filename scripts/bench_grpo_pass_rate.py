@@ -7,8 +7,8 @@ the model it trained (CPU).
 The pass rate is the share of answers earning every reward the run trained on its full value (the evaluation's
 `pass_rate`, `finetune/evaluation/rewards.py`); exact match is printed beside it. Greedy: one answer per prompt,
 the evaluation's `max_new_tokens` (what mode=eval scores). Sampled: the usual RL metric, the mean pass rate
-over `--samples` answers per prompt drawn at the run's `grpo.temperature`
-(top-p 1) with at most `grpo.max_completion_length` tokens, the training's own sampling; each sample a
+over `--samples` answers per prompt drawn at the run's `objective.temperature`
+(top-p 1) with at most `objective.max_completion_length` tokens, the training's own sampling; each sample a
 seed of its own, the same seeds for both models. `base` is what training started from (under init_from,
 that run's output).
 """
@@ -65,9 +65,9 @@ def measure(run_dir: Path, prompts: int, samples: int) -> dict[str, Any]:
     sampled = replace(
         cfg.eval,
         greedy=False,
-        temperature=cfg.grpo.temperature,
+        temperature=cfg.objective.temperature,
         top_p=1.0,
-        max_new_tokens=cfg.grpo.max_completion_length,
+        max_new_tokens=cfg.objective.max_completion_length,
         progress=False,
     )
     row: dict[str, Any] = {"run": str(run_dir), "prompts": len(items), "samples": samples}

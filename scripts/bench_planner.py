@@ -602,7 +602,7 @@ def planned(case: Case) -> dict[str, float]:
     from finetune.core.config import HardwareConfig, MethodConfig, TrainConfig
     from finetune.core.objectives import OBJECTIVES
     from finetune.planner import Strategy, make_job, memory, tensors_gb
-    from finetune.planner.memory import runtime
+    from finetune.planner.job import runtime
 
     m = model_config(case)
     method = MethodConfig(

@@ -29,7 +29,8 @@ from finetune.core.composition import compose  # noqa: E402
 from finetune.core.config import ModelConfig  # noqa: E402
 from finetune.planner import Strategy, make_job, runtime  # noqa: E402
 from finetune.planner.activations import LayerRun, LayerShape, layer_bytes_per_token  # noqa: E402
-from finetune.planner.memory import rank_tokens, split_saved_per_token  # noqa: E402
+from finetune.planner.job import rank_tokens  # noqa: E402
+from finetune.planner.step import split_saved_per_token  # noqa: E402
 
 
 def run(ranks: int, dtype: str, seq_len: int, steps: int, out: Path) -> dict:

@@ -379,7 +379,7 @@ COMPLETIONS_LOG_ENV = "FINETUNE_TEST_COMPLETIONS"
 
 
 def record_completions(prompts: list[str], completions: list[str], references: list[str]) -> list[float]:
-    """A GRPO reward (`grpo.rewards=[...,helpers.record_completions]`) that appends every completion it is
+    """A GRPO reward (`objective.rewards=[...,helpers.record_completions]`) that appends every completion it is
     given to the file named by $FINETUNE_TEST_COMPLETIONS, one JSON string a line, and scores 0."""
     import json
 

@@ -373,7 +373,7 @@ def test_full_disk_writing_the_run_directory(world, capsys, monkeypatch):
 
 
 def test_full_disk_building_the_data_cache(world, capsys, monkeypatch):
-    from finetune.data import rows
+    from finetune.data import conversations
 
     cache = world / "full-cache"
 
@@ -381,7 +381,7 @@ def test_full_disk_building_the_data_cache(world, capsys, monkeypatch):
         (out / "train").mkdir()
         raise _no_space(str(out / "train" / "data-00000-of-00001.arrow"))
 
-    monkeypatch.setattr(rows, "save", save)
+    monkeypatch.setattr(conversations, "save", save)
     run = world / "full-data"
     code, err = _cli(["mode=data", f"run_dir={run}", f"data.cache_dir={cache}", SEQ_LEN], capsys)
     lines = [x for x in err.splitlines() if x.strip() and not x.startswith("data:")]

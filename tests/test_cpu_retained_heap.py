@@ -11,7 +11,8 @@ import pytest
 from helpers import planned, script_module
 
 from finetune.planner.calibration import Calibration
-from finetune.planner.memory import GLIBC_MMAP_THRESHOLD_MAX, make_job, retained_heap, runtime
+from finetune.planner.job import make_job, runtime
+from finetune.planner.memory import GLIBC_MMAP_THRESHOLD_MAX, retained_heap
 
 CAL = Calibration.default()
 GB = 1e9

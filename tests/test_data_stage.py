@@ -131,14 +131,14 @@ def test_second_run_is_a_cache_hit_and_config_changes_miss(tmp_path, tokenizer):
 
 
 def test_failure_leaves_no_cache_entry(tmp_path, tokenizer, monkeypatch):
-    from finetune.data import rows
+    from finetune.data import conversations
 
     path = _write(tmp_path / "d.jsonl", _rows(20))
 
     def boom(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(rows, "save", boom)
+    monkeypatch.setattr(conversations, "save", boom)  # the record kind SFT prepares
     with pytest.raises(RuntimeError):
         _prepare(_data_cfg(tmp_path, path), tmp_path, tokenizer)
     assert list((tmp_path / "cache").iterdir()) == []

@@ -12,45 +12,77 @@ from helpers import REPO, child_env, run_cli, tiny_cfg
 from finetune.core.config.data import DataConfig
 from finetune.core.errors import ConfigError
 from finetune.core.objectives import OBJECTIVES, RECORD_KINDS, ObjectiveSpec
-from finetune.data import pairs, prepare
+from finetune.data import pairs, preferences
 from finetune.data.formats import RecordError
 
 # ---------------------------------------------------------------- the axis
 
 
 def test_objective_group_and_settings_compose():
-    cfg = tiny_cfg("objective=dpo", "dpo.beta=0.25", "dpo.loss_type=ipo")
+    cfg = tiny_cfg("objective=dpo", "objective.beta=0.25", "objective.loss_type=ipo")
     assert cfg.objective.spec is OBJECTIVES["dpo"]
-    assert (cfg.dpo.beta, cfg.dpo.loss_type) == (0.25, "ipo")
+    assert (cfg.objective.beta, cfg.objective.loss_type) == (0.25, "ipo")
     assert tiny_cfg().objective.name == "sft"  # the default stays SFT
+
+
+def test_former_section_keys_still_work_with_a_pointer_on_stderr(capsys):
+    cfg = tiny_cfg("objective=dpo", "dpo.beta=0.3", "+dpo.loss_type=ipo")
+    assert (cfg.objective.beta, cfg.objective.loss_type) == (0.3, "ipo")
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "finetune: dpo.beta is now objective.beta (objective=dpo); the old key goes in the next release",
+        "finetune: dpo.loss_type is now objective.loss_type (objective=dpo); the old key goes in the next release",
+    ]
+
+
+def test_the_section_is_the_chosen_objectives_own_dataclass():
+    from finetune.core.config import Config, DPOObjective, SFTObjective
+
+    assert type(tiny_cfg().objective) is SFTObjective
+    assert type(tiny_cfg("objective=dpo").objective) is DPOObjective
+    # a run directory's config.yaml holds a mapping: its name chooses the class
+    assert Config(objective={"name": "dpo", "beta": 0.5}).objective == DPOObjective(beta=0.5)
+    with pytest.raises(
+        ConfigError, match=r"objective\.bogus: unknown key for objective=dpo; valid keys: beta"
+    ):
+        Config(objective={"name": "dpo", "bogus": 1})
 
 
 @pytest.mark.parametrize(
     "override, message",
     [
+        ("objective.beta=0.2", "objective.beta: unknown key; valid keys: name"),  # SFT has no beta
         ("objective=ppo", "objective=ppo: unknown objective; choose from dpo, grpo, sft"),
-        ("dpo.loss_type=bogus", "dpo.loss_type='bogus' is not one of sigmoid"),
-        ("dpo.beta=0", "dpo.beta=0.0 must be > 0"),
+        ("objective=dpo objective.loss_type=bogus", "objective.loss_type='bogus' is not one of sigmoid"),
+        ("objective=dpo objective.beta=0", "objective.beta=0.0 must be > 0"),
     ],
 )
 def test_bad_objective_settings_are_one_line(override, message):
     with pytest.raises(ConfigError) as err:
-        tiny_cfg(override)
+        tiny_cfg(*override.split())
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_every_objective_names_what_the_stages_read():
-    from finetune.train import stage
+    import trl
 
-    for spec in OBJECTIVES.values():
-        assert spec.record_kind in prepare.RECORD_KINDS  # the data stage prepares its records
-        assert spec.trl_trainer in stage.TRAINERS  # the training stage builds its trainer
-        import trl
+    from finetune.core.config.objective import ObjectiveConfig
 
-        assert hasattr(trl, spec.trl_trainer) and hasattr(trl, spec.trl_config)
-    assert set(prepare.RECORD_KINDS) <= set(RECORD_KINDS)
+    for name, spec in OBJECTIVES.items():
+        kind = spec.record_module()  # the data stage prepares and saves its records
+        assert callable(kind.prepare) and callable(kind.save)
+        trainer = spec.trainer_module()  # the training stage builds its config and trainer
+        assert issubclass(trainer.Trainer, getattr(trl, spec.trl_trainer))
+        assert callable(trainer.build_config) and callable(trainer.trainer_kwargs)
+        assert hasattr(trl, spec.trl_config)
+        settings = spec.settings_class()  # the `objective` section's schema, named after it
+        assert issubclass(settings, ObjectiveConfig) and settings().name == name
+        assert (REPO / "configs" / "objective" / f"{name}.yaml").is_file()
+    assert {s.record_kind for s in OBJECTIVES.values()} == set(RECORD_KINDS)
     with pytest.raises(ValueError, match="record_kind"):
-        ObjectiveSpec("x", "x", record_kind="images", trl_trainer="T", trl_config="C")
+        ObjectiveSpec(
+            "x", "x", record_kind="images", settings="m:C", trainer="m", trl_trainer="T", trl_config="C"
+        )
 
 
 def test_recipe_tiny_dpo_composes_and_names_its_smoke_sibling():
@@ -144,7 +176,7 @@ def test_preference_data_stage_splits_by_prompt_and_counts(tmp_path, tiny_tokeni
     path = _write(tmp_path / "p.jsonl", rows)
     cfg = tiny_cfg("objective=dpo", "train.seq_len=48", "data.eval_fraction=0.2", "data.near_dedup=false")
     inp, _ = sources.open_input(str(path))
-    prepared = prepare.preferences(cfg, tiny_tokenizer, inp, str(path), console=None)
+    prepared = preferences.prepare(cfg, tiny_tokenizer, inp, str(path), console=None)
     s = prepared.stats
     assert s["num_input"] == 122
     assert s["dropped"]["duplicate"] == 1
@@ -279,6 +311,8 @@ def test_preference_scores_by_implicit_reward():
     assert better["preference_accuracy"] == 1.0
     assert better["reward_margin"] == pytest.approx(0.5 * ((1 + 1) + (1 + 2)) / 2)
     assert better["logprob_accuracy"] == 1.0
+    # what DPO's description says its evaluation adds is what the scores are
+    assert set(better) - {"pairs"} == set(OBJECTIVES["dpo"].eval_metrics)
 
 
 @pytest.mark.slow

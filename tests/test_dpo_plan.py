@@ -12,7 +12,8 @@ from dataclasses import replace
 import pytest
 from helpers import planned
 
-from finetune.planner.memory import CPU_PAGE_BYTES, TRL_TILE_VOCAB, make_job, runtime, trl_tile_buffer
+from finetune.planner.job import CPU_PAGE_BYTES, TRL_TILE_VOCAB, make_job, runtime
+from finetune.planner.step import trl_tile_buffer
 
 
 def _job_and_runtime(*overrides: str):

@@ -13,8 +13,8 @@ from helpers import SHORT_RUN, run_modes
 GRPO_TWO_RANKS = (
     "objective=grpo",
     "train.batch_size=4",
-    "grpo.num_generations=4",
-    "grpo.max_completion_length=6",
+    "objective.num_generations=4",
+    "objective.max_completion_length=6",
     "method.precision=bf16",
     "hardware=cpu",
     "hardware.gpus_per_node=2",

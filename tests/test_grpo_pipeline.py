@@ -20,8 +20,8 @@ from finetune.core.errors import ConfigError
 GRPO_RUN = (
     "objective=grpo",
     "train.batch_size=4",
-    "grpo.num_generations=4",
-    "grpo.max_completion_length=6",
+    "objective.num_generations=4",
+    "objective.max_completion_length=6",
     "method.precision=bf16",
 )
 
@@ -30,10 +30,12 @@ def test_grpo_composes_and_refuses_a_batch_of_partial_groups() -> None:
     cfg = tiny_cfg(*GRPO_RUN)
     assert cfg.objective.spec.record_kind == "prompts" and cfg.objective.spec.trl_trainer == "GRPOTrainer"
     assert cfg.objective.spec.generates and cfg.objective.spec.reference == "when_kl"
-    with pytest.raises(ConfigError, match=r"train.batch_size=6 must be a multiple of grpo.num_generations=4"):
+    with pytest.raises(
+        ConfigError, match=r"train.batch_size=6 must be a multiple of objective.num_generations=4"
+    ):
         tiny_cfg(*GRPO_RUN, "train.batch_size=6")
-    with pytest.raises(ConfigError, match=r"grpo.rewards: 'exact match' is not exact_match"):
-        tiny_cfg(*GRPO_RUN, "grpo.rewards=[exact match]")
+    with pytest.raises(ConfigError, match=r"objective.rewards: 'exact match' is not exact_match"):
+        tiny_cfg(*GRPO_RUN, "objective.rewards=[exact match]")
 
 
 def test_data_stage_prepares_prompts_with_their_reference_answers(tiny_cache: Path, tmp_path: Path) -> None:
@@ -69,8 +71,8 @@ def test_training_stage_runs_grpo_and_records_the_rewards(tiny_cache: Path, tmp_
     cfg = tiny_cfg(
         *GRPO_RUN,
         "train.max_steps=3",
-        r"grpo.rewards=[exact_match,'format:\w+']",
-        "grpo.reward_weights=[1.0,0.5]",
+        r"objective.rewards=[exact_match,'format:\w+']",
+        "objective.reward_weights=[1.0,0.5]",
         run_dir=tmp_path / "run",
     )
     cfg = resolve(cfg)
@@ -143,8 +145,8 @@ def test_rollout_is_planned_and_a_server_split_trains_on_the_gpus_it_leaves(tmp_
     from finetune.pipeline.stages import plan_stage, resolve
     from finetune.rundir import ROLLOUT_FILE
 
-    with pytest.raises(ConfigError, match=r"grpo.generation=server needs CUDA"):
-        tiny_cfg(*GRPO_RUN, "grpo.generation=server")
+    with pytest.raises(ConfigError, match=r"objective.generation=server needs CUDA"):
+        tiny_cfg(*GRPO_RUN, "objective.generation=server")
     one = tmp_path / "one"
     one.mkdir()
     cfg = resolve(compose(["+recipe=llama8b_grpo", f"run_dir={one}"]))

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from finetune.core.config import ModelConfig
-from finetune.core.config.grpo import GrpoConfig
+from finetune.core.config.grpo import GRPOObjective
 from finetune.planner.rollout import (
     DECODE_BANDWIDTH_EFFICIENCY,
     VLLM_OVERHEAD_BYTES,
@@ -24,7 +24,7 @@ from finetune.planner.rollout import (
 
 REPO = Path(__file__).resolve().parent.parent
 H100 = dict(device="cuda", gpu_bytes=80e9, hbm_bytes_per_s=3.35e12, vllm_available=True)
-GRPO = GrpoConfig(num_generations=8, max_completion_length=512)
+GRPO = GRPOObjective(num_generations=8, max_completion_length=512)
 
 
 def model(name: str) -> ModelConfig:
@@ -66,7 +66,7 @@ def test_one_gpu_that_cannot_hold_both_sides_is_refused_with_the_alternative() -
     assert p.train_peak_bytes == 60e9 and p.train_budget_bytes == pytest.approx(52e9)
     assert "server split on more GPUs" in p.alternative
     server = plan_rollout(job("llama3_1_8b"), gpus=1, train_peak=lambda n: 30e9, requested="server", **H100)
-    assert not server.fits and server.alternative == "grpo.generation=colocate"
+    assert not server.fits and server.alternative == "objective.generation=colocate"
 
 
 def test_70b_on_8_gpus_gets_the_smallest_server_that_holds_it() -> None:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from finetune.core.config.grpo import GrpoConfig
+from finetune.core.config.grpo import GRPOObjective
 from finetune.core.errors import ConfigError, RewardError
 from finetune.evaluation import rewards
 
@@ -51,9 +51,9 @@ def test_the_evaluation_scores_with_the_objectives_rewards_only() -> None:
     assert rewards.for_objective(tiny_cfg("objective=dpo")) is None
     cfg = tiny_cfg(
         "objective=grpo",
-        "grpo.num_generations=4",
-        r"grpo.rewards=[exact_match,'format:\w+']",
-        "grpo.reward_weights=[1.0,0.5]",
+        "objective.num_generations=4",
+        r"objective.rewards=[exact_match,'format:\w+']",
+        "objective.reward_weights=[1.0,0.5]",
     )
     resolved = rewards.for_objective(cfg)
     assert resolved is not None
@@ -92,7 +92,7 @@ def test_user_reward_by_dotted_path(tmp_path, monkeypatch) -> None:
 
 
 def test_bad_reward_names_fail_before_any_model_loads() -> None:
-    with pytest.raises(ConfigError, match=r"grpo.rewards: cannot import 'no_such_module.fn'"):
+    with pytest.raises(ConfigError, match=r"objective.rewards: cannot import 'no_such_module.fn'"):
         rewards.resolve(["no_such_module.fn"])
     with pytest.raises(ConfigError, match=r"'math.pi' is not a function"):
         rewards.resolve(["math.pi"])
@@ -108,11 +108,11 @@ def test_bad_reward_names_fail_before_any_model_loads() -> None:
 
 
 def test_grpo_settings_refuse_what_grpo_cannot_run() -> None:
-    with pytest.raises(ConfigError, match=r"grpo.num_generations=1: GRPO compares at least 2"):
-        GrpoConfig(num_generations=1)
-    with pytest.raises(ConfigError, match=r"grpo.reward_weights: 1 weights for 2 rewards"):
-        GrpoConfig(rewards=["exact_match", "contains"], reward_weights=[1.0])
-    with pytest.raises(ConfigError, match=r"grpo.generation='vllm'"):
-        GrpoConfig(generation="vllm")
-    with pytest.raises(ConfigError, match=r"grpo.beta=-0.1"):
-        GrpoConfig(beta=-0.1)
+    with pytest.raises(ConfigError, match=r"objective.num_generations=1: GRPO compares at least 2"):
+        GRPOObjective(num_generations=1)
+    with pytest.raises(ConfigError, match=r"objective.reward_weights: 1 weights for 2 rewards"):
+        GRPOObjective(rewards=["exact_match", "contains"], reward_weights=[1.0])
+    with pytest.raises(ConfigError, match=r"objective.generation='vllm'"):
+        GRPOObjective(generation="vllm")
+    with pytest.raises(ConfigError, match=r"objective.beta=-0.1"):
+        GRPOObjective(beta=-0.1)

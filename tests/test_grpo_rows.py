@@ -30,7 +30,7 @@ def test_rows_are_the_longest_prompt_plus_the_completion(tmp_path: Path) -> None
     assert before.seq_len == 128
     _stats(run, 41)
     after = plan_stage(cfg, run, quiet=True)
-    assert after.seq_len == 41 + cfg.grpo.max_completion_length == 49
+    assert after.seq_len == 41 + cfg.objective.max_completion_length == 49
     assert (
         "GRPO rows: the longest prompt (41 tokens) + max_completion_length (8) = 49 tokens, planned instead of "
         "train.seq_len=128" in after.reasons

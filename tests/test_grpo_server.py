@@ -103,8 +103,8 @@ def server_split(root: Path, port: int, timeout_s: float = 60.0) -> Path:
                 "+recipe=llama8b_grpo_8gpu",
                 f"run_dir={run_dir}",
                 f"launch.python={root / 'bin' / 'python'}",
-                f"grpo.vllm_server_port={port}",
-                f"grpo.vllm_server_timeout_s={timeout_s}",
+                f"objective.vllm_server_port={port}",
+                f"objective.vllm_server_timeout_s={timeout_s}",
             ]
         )
     )
@@ -242,8 +242,8 @@ def test_launch_sh_starts_the_server_waits_traps_and_trains_on_the_other_gpus(tm
     assert not any(line.startswith("exec ") for line in lines)
     # the trainer ranks connect to that server: TRL's server mode at the same host and port
     cfg = rundir.load_config(run_dir)
-    rewards = reward_fns.resolve(cfg.grpo.rewards, cfg.grpo.reward_weights)
-    args = grpo_arguments(cfg.grpo, rewards, generation_mode(cfg, run_dir))
+    rewards = reward_fns.resolve(cfg.objective.rewards, cfg.objective.reward_weights)
+    args = grpo_arguments(cfg.objective, rewards, generation_mode(cfg, run_dir))
     assert (args["use_vllm"], args["vllm_mode"], args["vllm_server_host"], args["vllm_server_port"]) == (
         True,
         "server",
@@ -308,7 +308,7 @@ def test_a_server_that_never_answers_is_one_line_and_exit_2(split_short_wait: Pa
     _, err = done.communicate(timeout=120)
     assert done.returncode == 2
     assert err.strip() == (
-        f"error: vLLM server did not answer {health_url(run_dir)} within 1.5 s (grpo.vllm_server_timeout_s); "
+        f"error: vLLM server did not answer {health_url(run_dir)} within 1.5 s (objective.vllm_server_timeout_s); "
         f"see {run_dir / 'vllm_server.log'}"
     )
     assert not (tmp_path / "trainer.txt").exists()

@@ -12,16 +12,16 @@ from finetune.core.errors import ConfigError
 from finetune.evaluation.rewards import resolve
 from finetune.train.grpo_trainer import build_grpo_config
 
-GROUPS = ("objective=grpo", "train.batch_size=8", "grpo.num_generations=4")
+GROUPS = ("objective=grpo", "train.batch_size=8", "objective.num_generations=4")
 
 
 def test_loss_settings_reach_grpo_config(tmp_path: Path) -> None:
-    cfg = tiny_cfg(*GROUPS, "grpo.loss_type=dr_grpo", "grpo.mask_truncated_completions=true")
+    cfg = tiny_cfg(*GROUPS, "objective.loss_type=dr_grpo", "objective.mask_truncated_completions=true")
     args = build_grpo_config(
-        cfg.grpo, resolve(cfg.grpo.rewards), tmp_path, generation="transformers", use_cpu=True
+        cfg.objective, resolve(cfg.objective.rewards), tmp_path, generation="transformers", use_cpu=True
     )
     assert (args.loss_type, args.mask_truncated_completions) == ("dr_grpo", True)
-    default = tiny_cfg(*GROUPS).grpo
+    default = tiny_cfg(*GROUPS).objective
     args = build_grpo_config(
         default, resolve(default.rewards), tmp_path, generation="transformers", use_cpu=True
     )
@@ -31,5 +31,5 @@ def test_loss_settings_reach_grpo_config(tmp_path: Path) -> None:
 
 def test_unknown_loss_type_is_one_line() -> None:
     with pytest.raises(ConfigError) as err:
-        tiny_cfg(*GROUPS, "grpo.loss_type=ppo")
-    assert "grpo.loss_type='ppo'" in str(err.value) and "\n" not in str(err.value)
+        tiny_cfg(*GROUPS, "objective.loss_type=ppo")
+    assert "objective.loss_type='ppo'" in str(err.value) and "\n" not in str(err.value)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from finetune.core import tasks
-from finetune.core.config.grpo import GrpoConfig
+from finetune.core.config.grpo import GRPOObjective
 from finetune.core.errors import RewardError
 from finetune.evaluation.rewards import Reward, resolve
 
@@ -30,7 +30,7 @@ def _trainer(tiny_model_cfg: Any, out: Path, extra: list[Reward], max_steps: int
     tokenizer = tiny.load_tokenizer(tiny_model_cfg)
     model = tiny.load_model(tiny_model_cfg, dtype=torch.bfloat16)
     dataset = Dataset.from_list(prompt_rows(tasks.generate(16, 0)))
-    grpo = GrpoConfig(rewards=["exact_match"], num_generations=4, max_completion_length=6)
+    grpo = GRPOObjective(rewards=["exact_match"], num_generations=4, max_completion_length=6)
     rewards = [*resolve(grpo.rewards), *extra]
     args = build_grpo_config(
         grpo,

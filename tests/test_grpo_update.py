@@ -6,7 +6,7 @@ reward rose (BENCHMARKS.md, "GRPO from a tiny start that reads its input"). Thes
 ruled a bug in our path out: the model is init_from's adapter, trainable, and the one generation uses; TRL's
 group advantages have the reward's signs; TRL's per-token log-probabilities (its fused LM head, left-padded
 prompts, no position ids) equal a plain forward of each row alone; one step of the run's own optimizer
-raises log p(rewarded answer) and lowers log p(the other); with `grpo.beta > 0` the KL reference is a frozen
+raises log p(rewarded answer) and lowers log p(the other); with `objective.beta > 0` the KL reference is a frozen
 copy of init_from's adapter (TRL 1.16's "ref" adapter), not the base without it.
 """
 
@@ -25,10 +25,10 @@ from finetune.core import tasks
 GROUP = (
     "objective=grpo",
     "train.batch_size=8",
-    "grpo.num_generations=4",
-    "grpo.max_completion_length=4",
-    r"grpo.rewards=[exact_match,'format:\w+']",
-    "grpo.reward_weights=[1.0,0.2]",
+    "objective.num_generations=4",
+    "objective.max_completion_length=4",
+    r"objective.rewards=[exact_match,'format:\w+']",
+    "objective.reward_weights=[1.0,0.2]",
 )
 
 
@@ -39,6 +39,7 @@ def _trainer(tmp_path: Path, *overrides: str) -> tuple[Any, Any]:
 
     from finetune.modeling import models
     from finetune.train import grpo_trainer
+    from finetune.train.base_trainer import build_trainer
 
     sft = tmp_path / "sft"
     sft.mkdir()
@@ -52,7 +53,7 @@ def _trainer(tmp_path: Path, *overrides: str) -> tuple[Any, Any]:
     args = grpo_trainer.build_config(cfg, plan, run, torch.float32)
     model, dtype = models.load_for_training(cfg)
     tokenizer = models.load_tokenizer(cfg.model)
-    trainer = grpo_trainer.build_trainer(cfg, plan, run, model, tokenizer, rows, None, dtype, [], args=args)
+    trainer = build_trainer(cfg, plan, run, model, tokenizer, rows, None, dtype, [], args=args)
     trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which these checks skip
     trainer.model.train()
     return trainer, rows
@@ -137,7 +138,7 @@ def test_a_rewarded_answer_gains_probability_through_the_stages_trainer(
 
 
 def test_a_kl_term_anchors_to_the_init_from_adapter(tiny_cache: Path, tmp_path: Path) -> None:
-    trainer, rows = _trainer(tmp_path, "grpo.beta=0.04")
+    trainer, rows = _trainer(tmp_path, "objective.beta=0.04")
     model = trainer.model
     # TRL copies the loaded adapter into a frozen "ref" adapter: the reference is the SFT start itself
     assert sorted(model.peft_config) == ["default", "ref"]

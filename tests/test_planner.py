@@ -34,7 +34,7 @@ from finetune.planner.activations import (
     model_bytes_per_token,
 )
 from finetune.planner.contract import CONTRACT_HARDWARE
-from finetune.planner.memory import quant_constant_bits
+from finetune.planner.job import quant_constant_bits
 
 PROFILES = load_profiles()
 GB = 1e9
@@ -768,7 +768,8 @@ def test_cpu_plans_use_the_cpu_calibration():
 def test_host_ram_counts_loading_the_model_per_engine():
     """Loading, before any optimizer state: every rank holds the whole model (one process, DDP); FSDP2's
     first rank of a node (cpu_ram_efficient_loading); ZeRO-3 a checkpoint shard per rank (zero.Init)."""
-    from finetune.planner.memory import CHECKPOINT_SHARD_BYTES, load_host_bytes, make_job
+    from finetune.planner.job import make_job
+    from finetune.planner.weights import CHECKPOINT_SHARD_BYTES, load_host_bytes
 
     _, lora = plan_for("+recipe=llama8b_lora")  # one H100: the bf16 base in host RAM, and the process
     assert lora.strategy.sharding == "none"

@@ -261,9 +261,9 @@ def test_two_sigterms_to_the_pipeline_half_a_second_apart_exit_75(tmp_path, tiny
 
 def test_sigterm_to_the_pipeline_during_the_data_stage_exits_75(tmp_path, tiny_cache):
     code = (
-        "import sys, time\nfrom pathlib import Path\nfrom finetune.data import prepare\n"
+        "import sys, time\nfrom pathlib import Path\nfrom finetune.data import conversations\n"
         "def slow(*a, **k):\n    Path(sys.argv[1]).write_text('in')\n    time.sleep(120)\n"
-        "prepare.RECORD_KINDS['conversations'] = slow\nfrom finetune.pipeline.cli import main\nsys.exit(main(sys.argv[2:]))\n"
+        "conversations.prepare = slow\nfrom finetune.pipeline.cli import main\nsys.exit(main(sys.argv[2:]))\n"
     )
     flag, run = tmp_path / "flag", tmp_path / "run"
     proc = subprocess.Popen(

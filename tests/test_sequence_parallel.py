@@ -21,7 +21,8 @@ from finetune.core.parallelism import SEQUENCE_SPLITS, Mesh
 from finetune.launch.engines import write_engine_files
 from finetune.planner import Plan, Strategy, make_job, make_plan, memory, runtime
 from finetune.planner.activations import LayerRun, LayerShape, layer_bytes_per_token
-from finetune.planner.memory import rank_tokens, split_saved_per_token
+from finetune.planner.job import rank_tokens
+from finetune.planner.step import split_saved_per_token
 
 PROFILES = load_profiles()
 FLASH = "train.attention=flash"  # Ulysses keeps packed rows apart only under flash attention

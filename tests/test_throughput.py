@@ -125,7 +125,8 @@ def test_liger_goes_through_trls_switch_and_reaches_the_trainer(tmp_path, tiny_c
     import transformers.trainer
 
     from finetune.modeling.models import load_for_training, load_tokenizer
-    from finetune.train.sft_trainer import build_sft_config, build_trainer
+    from finetune.train.base_trainer import build_trainer
+    from finetune.train.sft_trainer import build_config
 
     assert throughput.sft_kwargs(compose(["hardware=h200"])) == {}
     kwargs = throughput.sft_kwargs(compose(["hardware=h200", "train.liger=true"]))
@@ -146,7 +147,7 @@ def test_liger_goes_through_trls_switch_and_reaches_the_trainer(tmp_path, tiny_c
     cfg = tiny_cfg(*LORA_RUN, "train.max_steps=1", run_dir=tmp_path / "run")
     plan = plan_for(cfg, micro_batch_size=2, grad_accum_steps=1, chunked_loss=True)
     write_engine(cfg, plan, tmp_path / "run")
-    args = build_sft_config(cfg, plan, tmp_path / "run", torch.float32)
+    args = build_config(cfg, plan, tmp_path / "run", torch.float32)
     args.use_liger_kernel, args.liger_kernel_config = True, dict(kwargs["liger_kernel_config"])  # as on a GPU
     model, dtype = load_for_training(cfg)
     train, evals = tiny_data

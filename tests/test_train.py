@@ -81,7 +81,7 @@ def test_early_stop_saves_then_stops_the_trainer(tmp_path, tiny_cache, tiny_data
     from transformers import TrainerCallback
 
     from finetune.modeling.models import load_for_training, load_tokenizer
-    from finetune.train.sft_trainer import build_trainer
+    from finetune.train.base_trainer import build_trainer
 
     class Spike(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):

@@ -29,8 +29,9 @@ from finetune.core.config.data import DataConfig
 from finetune.core.config.evaluation import EvalConfig
 from finetune.core.config.export import ExportConfig
 from finetune.core.config.launch import LaunchConfig
-from finetune.core.config.objective import ObjectiveConfig
+from finetune.core.config.objective import former_key
 from finetune.core.errors import ConfigError, FinetuneError
+from finetune.core.objectives import OBJECTIVES
 from finetune.core.package import PACKAGE_DIR
 
 # ---------------------------------------------------------------- the files
@@ -74,9 +75,14 @@ def register_configs() -> None:
         ("launch", LaunchConfig),
         ("eval", EvalConfig),
         ("export", ExportConfig),
-        ("objective", ObjectiveConfig),
     ):
         cs.store(group=group, name=f"{group}_schema", node=schema)
+    # Each objective's settings are the `objective` section's schema when it is chosen: its YAML extends
+    # NAME_schema; an objective without a YAML under configs/objective is chosen by its schema alone.
+    for name, spec in OBJECTIVES.items():
+        cs.store(group="objective", name=f"{name}_schema", node=spec.settings_class())
+        if name not in group_choices("objective"):
+            cs.store(group="objective", name=name, node=spec.settings_class())
     for path in sorted(package_dir("recipes").glob("*.yaml")):
         node = yaml.safe_load(path.read_text()) or {}
         cs.store(group="recipe", name=path.stem, node=node, package="_global_")
@@ -111,10 +117,12 @@ def normalize_overrides(overrides: Sequence[str]) -> list[str]:
     - a model given by file, without model= or model.name=, is named after the file (the run directory
       runs/<name>_<method>), not `tiny`; a config.json's model is then renamed by its config at resolve time
       (finetune/modeling/models.py);
-    - `smoke=true|false` sets `smoke.enabled` (`smoke` is a section with `steps` and `sibling` too).
+    - `smoke=true|false` sets `smoke.enabled` (`smoke` is a section with `steps` and `sibling` too);
+    - a key of a former objective section (`dpo.beta=0.2`) is its `objective.` key, with a pointer on stderr.
     """
     out = []
     for item in overrides:
+        item = former_key(item) or item
         m = re.fullmatch(r"smoke=(\w+)", item)
         out.append(f"smoke.enabled={m.group(1)}" if m else item)
     by_group = any(re.match(r"\+{0,2}(recipe|model)=", item) for item in out)
@@ -211,6 +219,8 @@ def _check_overrides(overrides: Sequence[str]) -> None:
         key, value = m.groups()
         if key == "recipe":
             valid = recipe_names()
+        elif key == "objective":
+            valid = sorted(OBJECTIVES)
         elif key in _GROUPS and key not in ("train", "plan", "launch", "eval", "export"):
             valid = group_choices(key)
         else:
@@ -238,19 +248,24 @@ def _one_line(exc: BaseException) -> str:
             continue
         key = full_key.group(1)
         if "not in" in first:
-            return f"{key}: unknown key; valid keys: {', '.join(_valid_keys(key))}"
+            return f"{key}: unknown key; valid keys: {', '.join(_valid_keys(key, text))}"
         return f"{key}: {first}"
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _valid_keys(full_key: str) -> list[str]:
-    """The fields of the section that holds `full_key` (train.foo -> the fields of TrainConfig)."""
+def _valid_keys(full_key: str, text: str = "") -> list[str]:
+    """The fields of the section that holds `full_key` (train.foo -> the fields of TrainConfig; objective.foo
+    -> those of the chosen objective's settings, the `object_type` Hydra's message names)."""
     import dataclasses
 
     node: Any = Config
+    chosen = re.search(r"object_type=(\w+)", text)
+    by_name = {s.settings_class().__name__: s.settings_class() for s in OBJECTIVES.values()}
     for part in full_key.split(".")[:-1]:
         node = typing.get_type_hints(node).get(part)
+        if node is Any and chosen:
+            node = by_name.get(chosen.group(1))
         if not dataclasses.is_dataclass(node):
             return []
     return sorted(f.name for f in dataclasses.fields(node))

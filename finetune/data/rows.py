@@ -1,4 +1,5 @@
-"""Prepared conversations saved as rows: what a cache entry holds, and `stage.load_prepared` reads back.
+"""Prepared rows saved in `datasets`' on-disk layout: what a cache entry holds, and `stage.load_prepared` reads
+back. The conversations' packed rows are written here piece by piece; each record kind's `save` uses this.
 
 - train/: one packed bin a row: `input_ids`, `labels` (-100 where masked),
   `position_ids` (restarting at every sample) and `seq_lengths`; row 0 holds
@@ -18,71 +19,13 @@ from typing import Any, Optional
 
 from finetune import rundir
 from finetune.data import pack, stats
-from finetune.data.prepare import Prepared, PreparedPairs, PreparedPrompts
+from finetune.data.limits import Rows
+from finetune.data.tokens import Tokens
 
 
-def save(prepared: Prepared | PreparedPairs | PreparedPrompts, out: Path) -> None:
-    """The rows and the histogram into the folder `out` (a cache entry being built)."""
-    with _quiet_datasets():
-        if isinstance(prepared, PreparedPrompts):
-            _save_prompts(prepared, out)
-        elif isinstance(prepared, PreparedPairs):
-            _save_pairs(prepared, out)
-        else:
-            _save_rows(prepared, out)
-
-
-def _save_pairs(prepared: PreparedPairs, out: Path) -> None:
-    """Preference pairs, one a row (TRL's prompt_ids, chosen_ids, rejected_ids); eval rows also carry the
-    prompt + chosen conversation (`messages`, for generation from the prompt) and prompt + rejected."""
-    from datasets import Dataset
-
-    columns = ("prompt_ids", "chosen_ids", "rejected_ids")
-    train = {c: [r[c] for r in prepared.train] for c in columns}
-    Dataset.from_dict(train).save_to_disk(str(out / rundir.DATA_TRAIN_DIR))
-    eval_columns = (*columns, "messages", "rejected")
-    evals = {c: [r[c] for r in prepared.evals] for c in eval_columns}
-    Dataset.from_dict(evals).save_to_disk(str(out / rundir.DATA_EVAL_DIR), num_shards=1)
-    lengths = prepared.stats["splits"]
-    stats.histogram(
-        out / rundir.DATA_HISTOGRAM_FILE,
-        {
-            "train": [
-                len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"]))
-                for r in prepared.train
-            ],
-            "eval": [
-                len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"]))
-                for r in prepared.evals
-            ],
-        },
-        int(prepared.stats["seq_len"]) or max(1, lengths["train"]["max"]),
-    )
-
-
-def _save_prompts(prepared: PreparedPrompts, out: Path) -> None:
-    """GRPO's prompts, one a row: `prompt` (messages), `reference`, `prompt_tokens`; eval rows also carry the
-    whole conversation (`messages`, JSON) for the held-out generation."""
-    from datasets import Dataset
-
-    columns = ("prompt", "reference", "prompt_tokens")
-    Dataset.from_dict({c: [r[c] for r in prepared.train] for c in columns}).save_to_disk(
-        str(out / rundir.DATA_TRAIN_DIR)
-    )
-    evals = {c: [r[c] for r in prepared.evals] for c in (*columns, "messages")}
-    Dataset.from_dict(evals).save_to_disk(str(out / rundir.DATA_EVAL_DIR), num_shards=1)
-    stats.histogram(
-        out / rundir.DATA_HISTOGRAM_FILE,
-        {
-            "train": [r["prompt_tokens"] for r in prepared.train],
-            "eval": [r["prompt_tokens"] for r in prepared.evals],
-        },
-        int(prepared.stats["seq_len"]),
-    )
-
-
-def approx_bytes(prepared: Optional[Prepared | PreparedPairs | PreparedPrompts]) -> Optional[int]:
-    """About what the saved rows take: three 8-byte columns a training token, two an eval token."""
+def approx_bytes(prepared: Any) -> Optional[int]:
+    """About what a preparation's saved rows take (any record kind's, from its stats): three 8-byte columns a
+    training token, two an eval token."""
     tokens = (prepared.stats if prepared is not None else {}).get("tokens")
     if not tokens:
         return None
@@ -90,7 +33,7 @@ def approx_bytes(prepared: Optional[Prepared | PreparedPairs | PreparedPrompts])
 
 
 @contextmanager
-def _quiet_datasets() -> Iterator[None]:
+def quiet_datasets() -> Iterator[None]:
     """datasets' own progress bars off (saving a few files needs none), restored afterwards."""
     import datasets
 
@@ -103,14 +46,16 @@ def _quiet_datasets() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
-def _save_rows(prepared: Prepared, out: Path) -> None:
+def save_packed(
+    tokens: Tokens, rows: Rows, bins: list[list[int]], eval_messages: list[str], out: Path
+) -> None:
     """The packed training rows and the eval rows written piece by piece as they are gathered (one piece of
-    about a million tokens held, never every row), in save_to_disk's layout (`_write_dataset`)."""
+    about a million tokens held, never every row), in save_to_disk's layout (`_write_dataset`), and the
+    length histogram."""
     import pyarrow as pa
 
-    tokens, rows = prepared.tokens, prepared.rows
     columns = {"input_ids": tokens.ids, "labels": tokens.labels}  # ids uint16/32 and a function: int32 out
-    packed = pack.Gathering(tokens.starts, rows.lengths, prepared.bins, within=rows.train)
+    packed = pack.Gathering(tokens.starts, rows.lengths, bins, within=rows.train)
     names = ("input_ids", "labels", "position_ids", "seq_lengths")
     _write_dataset(
         out / rundir.DATA_TRAIN_DIR,
@@ -121,7 +66,7 @@ def _save_rows(prepared: Prepared, out: Path) -> None:
     )
     del packed
     evals = pack.Gathering(tokens.starts, rows.lengths, None, within=rows.evals)
-    messages = prepared.eval_messages
+    messages = eval_messages
     _write_dataset(
         out / rundir.DATA_EVAL_DIR,
         pa.schema(

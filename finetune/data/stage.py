@@ -4,8 +4,8 @@
 
 The records are read, streamed (bad input located by file and line; devices,
 FIFOs and sockets refused before they are opened) and, on a cache miss,
-prepared (`prepare`: clean, deduplicate, split, tokenize, limit, pack) and
-saved (`rows`) into a cache entry named by a fingerprint of everything the
+prepared by the objective's record kind (`conversations`, `preferences`, `prompts`: clean, deduplicate,
+split, tokenize, limit, pack) and saved by it into a cache entry named by a fingerprint of everything the
 preparation reads: the inputs' content, the tokenizer, its template, the data
 config and the sequence length. The entry is then copied into `run_dir/data/`
 (replaced only where finetune wrote it) and the copy checked against the
@@ -28,7 +28,7 @@ from typing import Any, Optional
 from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.errors import DataError, DiskFullError, is_disk_full
-from finetune.data import cache, prepare, rows, sources
+from finetune.data import cache, rows, sources
 from finetune.modeling import models, tiny
 
 log = logging.getLogger(__name__)
@@ -142,16 +142,16 @@ def _build(
     console,
 ) -> Path:
     """Prepare the data and save it as the cache entry `key` (its manifest written last)."""
-    prepared: Optional[prepare.Prepared | prepare.PreparedPairs | prepare.PreparedPrompts] = None
+    prepared: Any = None
     try:
         with cache.building(cache_root, key) as tmp:
             inp = inp if inp is not None else sources.open_input(path, input_fp)[0]
             # The objective's record kind (finetune/core/objectives.py) chooses the preparation.
-            prepare_kind = prepare.RECORD_KINDS[cfg.objective.spec.record_kind]
+            kind = cfg.objective.spec.record_module()
             # Its scratch files (texts, MinHash rows, token ids) live in the entry being built, gone before the manifest.
-            prepared = prepare_kind(cfg, tokenizer, inp, path, console, scratch=tmp / ".scratch")
+            prepared = kind.prepare(cfg, tokenizer, inp, path, console, scratch=tmp / ".scratch")
             prepared.stats["input"]["fingerprint"] = input_fp
-            rows.save(prepared, tmp)
+            kind.save(prepared, tmp)
             prepared.stats["cache"] = {"fingerprint": key, "hit": False, "dir": str(cache_root / key)}
             rundir.write_json(tmp / cache.STATS_FILE, prepared.stats)
     except OSError as exc:

@@ -114,7 +114,7 @@ def _reward_fn(name: str, key: str) -> Score:
 
 
 def resolve(
-    names: Sequence[str], weights: Optional[Sequence[float]] = None, key: str = "grpo.rewards"
+    names: Sequence[str], weights: Optional[Sequence[float]] = None, key: str = "objective.rewards"
 ) -> list[Reward]:
     """The configured rewards as callables, user functions imported here (fail before a model loads)."""
     if not names:
@@ -151,15 +151,13 @@ def pass_rate(rewards: Sequence[Reward], each: dict[str, list[float]]) -> float:
 
 
 def for_objective(cfg: Config) -> Optional[list[Reward]]:
-    """The rewards the run's objective trains on (its settings section's `rewards`, GRPO's), resolved; None for
+    """The rewards the run's objective trains on (its settings' `rewards`, GRPO's), resolved; None for
     an objective without rewards. The evaluation scores every model's answers with them, so the report says
     whether the policy earns more of what it was trained to earn."""
-    spec = cfg.objective.spec
-    section = getattr(cfg, spec.settings, None) if spec.settings else None
-    names = getattr(section, "rewards", None)
+    names = getattr(cfg.objective, "rewards", None)
     if not names:
         return None
-    return resolve(names, getattr(section, "reward_weights", None), key=f"{spec.settings}.rewards")
+    return resolve(names, getattr(cfg.objective, "reward_weights", None), key="objective.rewards")
 
 
 def scores(

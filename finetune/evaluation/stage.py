@@ -299,8 +299,11 @@ def _evaluate_variants(
     """Each variant's scores, one model in memory at a time (an adapter goes onto the base just scored)."""
     result: dict[str, Any] = {}
     model = None
-    pairs = preference.applies(eval_dataset)
-    reward_fns = rewards.for_objective(cfg)  # GRPO's rewards: every model's answers scored with them too
+    # The objective's own scores (finetune/core/objectives.py SCORES), with its own settings.
+    scores = cfg.objective.spec.scores
+    pairs = scores == "preference" and preference.applies(eval_dataset)
+    # GRPO's rewards: every model's answers scored with them too
+    reward_fns = rewards.for_objective(cfg) if scores == "rewards" else None
     adapter_on_base = adapter_on_unchanged_base(cfg)
     # Preference pairs: every model is scored against the base's log-probabilities (the reference): the model
     # training started from (`load_start`), so under init_from the SFT'd model, as DPO's own reference was.
@@ -325,7 +328,7 @@ def _evaluate_variants(
         if pairs:
             mine = preference.log_probs(model, eval_dataset, tokenizer.pad_token_id)
             reference = reference if reference is not None else mine
-            result[v].update(preference.scores(mine, reference, cfg.dpo.beta))
+            result[v].update(preference.scores(mine, reference, cfg.objective.beta))
         if not (v == "base" and "trained" in todo and adapter_on_base):
             model = None  # keep the base only to put the adapter on it next
 

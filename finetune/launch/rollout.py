@@ -1,7 +1,7 @@
 """Where an objective that generates (GRPO) samples its completions: rollout.json, and the training plan beside it.
 
 The pipeline calls `plan_generation` for every objective whose description says `generates`; this module
-reads that objective's own settings section (`ObjectiveSpec.settings`: the rollout's shape,
+reads that objective's own settings (the `objective` section: the rollout's shape,
 `num_generations`, `max_completion_length`, `steps_per_generation`, `generation`), so the pipeline never
 names one objective's settings. The pure arithmetic is `finetune/planner/rollout.py`; here are the run
 directory's facts (the data stage's prompt lengths) and the re-planned training side:
@@ -30,11 +30,11 @@ Replan = Callable[[HardwareConfig], Plan]
 
 
 def settings(cfg: Config) -> Any:
-    """The generating objective's settings section (GRPO's `grpo`)."""
+    """The generating objective's settings (the `objective` section: GRPO's rollout fields)."""
     spec = cfg.objective.spec
-    if not spec.generates or spec.settings is None:
+    if not spec.generates:
         raise PlanError(f"objective={spec.name} does not generate: it has no rollout")
-    return getattr(cfg, spec.settings)
+    return cfg.objective
 
 
 def _prompt_lengths(run_dir: Optional[Path]) -> dict[str, Any]:
@@ -105,8 +105,8 @@ def _beside_server(cfg: Config, plan: Plan, result: rollout.RolloutPlan, replan:
     hw = cfg.hardware
     if hw.nodes > 1:
         raise PlanError(
-            f"grpo.generation=server on {hw.nodes} nodes: the launcher splits one node's GPUs between "
-            "`trl vllm-serve` and the trainer; use one node, or grpo.generation=colocate"
+            f"objective.generation=server on {hw.nodes} nodes: the launcher splits one node's GPUs between "
+            "`trl vllm-serve` and the trainer; use one node, or objective.generation=colocate"
         )
     beside = replan(replace(hw, gpus_per_node=result.train_gpus))
     why = (

@@ -132,9 +132,9 @@ def _rollout_server(cfg: Config, run_dir: Path, plan: Plan, launch: LaunchConfig
     if launch.scheduler == "slurm" and not launch.dry_run:
         raise LaunchError(
             f"{run_dir / rundir.ROLLOUT_FILE}: the rollout is planned on a vLLM server, which the SLURM script "
-            "does not start yet; run launch.sh on the node (launch.scheduler=none) or grpo.generation=colocate"
+            "does not start yet; run launch.sh on the node (launch.scheduler=none) or objective.generation=colocate"
         )
-    settings = getattr(cfg, cfg.objective.spec.settings or "")
+    settings = cfg.objective
     return vllm_server.server_spec(
         rollout,
         models.model_source(cfg.model),

@@ -6,7 +6,7 @@ to stop that whole session (SIGTERM, then SIGKILL after a grace period: vLLM's w
 with `python -m finetune.launch.vllm_server wait` until `GET /health` answers 200 (what TRL's
 `VLLMClient.check_server` asks), and only then runs the trainer ranks on the other GPUs. SIGTERM/SIGINT
 to the script go to the trainer (it saves and exits 75) and the server is stopped after it. A server
-that exits or never answers within `grpo.vllm_server_timeout_s` is one line and exit 2, nothing left
+that exits or never answers within `objective.vllm_server_timeout_s` is one line and exit 2, nothing left
 running. The lifecycle is in the script, not in a Python parent, so what runs is what a user reads.
 
 In TRL 1.16 `trl vllm-serve` execs vLLM's own `vllm serve` (with `VLLM_SERVER_DEV_MODE=1` and the
@@ -101,7 +101,7 @@ def server_spec(
     rollout: dict[str, Any], model: str, grpo: Any, gpus: int, max_model_len: int, log: Path
 ) -> ServerSpec:
     """The server of a planned split (rollout.json) on this node's `gpus`: `trl vllm-serve` of `model`
-    with the plan's sizes, at the address the trainer connects to (`grpo.vllm_server_host` and port)."""
+    with the plan's sizes, at the address the trainer connects to (`objective.vllm_server_host` and port)."""
     server_gpus, train_gpus = split_gpus(int(rollout["server_gpus"]), gpus)
     argv = vllm_serve_argv(
         model,
@@ -197,7 +197,7 @@ def wait_until_up(
         if clock() >= deadline:
             raise LaunchError(
                 f"vLLM server did not answer {spec.health_url} within {spec.timeout_s:g} s "
-                f"(grpo.vllm_server_timeout_s); see {spec.log}"
+                f"(objective.vllm_server_timeout_s); see {spec.log}"
             )
         sleep(0.5)
 

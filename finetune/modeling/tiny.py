@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from finetune.core.architectures import ARCHITECTURES
 from finetune.core.config import ModelConfig
 from finetune.core.errors import ConfigError
+from finetune.core.objectives import RECORD_KINDS
 from finetune.core.package import PACKAGE_DIR
 from finetune.modeling import cache
 
@@ -53,15 +54,10 @@ CHAT_TEMPLATE = (
 )
 
 
-# The bundled data set of each record kind (finetune/core/objectives.py), shipped inside the package.
-# GRPO's prompts are the bundled conversations: their answers are checkable (finetune/core/tasks.py).
-_BUNDLED = {"conversations": "chat.jsonl", "preferences": "preferences.jsonl", "prompts": "chat.jsonl"}
-
-
 def bundled_data_path(record_kind: str = "conversations") -> Path:
     """The bundled data set for `record_kind`: chat conversations (messages JSONL), or the preference pairs
-    built from them (scripts/make_bundled_preferences.py)."""
-    return PACKAGE_DIR / "data" / "bundled" / _BUNDLED[record_kind]
+    built from them (scripts/make_bundled_preferences.py): the record kind's `bundled` file."""
+    return PACKAGE_DIR / "data" / "bundled" / RECORD_KINDS[record_kind].bundled
 
 
 def cache_root() -> Path:

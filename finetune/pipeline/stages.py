@@ -102,10 +102,9 @@ def data_run_length(cfg: Config, run_dir: Path) -> Optional[tuple[int, str]]:
 
 
 def _precompute_reference(cfg: Config) -> Optional[bool]:
-    """The objective's `reference` setting (dpo.reference): precompute (True), a frozen copy (False), or the
+    """The objective's `reference` setting (objective.reference): precompute (True), a frozen copy (False), or the
     planner's choice (None, `auto`, and every objective without the setting)."""
-    spec = cfg.objective.spec
-    source = getattr(getattr(cfg, spec.settings), "reference", "auto") if spec.settings else "auto"
+    source = getattr(cfg.objective, "reference", "auto")
     return None if source == "auto" else source == "precompute"
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from finetune.core.config import ModelConfig
-from finetune.core.config.grpo import GrpoConfig
+from finetune.core.config.grpo import GRPOObjective
 from finetune.planner.params import count_params
 
 # Not measured here (no vLLM on the development machines or the lent GPU): vLLM's own working memory
@@ -87,7 +87,7 @@ class RolloutPlan:
 
 def rollout_job(
     model: ModelConfig,
-    grpo: GrpoConfig,
+    grpo: GRPOObjective,
     generation_batch_size: int,
     prompt_tokens: int,
     steps_per_generation: int,
@@ -243,7 +243,7 @@ def plan_rollout(
 ) -> RolloutPlan:
     """Where the rollout runs. `train_peak(n)`: the training side's peak on each GPU when `n` GPUs train
         (the planner's SFT model on `generation_batch_size` x (prompt + completion) tokens, plus the reference
-        model when `beta > 0`). `requested`: grpo.generation (`auto` lets this choose). `batch_size`: completions
+        model when `beta > 0`). `requested`: objective.generation (`auto` lets this choose). `batch_size`: completions
     a step over the training ranks (train.batch_size), which a server split's training GPUs divide."""
     if device != "cuda" or not vllm_available or requested == "transformers":
         why = "no CUDA" if device != "cuda" else ("vLLM not installed" if not vllm_available else "asked for")
@@ -269,7 +269,9 @@ def plan_rollout(
     if requested != "server" and (colocate.fits or requested == "colocate"):
         if colocate.fits:
             return colocate
-        return replace(colocate, alternative=f"grpo.generation=server on more than one GPU, or {smaller}")
+        return replace(
+            colocate, alternative=f"objective.generation=server on more than one GPU, or {smaller}"
+        )
     if gpus == 1:
         if requested == "server":
             return replace(
@@ -277,7 +279,7 @@ def plan_rollout(
                 mode="server",
                 fits=False,
                 reason="server: needs GPUs of its own beside training; 1 GPU",
-                alternative="grpo.generation=colocate",
+                alternative="objective.generation=colocate",
             )
         return replace(colocate, alternative=f"a server split on more GPUs, or {smaller}")
     server = _server(job, gpus, gpu_bytes, hbm_bytes_per_s, train_peak, batch_size)

@@ -19,8 +19,9 @@ from typing import Optional
 from finetune.core.config import ModelConfig
 from finetune.core.methods import METHODS
 from finetune.planner.contract import GB, Estimate, Strategy
-from finetune.planner.memory import Job, offloaded_activation_bytes, rank_tokens, runtime
+from finetune.planner.job import Job, rank_tokens, runtime
 from finetune.planner.params import count_params
+from finetune.planner.step import offloaded_activation_bytes
 
 HOURS_PER_MONTH = 730.0
 # Bandwidth a GPU's exchange with its peers gets, GB/s each way. Not measured here (no GPU): NVLink 4's

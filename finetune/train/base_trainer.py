@@ -4,8 +4,10 @@ checkpoints, the record of what really ran, and saving the trained output.
 
 The plan decides micro-batch size, gradient accumulation, activation checkpointing (non-reentrant) and the
 optimizer; the config gives learning rate, schedule, warm-up, intervals, logging and seed. Each objective's
-module (sft_trainer.py, dpo_trainer.py) adds its own config class's fields and its trainer class, built as
-`class X(RunTrainerMixin, TRLTrainer)`.
+trainer module (`ObjectiveSpec.trainer`: sft_trainer.py, dpo_trainer.py, grpo_trainer.py) gives its TRL
+config (`build_config`: these arguments plus its own), its trainer class (`Trainer`, built as
+`class X(RunTrainerMixin, TRLTrainer)`) and that trainer's own arguments (`trainer_kwargs`: collator,
+rewards); `build_trainer` here puts them together the same way for every objective.
 
 Checkpoints are atomic (`_save_checkpoint`, see `finetune.rundir.checkpoints`): staged,
 checksummed, renamed into place; a crash mid-save leaves the previous one intact.
@@ -411,3 +413,32 @@ def keep_adapter_dtype(model: Any, adapter_dtype: str) -> int:
             param.data = param.data.to(dtype)
             cast += 1
     return cast
+
+
+def build_trainer(
+    cfg: Config,
+    plan: Plan,
+    run_dir: Path,
+    model: Any,
+    tokenizer: Any,
+    train_dataset: Any,
+    eval_dataset: Any,
+    compute_dtype: torch.dtype,
+    callbacks: list[Any],
+    monitor: Optional[RunMonitor] = None,
+    args: Optional[Any] = None,
+) -> Any:
+    """The objective's trainer for `model` (its trainer module: `ObjectiveSpec.trainer`); `args` when built
+    before loading the model (ZeRO-3: see load_for_training)."""
+    module = cfg.objective.spec.trainer_module()
+    args = args or module.build_config(cfg, plan, run_dir, compute_dtype)
+    trainer = module.Trainer(
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        callbacks=run_callbacks(cfg, run_dir, args, callbacks),
+        monitor=monitor,
+        **module.trainer_kwargs(cfg, plan, tokenizer, eval_dataset),
+    )
+    return finish_trainer(trainer, cfg)

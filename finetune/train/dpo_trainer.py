@@ -1,6 +1,6 @@
 """Preference fine-tuning: TRL's `DPOTrainer` with a `DPOConfig` built from the typed config and the plan.
 
-The pairs arrive tokenized from the data stage (`prepare.preferences`: TRL's `prompt_ids`, `chosen_ids`,
+The pairs arrive tokenized from the data stage (the `preferences` record kind: TRL's `prompt_ids`, `chosen_ids`,
 `rejected_ids`, rendered with the model's chat template, cleaned and limited there), so TRL's own
 tokenizing is skipped (`_prepare_dataset`) and its `DataCollatorForPreference` batches them: every
 micro-batch carries each pair's chosen and rejected sequence (twice the sequences of SFT).
@@ -8,7 +8,7 @@ micro-batch carries each pair's chosen and rejected sequence (twice the sequence
 The reference: with adapters, the model with its adapter disabled (TRL keeps no second copy of the base;
 given a PEFT model it adds a frozen "ref" copy of the adapter, which is the starting adapter under
 `init_from`); with full fine-tuning, a frozen copy of the starting model prepared like the policy (sharded
-under ZeRO-3/FSDP2), or log-probabilities precomputed once before training (`dpo.reference`, the plan's
+under ZeRO-3/FSDP2), or log-probabilities precomputed once before training (`objective.reference`, the plan's
 choice under `auto`). The log-probabilities come from TRL's fused LM head (`add_fused_lm_head`), which
 never builds the full logits; the project's chunked loss (an SFT loss) does not run here.
 """
@@ -25,21 +25,21 @@ from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from finetune.core.config import Config
 from finetune.planner import Plan
-from finetune.train.base_trainer import RunTrainerMixin, common_kwargs, finish_trainer, run_callbacks
+from finetune.train.base_trainer import RunTrainerMixin, common_kwargs
 from finetune.train.callbacks import RunMonitor
 
 
 def precompute_reference(cfg: Config, plan: Plan) -> bool:
     """Full fine-tuning's reference as log-probabilities computed once before training, rather than a frozen
-    copy beside the policy: the plan's choice (`dpo.reference`, or the planner's under `auto`). Adapters never
+    copy beside the policy: the plan's choice (`objective.reference`, or the planner's under `auto`). Adapters never
     need it (the reference is the base with the adapter disabled)."""
     return cfg.method.spec.trains_base_weights and plan.strategy.precompute_reference
 
 
 def build_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dtype) -> DPOConfig:
-    """Every knob of the run in one place: the shared arguments plus DPO's (`dpo.*`)."""
+    """Every knob of the run in one place: the shared arguments plus DPO's (`objective.*`)."""
     kwargs = common_kwargs(cfg, plan, run_dir, compute_dtype)
-    d = cfg.dpo
+    d = cfg.objective
     kwargs.update(
         beta=d.beta,
         loss_type=[d.loss_type],
@@ -74,29 +74,12 @@ class FinetuneDPOTrainer(RunTrainerMixin, DPOTrainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
-def build_trainer(
-    cfg: Config,
-    plan: Plan,
-    run_dir: Path,
-    model: Any,
-    tokenizer: Any,
-    train_dataset: Any,
-    eval_dataset: Any,
-    compute_dtype: torch.dtype,
-    callbacks: list[Any],
-    monitor: Optional[RunMonitor] = None,
-    args: Optional[DPOConfig] = None,
-) -> FinetuneDPOTrainer:
-    """The DPO trainer for `model`; `args` when built before loading the model (ZeRO-3: see load_for_training)."""
-    args = args or build_config(cfg, plan, run_dir, compute_dtype)
-    trainer = FinetuneDPOTrainer(
-        model=model,
-        args=args,
+Trainer = FinetuneDPOTrainer
+
+
+def trainer_kwargs(cfg: Config, plan: Plan, tokenizer: Any, eval_dataset: Any) -> dict[str, Any]:
+    """DPO's own arguments of the trainer: TRL's preference collator, the held-out pairs when there are any."""
+    return dict(
         data_collator=DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id),
-        train_dataset=train_dataset,
         eval_dataset=eval_dataset if eval_dataset is not None and len(eval_dataset) else None,
-        processing_class=tokenizer,
-        callbacks=run_callbacks(cfg, run_dir, args, callbacks),
-        monitor=monitor,
     )
-    return finish_trainer(trainer, cfg)

@@ -2,7 +2,7 @@
 
 TRL samples `num_generations` completions per prompt, scores each with the reward functions, and
 trains on the advantages within each group. What is ours: the rewards (`finetune/evaluation/rewards.py`,
-one finite number per completion or a one-line `RewardError`), the mapping of `GrpoConfig` onto
+one finite number per completion or a one-line `RewardError`), the mapping of `GRPOObjective` onto
 `GRPOConfig`, and the generation mode (`transformers` inside the trainer on the CPU and wherever vLLM is
 absent; vLLM `colocate` or `server` on CUDA).
 
@@ -22,12 +22,12 @@ from trl import GRPOConfig, GRPOTrainer
 
 from finetune import rundir
 from finetune.core.config import Config
-from finetune.core.config.grpo import GrpoConfig
+from finetune.core.config.grpo import GRPOObjective
 from finetune.core.errors import ConfigError
 from finetune.evaluation import rewards as reward_fns
 from finetune.evaluation.rewards import Reward
 from finetune.planner import Plan
-from finetune.train.base_trainer import RunTrainerMixin, common_kwargs, finish_trainer, run_callbacks
+from finetune.train.base_trainer import RunTrainerMixin, common_kwargs
 from finetune.train.callbacks import RunMonitor
 
 REFERENCE_COLUMN = "reference"
@@ -80,12 +80,12 @@ def uses_vllm(mode: str) -> bool:
 
 def generation_mode(cfg: Config, run_dir: Optional[Path] = None) -> str:
     """Where this run samples: on the server the launcher started when the plan split the GPUs
-    (rollout.json), else `grpo.generation`, with `auto` resolved on this machine (vLLM only on CUDA with
+    (rollout.json), else `objective.generation`, with `auto` resolved on this machine (vLLM only on CUDA with
     vLLM installed)."""
     planned = rundir.load_rollout(run_dir) if run_dir is not None else None
     if planned is not None and planned.get("fits") and planned["mode"] == "server":
         return "server"
-    mode = cfg.grpo.generation
+    mode = cfg.objective.generation
     if mode != "auto":
         return mode
     if cfg.hardware.device != "cuda":
@@ -95,10 +95,10 @@ def generation_mode(cfg: Config, run_dir: Optional[Path] = None) -> str:
     return "colocate" if importlib.util.find_spec("vllm") is not None else "transformers"
 
 
-def grpo_arguments(grpo: GrpoConfig, rewards: Sequence[Reward], generation: str) -> dict[str, Any]:
+def grpo_arguments(grpo: GRPOObjective, rewards: Sequence[Reward], generation: str) -> dict[str, Any]:
     """GRPOConfig's own fields from ours; `generation` is the resolved mode (never `auto`)."""
     if generation == "auto":
-        raise ConfigError("grpo.generation=auto must be resolved before training")
+        raise ConfigError("objective.generation=auto must be resolved before training")
     kwargs: dict[str, Any] = dict(
         num_generations=grpo.num_generations,
         max_completion_length=grpo.max_completion_length,
@@ -127,7 +127,7 @@ def grpo_arguments(grpo: GrpoConfig, rewards: Sequence[Reward], generation: str)
 
 
 def build_grpo_config(
-    grpo: GrpoConfig,
+    grpo: GRPOObjective,
     rewards: Sequence[Reward],
     output_dir: Path,
     *,
@@ -148,7 +148,7 @@ def build_grpo_config(
 
 def build_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dtype) -> GRPOConfig:
     """The shared arguments plus GRPO's. A batch (micro x accumulation x ranks) counts completions; it
-    must hold whole groups of `grpo.num_generations`."""
+    must hold whole groups of `objective.num_generations`."""
     kwargs = common_kwargs(cfg, plan, run_dir, compute_dtype)
     # TRL 1.16's GRPOConfig has no activation offloading (SFTConfig and DPOConfig do).
     if kwargs.pop("activation_offloading", False):
@@ -158,21 +158,21 @@ def build_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dt
         )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     completions = kwargs["per_device_train_batch_size"] * kwargs["gradient_accumulation_steps"] * world
-    if completions % cfg.grpo.num_generations:
+    if completions % cfg.objective.num_generations:
         raise ConfigError(
-            f"train.batch_size: {completions} completions a step is not a multiple of grpo.num_generations="
-            f"{cfg.grpo.num_generations}; make train.batch_size a multiple of it"
+            f"train.batch_size: {completions} completions a step is not a multiple of objective.num_generations="
+            f"{cfg.objective.num_generations}; make train.batch_size a multiple of it"
         )
     kwargs.update(
         grpo_arguments(
-            cfg.grpo,
-            reward_fns.resolve(cfg.grpo.rewards, cfg.grpo.reward_weights),
+            cfg.objective,
+            reward_fns.resolve(cfg.objective.rewards, cfg.objective.reward_weights),
             generation_mode(cfg, run_dir),
         )
     )
     # The held-out prompts are scored by the evaluation (base, trained, merged under the same sampling),
     # not by TRL's in-training evaluation, which would sample num_generations completions of each.
-    kwargs.update(eval_strategy="no", per_device_eval_batch_size=cfg.grpo.num_generations)
+    kwargs.update(eval_strategy="no", per_device_eval_batch_size=cfg.objective.num_generations)
     return GRPOConfig(**kwargs)
 
 
@@ -219,32 +219,14 @@ class FinetuneGRPOTrainer(RunTrainerMixin, GRPOTrainer):
         self._init_run(monitor)
 
 
-def build_trainer(
-    cfg: Config,
-    plan: Plan,
-    run_dir: Path,
-    model: Any,
-    tokenizer: Any,
-    train_dataset: Any,
-    eval_dataset: Any,
-    compute_dtype: torch.dtype,
-    callbacks: list[Any],
-    monitor: Optional[RunMonitor] = None,
-    args: Optional[GRPOConfig] = None,
-) -> FinetuneGRPOTrainer:
-    """The GRPO trainer for `model` (already wrapped with its adapter by the stage)."""
-    args = args or build_config(cfg, plan, run_dir, compute_dtype)
-    rewards = reward_fns.resolve(cfg.grpo.rewards, cfg.grpo.reward_weights)
-    trainer = FinetuneGRPOTrainer(
-        model=model,
-        reward_funcs=[trl_reward_function(r) for r in rewards],
-        args=args,
-        train_dataset=train_dataset,
-        processing_class=tokenizer,
-        callbacks=run_callbacks(cfg, run_dir, args, callbacks),
-        monitor=monitor,
-    )
-    return finish_trainer(trainer, cfg)
+Trainer = FinetuneGRPOTrainer
+
+
+def trainer_kwargs(cfg: Config, plan: Plan, tokenizer: Any, eval_dataset: Any) -> dict[str, Any]:
+    """GRPO's own arguments of the trainer: the rewards in TRL's calling convention (no held-out rows: the
+    evaluation scores the held-out prompts)."""
+    rewards = reward_fns.resolve(cfg.objective.rewards, cfg.objective.reward_weights)
+    return dict(reward_funcs=[trl_reward_function(r) for r in rewards])
 
 
 def build_grpo_trainer(

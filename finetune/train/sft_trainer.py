@@ -1,6 +1,6 @@
 """Supervised fine-tuning: TRL's `SFTTrainer` with an `SFTConfig` built from the typed config and the plan.
 
-The data arrive pre-tokenized and packed from the data stage (`prepare.conversations`), so TRL's own
+The data arrive pre-tokenized and packed from the data stage (the `conversations` record kind), so TRL's own
 preparation is skipped and `PackedCollator` batches them. What every objective shares (arguments, engine,
 FSDP2 on CPU ranks, atomic checkpoints) is `base_trainer`'s.
 
@@ -33,13 +33,7 @@ from finetune.modeling.chunked_loss import add_chunked_loss_head
 from finetune.modeling.collator import IGNORE_INDEX, NUM_TOKENS_KEY, PackedCollator
 from finetune.planner import Plan
 from finetune.train import throughput
-from finetune.train.base_trainer import (
-    RunTrainerMixin,
-    common_kwargs,
-    finish_trainer,
-    run_callbacks,
-    sequence_degree,
-)
+from finetune.train.base_trainer import RunTrainerMixin, common_kwargs, sequence_degree
 from finetune.train.callbacks import RunMonitor
 
 
@@ -57,10 +51,6 @@ def build_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dt
     )
     kwargs.update(throughput.sft_kwargs(cfg))  # Liger's kernels through TRL's switch
     return SFTConfig(**kwargs)
-
-
-# The name the training stage and the tests have always called it by.
-build_sft_config = build_config
 
 
 class FinetuneTrainer(RunTrainerMixin, SFTTrainer):
@@ -153,36 +143,19 @@ def split_row_width(plan: Plan) -> int:
     return 1 if degree == 1 else -(-plan.seq_len // degree) * degree
 
 
-def build_trainer(
-    cfg: Config,
-    plan: Plan,
-    run_dir: Path,
-    model: Any,
-    tokenizer: Any,
-    train_dataset: Any,
-    eval_dataset: Any,
-    compute_dtype: torch.dtype,
-    callbacks: list[Any],
-    monitor: Optional[RunMonitor] = None,
-    args: Optional[SFTConfig] = None,
-) -> FinetuneTrainer:
-    """The trainer for `model`; `args` when built before loading the model (ZeRO-3: see load_for_training)."""
-    args = args or build_config(cfg, plan, run_dir, compute_dtype)
-    trainer = FinetuneTrainer(
-        model=model,
-        args=args,
+Trainer = FinetuneTrainer
+
+
+def trainer_kwargs(cfg: Config, plan: Plan, tokenizer: Any, eval_dataset: Any) -> dict[str, Any]:
+    """SFT's own arguments of the trainer: the packed collator, the held-out rows, the chunked loss."""
+    return dict(
         # flash-attn's variable-length kernel takes one row only (train/throughput.py)
         data_collator=PackedCollator(
             pad_token_id=tokenizer.pad_token_id,
             pad_to_multiple_of=split_row_width(plan),
             flatten=cfg.train.attention == "flash",
         ),
-        train_dataset=train_dataset,
         eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        callbacks=run_callbacks(cfg, run_dir, args, callbacks),
         chunked_loss=plan.strategy.chunked_loss,
         loss_chunk_size=cfg.train.loss_chunk_size,
-        monitor=monitor,
     )
-    return finish_trainer(trainer, cfg)

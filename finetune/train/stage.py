@@ -46,20 +46,16 @@ from finetune.modeling import models, outputs
 from finetune.planner import Plan
 from finetune.rundir import checkpoints, preflight
 from finetune.train import callbacks as cb
-from finetune.train import dpo_trainer, grpo_trainer, sft_trainer, throughput
-from finetune.train.base_trainer import engine_record, save_output
+from finetune.train import throughput
+from finetune.train.base_trainer import build_trainer, engine_record, save_output
 from finetune.train.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
 
-# The module that builds each TRL trainer and its config (`ObjectiveSpec.trl_trainer`): `build_config`,
-# `build_trainer`. An objective with a new trainer adds its module here.
-TRAINERS = {"SFTTrainer": sft_trainer, "DPOTrainer": dpo_trainer, "GRPOTrainer": grpo_trainer}
-
 
 def trainer_module(cfg: Config) -> Any:
-    """The trainer module of `cfg.objective` (finetune/core/objectives.py names its TRL trainer)."""
-    return TRAINERS[cfg.objective.spec.trl_trainer]
+    """The trainer module of `cfg.objective` (`ObjectiveSpec.trainer`)."""
+    return cfg.objective.spec.trainer_module()
 
 
 # What the worker is doing now, for the one line a signal leaves (`interrupted_message`).
@@ -280,7 +276,7 @@ def _build_session(
     monitor = cb.RunMonitor(cfg.hardware.device, plan.gpu_memory.total, baseline_gb=baseline_gb)
     early = cb.EarlyStop(cfg.train.loss_spike_factor, cfg.train.eval_rise_patience)
     preemption = cb.Preemption()
-    trainer = trainer_module(cfg).build_trainer(
+    trainer = build_trainer(
         cfg,
         plan,
         run_dir,
@@ -333,7 +329,7 @@ def _evaluate(cfg: Config, loaded: _Model, eval_ds: Any, **generation: Any) -> d
         reward_fns = rewards.for_objective(cfg)
         return heldout.evaluate(loaded.model, loaded.tokenizer, eval_ds, reward_fns=reward_fns, **generation)
     result, mine = preference.evaluate(
-        loaded.model, loaded.tokenizer, eval_ds, cfg.dpo.beta, loaded.reference_log_probs, **generation
+        loaded.model, loaded.tokenizer, eval_ds, cfg.objective.beta, loaded.reference_log_probs, **generation
     )
     if loaded.reference_log_probs is None:
         loaded.reference_log_probs = mine

@@ -13,18 +13,19 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from finetune.core.config.checks import check_all_finite, check_choices, choice
 from finetune.core.config.data import DataConfig
+from finetune.core.config.dpo import DPOObjective
 from finetune.core.config.evaluation import EvalConfig
 from finetune.core.config.export import ExportConfig
-from finetune.core.config.grpo import GrpoConfig
+from finetune.core.config.grpo import GRPOObjective
 from finetune.core.config.hardware import HardwareConfig
 from finetune.core.config.launch import LaunchConfig
 from finetune.core.config.method import OPTIMIZERS, MethodConfig
 from finetune.core.config.model import ModelConfig
-from finetune.core.config.objective import DPOSettings, ObjectiveConfig
+from finetune.core.config.objective import ObjectiveConfig, SFTObjective, objective_settings
 from finetune.core.config.plan import PlanConfig, SmokeConfig
 from finetune.core.config.train import ATTENTIONS, SHARDINGS, TrainConfig
 from finetune.core.config.ui import UiConfig
@@ -45,8 +46,9 @@ __all__ = [
     "MethodConfig",
     "ModelConfig",
     "ObjectiveConfig",
-    "DPOSettings",
-    "GrpoConfig",
+    "SFTObjective",
+    "DPOObjective",
+    "GRPOObjective",
     "PlanConfig",
     "SmokeConfig",
     "TrainConfig",
@@ -76,10 +78,9 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     ui: UiConfig = field(default_factory=UiConfig)
-    # What the model is trained to do (sft, dpo, grpo), and each objective's own settings section.
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
-    dpo: DPOSettings = field(default_factory=DPOSettings)
-    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    # What the model is trained to do, with that objective's settings: an ObjectiveConfig subclass chosen by
+    # `objective=NAME` (untyped here so each objective's own dataclass is the schema; None: SFT).
+    objective: Any = None
     # Start from an earlier run's output (RUN_DIR: its adapter or model folder) instead of the base: SFT, then DPO.
     init_from: Optional[str] = None
     # The recipe's name; names the default run directory.
@@ -92,6 +93,7 @@ class Config:
     runs: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.objective: ObjectiveConfig = objective_settings(self.objective)
         check_all_finite(self, "")
         check_choices(self, "")
         if not _NAME.fullmatch(self.name):
@@ -114,24 +116,21 @@ class Config:
         if self.mode == "compare" and len(self.runs) < 1:
             raise ConfigError("mode=compare needs runs=[RUN_DIR,...]: the runs to put side by side")
         spec = self.objective.spec
-        if spec.sequences_setting is not None and spec.settings is not None:
+        if spec.sequences_setting is not None:
             # GRPO: a step's sequences are completions, in whole groups of num_generations
-            per_example = getattr(getattr(self, spec.settings), spec.sequences_setting)
+            per_example = getattr(self.objective, spec.sequences_setting)
             if self.train.batch_size % per_example:
                 raise ConfigError(
                     f"train.batch_size={self.train.batch_size} must be a multiple of "
-                    f"{spec.settings}.{spec.sequences_setting}={per_example} (objective={spec.name} counts a "
+                    f"objective.{spec.sequences_setting}={per_example} (objective={spec.name} counts a "
                     "step's sequences in whole groups)"
                 )
+        self.objective.check_device(self.hardware.device)
         if self.method.optimizer == "paged_adamw_8bit" and self.hardware.device == "cpu":
             raise ConfigError(
                 "method.optimizer=paged_adamw_8bit needs CUDA (paged memory); use adamw on hardware=cpu"
             )
         if self.hardware.device == "cpu":
-            if spec.generates and self.grpo.generation in ("colocate", "server"):
-                raise ConfigError(
-                    f"grpo.generation={self.grpo.generation} needs CUDA (vLLM); use transformers or auto on hardware=cpu"
-                )
             if self.train.attention in ("flex", "flash"):
                 why = {
                     "flex": "FlexAttention has no backward on the CPU",

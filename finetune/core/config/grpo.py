@@ -1,4 +1,4 @@
-"""Schema of GRPO's settings: the rewards, the shape of the rollout, and where generation runs.
+"""Schema of GRPO's settings (`objective=grpo`): the rewards, the shape of the rollout, and where generation runs.
 
 The names follow TRL's `GRPOConfig` (`num_generations`, `max_completion_length`, `beta`, ...), so a
 user who knows TRL reads them as they are. `generation` says where completions are sampled:
@@ -13,9 +13,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from finetune.core.config.checks import check_positive
+from finetune.core.config.checks import check_positive, choice
 from finetune.core.config.evaluation import check_metric_name
+from finetune.core.config.objective import ObjectiveConfig
 from finetune.core.errors import ConfigError
+from finetune.core.objectives import OBJECTIVES
 
 GENERATION_MODES = ("auto", "transformers", "colocate", "server")
 # TRL 1.16's GRPOConfig.loss_type values (how the per-token losses are aggregated; `dapo` is TRL's default).
@@ -24,7 +26,7 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vesp
 FORMAT_PREFIX = "format:"
 
 
-def check_reward_name(name: str, key: str = "grpo.rewards") -> None:
+def check_reward_name(name: str, key: str = "objective.rewards") -> None:
     """A reward name is a metric name (`check_metric_name`) or `format:<pattern>`."""
     if name.startswith(FORMAT_PREFIX):
         try:
@@ -36,7 +38,10 @@ def check_reward_name(name: str, key: str = "grpo.rewards") -> None:
 
 
 @dataclass
-class GrpoConfig:
+class GRPOObjective(ObjectiveConfig):
+    """Group relative policy optimisation: `objective=grpo objective.num_generations=4`."""
+
+    name: str = choice("grpo", OBJECTIVES)
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])
     """exact_match | contains | regex:<pattern> | format:<pattern> | package.module.function (one value a completion)."""
     reward_weights: Optional[list[float]] = None
@@ -70,30 +75,39 @@ class GrpoConfig:
     """server: how long the launcher waits for the server to answer before giving up (exit 2)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.rewards:
-            raise ConfigError("grpo.rewards: name at least one reward")
+            raise ConfigError("objective.rewards: name at least one reward")
         for name in self.rewards:
             check_reward_name(name)
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
             raise ConfigError(
-                f"grpo.reward_weights: {len(self.reward_weights)} weights for {len(self.rewards)} rewards"
+                f"objective.reward_weights: {len(self.reward_weights)} weights for {len(self.rewards)} rewards"
             )
         if self.num_generations < 2:
             raise ConfigError(
-                f"grpo.num_generations={self.num_generations}: GRPO compares at least 2 completions of a prompt"
+                f"objective.num_generations={self.num_generations}: GRPO compares at least 2 completions of a prompt"
             )
-        check_positive("grpo.max_completion_length", self.max_completion_length)
+        check_positive("objective.max_completion_length", self.max_completion_length)
         if not self.temperature > 0:
-            raise ConfigError(f"grpo.temperature={self.temperature} must be > 0 (the rollout samples)")
+            raise ConfigError(f"objective.temperature={self.temperature} must be > 0 (the rollout samples)")
         if self.beta < 0:
-            raise ConfigError(f"grpo.beta={self.beta} must be >= 0")
+            raise ConfigError(f"objective.beta={self.beta} must be >= 0")
         if self.loss_type not in LOSS_TYPES:
-            raise ConfigError(f"grpo.loss_type={self.loss_type!r} must be one of {', '.join(LOSS_TYPES)}")
+            raise ConfigError(
+                f"objective.loss_type={self.loss_type!r} must be one of {', '.join(LOSS_TYPES)}"
+            )
         if self.generation not in GENERATION_MODES:
             raise ConfigError(
-                f"grpo.generation={self.generation!r} must be one of {', '.join(GENERATION_MODES)}"
+                f"objective.generation={self.generation!r} must be one of {', '.join(GENERATION_MODES)}"
             )
         if not 0 < self.vllm_gpu_memory_utilization < 1:
             raise ConfigError(
-                f"grpo.vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be between 0 and 1"
+                f"objective.vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be between 0 and 1"
+            )
+
+    def check_device(self, device: str) -> None:
+        if device == "cpu" and self.generation in ("colocate", "server"):
+            raise ConfigError(
+                f"objective.generation={self.generation} needs CUDA (vLLM); use transformers or auto on hardware=cpu"
             )

@@ -1,50 +1,45 @@
-"""Schema of the `objective` config group (sft, dpo: finetune/core/objectives.py says what each is) and of
-the objectives' own settings sections (`dpo`), plus where training starts from (`init_from`)."""
+"""Schema of the `objective` section: what the model is trained to do, and that objective's own settings.
+
+`objective=dpo` on the command line (the Hydra group configs/objective/) chooses the objective and the
+section's type at once: `ObjectiveConfig` is the base every objective's settings dataclass extends
+(`SFTObjective` here, `DPOObjective` in objective.py, `GRPOObjective` in objective.py; finetune/core/objectives.py
+names each objective's class), so `objective.beta=0.2` is checked against the chosen objective's fields.
+Where training starts from (`init_from`) is the root's.
+
+The settings once lived in root sections named after the objective (`objective.beta`); `former_key` turns such
+a key into its `objective.` spelling, with a one-line pointer on stderr, until the next release.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import sys
 from dataclasses import dataclass
+from typing import Any, Optional
 
-from finetune.core.config.checks import check_choices, check_positive, choice
+from finetune.core.config.checks import check_choices, choice
 from finetune.core.errors import ConfigError
-from finetune.core.objectives import OBJECTIVES, ObjectiveSpec
-
-# TRL's DPO losses (trl/trainer/dpo_config.py's `loss_type`); one a run here.
-DPO_LOSSES = (
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "aot",
-    "aot_unpaired",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sft",
-    "sigmoid_norm",
-)
-
-# Where full fine-tuning's reference log-probabilities come from (adapters need neither: the base with the
-# adapter disabled is the reference).
-REFERENCE_SOURCES = (
-    "auto",  # the planner chooses on memory and time
-    "model",  # a frozen copy of the starting model beside the policy, sharded like it
-    "precompute",  # one forward of the reference over the training pairs before training (TRL's precompute_ref_log_probs)
-)
+from finetune.core.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, ObjectiveSpec
 
 
 @dataclass
 class ObjectiveConfig:
-    """What the model is trained to do: `objective=sft|dpo` on the command line."""
+    """What the model is trained to do: `objective=NAME` on the command line, then `objective.KEY=VALUE`."""
 
-    name: str = choice("sft", OBJECTIVES)
+    name: str = choice(DEFAULT_OBJECTIVE, OBJECTIVES)
 
     def __post_init__(self) -> None:
-        check_choices(self, "objective")
+        check_choices(self, "objective", ObjectiveConfig)
+        expected = self.spec.settings_class()
+        if not isinstance(self, expected):
+            raise ConfigError(
+                f"objective.name={self.name}: the section is {type(self).__name__}, not {expected.__name__}; "
+                f"choose the objective with objective={self.name}"
+            )
+
+    def check_device(self, device: str) -> None:
+        """Refuse settings this device cannot run (cpu | cuda | ...), in one line naming the key."""
 
     @property
     def spec(self) -> ObjectiveSpec:
@@ -53,22 +48,46 @@ class ObjectiveConfig:
 
 
 @dataclass
-class DPOSettings:
-    """DPO's settings (read only when `objective=dpo`): TRL's DPOConfig fields of the same names."""
+class SFTObjective(ObjectiveConfig):
+    """Supervised fine-tuning: no settings beyond the training section's."""
 
-    # The strength of the pull towards the reference: the implicit reward is beta x log(pi / pi_ref).
-    beta: float = 0.1
-    loss_type: str = choice("sigmoid", DPO_LOSSES)
-    # Robust DPO's flip probability / EXO's epsilon (TRL's label_smoothing); exo_pair needs it above 0.
-    label_smoothing: float = 0.0
-    # Full fine-tuning: a frozen reference copy or precomputed log-probabilities (auto: the planner chooses).
-    reference: str = choice("auto", REFERENCE_SOURCES)
+    name: str = choice("sft", OBJECTIVES)
 
-    def __post_init__(self) -> None:
-        check_choices(self, "dpo")
-        check_positive("dpo.beta", self.beta)
-        check_positive("dpo.label_smoothing", self.label_smoothing, allow_zero=True)
-        if self.loss_type == "exo_pair" and self.label_smoothing == 0:
+
+def objective_settings(value: Any) -> ObjectiveConfig:
+    """The `objective` section as its objective's dataclass: as given, or built from the mapping a run
+    directory's config.yaml holds (its `name` chooses the class); None is the default objective."""
+    if isinstance(value, ObjectiveConfig):
+        return value
+    fields = dict(value or {})
+    name = fields.get("name", ObjectiveConfig.name)
+    if name not in OBJECTIVES:
+        raise ConfigError(f"objective.name={name!r} is not one of {', '.join(OBJECTIVES)}")
+    schema = OBJECTIVES[name].settings_class()
+    known = {f.name for f in dataclasses.fields(schema)}
+    for key in fields:
+        if key not in known:
             raise ConfigError(
-                "dpo.loss_type=exo_pair needs dpo.label_smoothing > 0 (the EXO paper uses 1e-3)"
+                f"objective.{key}: unknown key for objective={name}; valid keys: {', '.join(sorted(known))}"
             )
+    settings: ObjectiveConfig = schema(**fields)
+    return settings
+
+
+# `dpo.beta=0.2`, `+grpo.num_generations=4`: a root section named after an objective.
+_FORMER = re.compile(r"(\+{0,2})(\w+)\.([\w.]+=.*)", re.DOTALL)
+
+
+def former_key(item: str) -> Optional[str]:
+    """`item` in its `objective.` spelling when it sets a key of a former objective section (`objective.beta=0.2`
+    becomes `objective.beta=0.2`), telling the user the new key on stderr; None for every other override."""
+    m = _FORMER.fullmatch(item)
+    if not m or m.group(2) not in OBJECTIVES:
+        return None
+    new = f"objective.{m.group(3)}"
+    old_key, new_key = item.split("=", 1)[0].lstrip("+"), new.split("=", 1)[0]
+    print(
+        f"finetune: {old_key} is now {new_key} (objective={m.group(2)}); the old key goes in the next release",
+        file=sys.stderr,
+    )
+    return new

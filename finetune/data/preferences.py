@@ -1,0 +1,306 @@
+"""The `preferences` record kind (DPO): prompt + chosen + rejected, tokenized as TRL's prompt_ids /
+chosen_ids / rejected_ids, one pair a row."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from finetune import rundir
+from finetune.core.config import Config
+from finetune.core.config.data import DataConfig
+from finetune.core.errors import DataError
+from finetune.data import clean, pairs, samples, sources, stats
+from finetune.data import rows as saved_rows
+from finetune.data.control import ControlTokens
+from finetune.data.formats import RecordError
+from finetune.data.prepare import TextLimits, progress, records
+from finetune.data.render import Renderer
+
+
+@dataclass
+class PreparedPairs:
+    """Preference pairs prepared for DPO, not yet saved: TRL's token lists per pair, train then eval."""
+
+    stats: dict  # data_stats.json's content
+    train: list[dict]  # {prompt_ids, chosen_ids, rejected_ids}
+    evals: list[dict]  # the same, plus `messages` (prompt + chosen, JSON) and `rejected` (JSON)
+
+
+def prepare(
+    cfg: Config, tokenizer: Any, inp: sources.Input, path: str, console, scratch: Optional[Path] = None
+) -> PreparedPairs:
+    """Preference records prepared for DPO: mapped to pairs (bad ones located), each side cleaned as SFT's
+    conversations are, deduplicated, split by prompt (no prompt of an eval pair is trained on), tokenized
+    with the chat template, and held to the length limit (the longer side decides: dropped, or both
+    answers cut with data.too_long=truncate)."""
+    dc = cfg.data
+    t0 = time.perf_counter()
+    tally = samples.Tally()
+    text = TextLimits.of(cfg, tokenizer, "assistant")
+    renderer, char_limit = text.renderer, text.char_limit
+    loaded = sources.Loaded()
+    del scratch  # preference pairs are held in memory, as read (not streamed to disk)
+    with progress(console) as bar:
+        found = _read_pairs(records(inp, loaded, bar), loaded, dc)
+    samples.check_input(loaded, dc, path, tally)
+    if not found:
+        raise DataError(f"data.path={path}: no preference pairs ({dict(tally.dropped) or 'no records'})")
+    kept = [p for p in (_clean_pair(p, dc, text.control, char_limit, tally) for p in found) if p is not None]
+    kept = _dedup_pairs(kept, dc, tally)
+    train_pairs, eval_pairs = _split_by_prompt(kept, dc, tally)
+    seq_len = text.seq_len(cfg)
+    truncated = [0]
+    train = _tokenize_pairs(train_pairs, renderer, seq_len, dc, tally, truncated)
+    evals = _tokenize_pairs(eval_pairs, renderer, seq_len, dc, tally, truncated, keep_text=True)
+    if not train:
+        raise DataError(f"no training pairs left after cleaning and the length limit ({dict(tally.dropped)})")
+    if eval_pairs and not evals:
+        raise DataError(
+            f"no held-out pairs left after the length limit (seq_len {seq_len}): raise train.seq_len, "
+            "or set data.eval_fraction=0"
+        )
+    if cfg.train.seq_len == "auto":
+        longest = max(
+            len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in train + evals
+        )
+        seq_len = min(seq_len, longest)
+    result = _pair_stats(cfg, loaded, path, tally, char_limit, train, evals, seq_len, truncated[0])
+    result["seconds"] = round(time.perf_counter() - t0, 3)
+    return PreparedPairs(result, train, evals)
+
+
+def _read_pairs(
+    records: Iterable[sources.Record], loaded: sources.Loaded, dc: DataConfig
+) -> list[pairs.Pair]:
+    """The records as they are read, mapped to pairs; one that cannot be is bad input, counted in `loaded`."""
+    out = []
+    for rec in records:
+        try:
+            out.append(pairs.to_pair(rec.data, dc))
+        except RecordError as exc:
+            loaded.add_bad(sources.BadRecord(rec.source, rec.line, exc.reason, str(exc)))
+    return out
+
+
+def _clean_pair(
+    pair: pairs.Pair, dc: DataConfig, control: ControlTokens, char_limit: int, tally: samples.Tally
+) -> Any:
+    """Both sides cleaned as SFT's conversations (empty turns, turn order, characters, control tokens, PII);
+    the pair is dropped, counted once under the first side's reason, when either side is."""
+    n = len(pair.prompt)
+    sides = []
+    for whole in pair.sides():
+        cleaned = samples.clean_sample(whole, dc, control, char_limit, tally)
+        if cleaned is None or len(cleaned) <= n:
+            if cleaned is not None:  # truncated into the prompt: no answer left
+                tally.dropped["too_long_chars"] += 1
+            return None
+        sides.append(cleaned)
+    chosen, rejected = sides
+    if chosen[n:] == rejected[n:]:  # scrubbing or escaping made them one
+        tally.dropped["identical_pair"] += 1
+        return None
+    return pairs.Pair(chosen[:n], chosen[n:], rejected[n:])
+
+
+def _pair_key(pair: pairs.Pair) -> str:
+    return clean.conversation_key(pair.prompt + pair.chosen + [{"role": "-", "content": "-"}] + pair.rejected)
+
+
+def _dedup_pairs(kept: list[pairs.Pair], dc: DataConfig, tally: samples.Tally) -> list[pairs.Pair]:
+    """Exact duplicate pairs out (data.dedup); several pairs may share a prompt."""
+    if not dc.dedup:
+        return kept
+    seen: set[bytes] = set()
+    out = []
+    for p in kept:
+        h = clean.exact_digest(_pair_key(p))
+        if h in seen:
+            tally.dropped["duplicate"] += 1
+            continue
+        seen.add(h)
+        out.append(p)
+    return out
+
+
+def _split_by_prompt(
+    kept: list[pairs.Pair], dc: DataConfig, tally: samples.Tally
+) -> tuple[list[pairs.Pair], list[pairs.Pair]]:
+    """(train, eval) pairs, held out by prompt: the prompts are split (seeded by their keys), every pair
+    follows its prompt, and a training pair whose prompt is an exact or near duplicate of an eval prompt is
+    dropped (`eval_leak`)."""
+    keys = [clean.conversation_key(p.prompt) for p in kept]
+    unique = sorted(set(keys))
+    n = len(unique)
+    n_eval = round(dc.eval_fraction * n)
+    if dc.eval_fraction > 0 and n >= 2:
+        n_eval = min(max(n_eval, 1), n - 1)
+    # By the SHA-1 of seed and prompt, as samples.split orders conversations: not by input order.
+    order = sorted(range(n), key=lambda i: hashlib.sha1(f"{dc.seed}:{unique[i]}".encode()).digest())
+    eval_keys = {unique[i] for i in order[:n_eval]}
+    train = [p for p, k in zip(kept, keys) if k not in eval_keys]
+    evals = [p for p, k in zip(kept, keys) if k in eval_keys]
+    if evals and train:
+        train_keys = [clean.conversation_key(p.prompt) for p in train]
+        eval_sorted = sorted(eval_keys)
+        sig = (
+            clean.Signatures.of(clean.signatures(train_keys + eval_sorted), dc.near_dedup_threshold)
+            if dc.near_dedup
+            else None
+        )
+        rows = np.arange(len(train_keys) + len(eval_sorted))
+        leak = clean.leaks(
+            [clean.exact_digest(k) for k in train_keys],
+            [clean.exact_digest(k) for k in eval_sorted],
+            sig,
+            rows[: len(train_keys)],
+            rows[len(train_keys) :],
+        )
+        tally.dropped["eval_leak"] += int(leak.sum())
+        train = [p for p, bad in zip(train, leak.tolist()) if not bad]
+    return train, evals
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _tokenize_pairs(
+    found: list[pairs.Pair],
+    renderer: Renderer,
+    seq_len: int,
+    dc: DataConfig,
+    tally: samples.Tally,
+    truncated: list[int],
+    keep_text: bool = False,
+) -> list[dict]:
+    """Each pair as TRL's token lists: the prompt rendered with the assistant's opening, each answer the
+    tokens where prompt + answer departs from it (TRL's own rule, `common_prefix_length`); the length
+    limit applied to the prompt plus the longer answer."""
+    tok = renderer.tokenizer
+    out = []
+    for p in found:
+        prompt_ids = tok(renderer.text(p.prompt, add_generation_prompt=True), add_special_tokens=False)[
+            "input_ids"
+        ]
+        whole = [tok(renderer.text(side), add_special_tokens=False)["input_ids"] for side in p.sides()]
+        start = min(_common_prefix_len(prompt_ids, w) for w in whole)
+        prompt_ids = prompt_ids[:start]
+        chosen_ids, rejected_ids = whole[0][start:], whole[1][start:]
+        if not chosen_ids or not rejected_ids:
+            tally.dropped["empty_answer_tokens"] += 1
+            continue
+        longest = start + max(len(chosen_ids), len(rejected_ids))
+        if start + min(len(chosen_ids), len(rejected_ids)) < dc.min_tokens:
+            tally.dropped["too_short"] += 1
+            continue
+        if longest > seq_len:
+            if dc.too_long == "drop" or start >= seq_len:
+                tally.dropped["too_long" if dc.too_long == "drop" else "prompt_too_long"] += 1
+                continue
+            chosen_ids, rejected_ids = chosen_ids[: seq_len - start], rejected_ids[: seq_len - start]
+            truncated[0] += 1
+            if chosen_ids == rejected_ids:
+                tally.dropped["identical_after_truncation"] += 1
+                continue
+        row: dict = {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids}
+        if keep_text:
+            row["messages"] = json.dumps(p.prompt + p.chosen, ensure_ascii=False)
+            row["rejected"] = json.dumps(p.prompt + p.rejected, ensure_ascii=False)
+        out.append(row)
+    return out
+
+
+def _pair_stats(
+    cfg: Config,
+    loaded: sources.Loaded,
+    path: str,
+    tally: samples.Tally,
+    char_limit: int,
+    train: list[dict],
+    evals: list[dict],
+    seq_len: int,
+    truncated: int,
+) -> dict:
+    """data_stats.json's content for pairs: the counts, what was dropped and why, and the lengths of the
+    prompt, chosen and rejected sides per split."""
+    dc = cfg.data
+
+    def lengths(rows: list[dict]) -> dict:
+        return {
+            side: stats.summary([len(r[f"{side}_ids"]) for r in rows])
+            for side in ("prompt", "chosen", "rejected")
+        }
+
+    def pair_tokens(rows: list[dict]) -> list[int]:
+        return [len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows]
+
+    return {
+        "record_kind": "preferences",
+        "num_input": tally.num_input,
+        "num_train": len(train),
+        "num_eval": len(evals),
+        "dropped": {k: v for k, v in sorted(tally.dropped.items()) if v},
+        "truncated": truncated,
+        "max_chars": char_limit,
+        "control_tokens": {"mode": dc.control_tokens, "samples": tally.with_control},
+        "pii": dict(sorted(tally.pii.items())),
+        "skipped_files": loaded.empty_files,
+        "bad_input_examples": list(sources.iter_where(loaded)),
+        "lengths": {"train": lengths(train), "eval": lengths(evals)},
+        # Each pair puts prompt + chosen and prompt + rejected through the model: tokens per pair as the
+        # longer side, and every token of both sides.
+        "splits": {"train": stats.summary(pair_tokens(train)), "eval": stats.summary(pair_tokens(evals))},
+        "tokens": {
+            "train_total": sum(
+                2 * len(r["prompt_ids"]) + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in train
+            ),
+            "eval_total": sum(
+                2 * len(r["prompt_ids"]) + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in evals
+            ),
+        },
+        "seq_len": seq_len,
+        "seq_len_source": "auto: the longest kept pair" if cfg.train.seq_len == "auto" else "train.seq_len",
+        "input": {"path": path, "fingerprint": None},
+        "seconds": None,
+    }
+
+
+def save(prepared: PreparedPairs, out: Path) -> None:
+    """Preference pairs, one a row (TRL's prompt_ids, chosen_ids, rejected_ids); eval rows also carry the
+    prompt + chosen conversation (`messages`, for generation from the prompt) and prompt + rejected."""
+    from datasets import Dataset
+
+    with saved_rows.quiet_datasets():
+        columns = ("prompt_ids", "chosen_ids", "rejected_ids")
+        train = {c: [r[c] for r in prepared.train] for c in columns}
+        Dataset.from_dict(train).save_to_disk(str(out / rundir.DATA_TRAIN_DIR))
+        eval_columns = (*columns, "messages", "rejected")
+        evals = {c: [r[c] for r in prepared.evals] for c in eval_columns}
+        Dataset.from_dict(evals).save_to_disk(str(out / rundir.DATA_EVAL_DIR), num_shards=1)
+        lengths = prepared.stats["splits"]
+        stats.histogram(
+            out / rundir.DATA_HISTOGRAM_FILE,
+            {
+                "train": [
+                    len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"]))
+                    for r in prepared.train
+                ],
+                "eval": [
+                    len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"]))
+                    for r in prepared.evals
+                ],
+            },
+            int(prepared.stats["seq_len"]) or max(1, lengths["train"]["max"]),
+        )
