@@ -271,14 +271,15 @@ def test_an_adapter_saved_under_wrapper_names_is_refused_not_scored_as_the_base(
 
 def test_no_held_out_split_means_no_loss_not_nan(tiny_cache, tiny_model_cfg, tiny_tokenizer, tiny_data):
     """data.eval_fraction=0: the held-out loss is absent (metrics.json stays strict JSON), not NaN."""
-    from finetune.evaluation.heldout import evaluate, heldout_loss
+    from finetune.evaluation.heldout import heldout_loss
+    from finetune.evaluation.stage import evaluate_model
     from finetune.modeling import tiny
 
     model = tiny.load_model(tiny_model_cfg)
     _, evals = tiny_data
     empty = evals.select([])
     assert heldout_loss(model, empty, tiny_tokenizer.pad_token_id) is None
-    result = evaluate(model, tiny_tokenizer, empty, max_generate=0)
+    result, _, _ = evaluate_model(model, tiny_tokenizer, empty, [], [], fast_eval(num_samples=0), [], "base")
     assert "loss" not in result
     json.dumps(result, allow_nan=False)  # no NaN anywhere
     some = heldout_loss(model, evals.select(range(4)), tiny_tokenizer.pad_token_id)

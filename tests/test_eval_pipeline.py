@@ -29,7 +29,7 @@ def test_tiny_pipeline_trained_and_merged_beat_the_base(tmp_path, tiny_cache):
     data_stage.run(cfg, run)
     plan = stages.plan_stage(cfg, run, quiet=True)
     write_engine(cfg, plan, run)  # as the launcher writes them
-    train_stage.run(cfg, run, plan, max_generate=16)
+    train_stage.run(cfg, run, plan)
     eval_stage.run(cfg, run)
     export_stage.run(cfg, run, plan)
 

@@ -8,9 +8,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SEQ_LEN, last_losses, plan_for, prepare_run, run_cli, tiny_cfg, train_run, write_engine
+from helpers import (
+    SEQ_LEN,
+    evaluate,
+    last_losses,
+    plan_for,
+    prepare_run,
+    run_cli,
+    tiny_cfg,
+    train_run,
+    write_engine,
+)
 
 from finetune import rundir
+from finetune.data.stage import load_prepared
 from finetune.modeling.collator import NUM_TOKENS_KEY, PackedCollator
 from finetune.pipeline.cli import compose
 from finetune.train import stage
@@ -325,8 +336,9 @@ def test_tiny_recipe_learns_the_bundled_task(tmp_path, tiny_cache):
     """The embedded default as configured: held-out loss falls clearly and exact match rises from ~0."""
     run = prepare_run(compose([f"run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"]))
     cfg = rundir.load_config(run)
-    m = stage.run(cfg, run, rundir.load_plan(run), max_generate=None)
-    base, trained = m["eval"]["base"], m["eval"]["trained"]
+    stage.run(cfg, run, rundir.load_plan(run))
+    scores = evaluate(cfg, run, load_prepared(run)[1], None)
+    base, trained = scores["base"], scores["trained"]
     assert base["exact_match"] < 0.05
     assert trained["exact_match"] > base["exact_match"] + 0.4, trained
     assert trained["loss"] < 0.5 * base["loss"], (base["loss"], trained["loss"])
