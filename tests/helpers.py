@@ -183,7 +183,7 @@ def make_adapter_run(run_dir: Path, model_cfg: Any, method: Any, seed: int = 0, 
     from peft import get_peft_model
 
     from finetune.modeling import tiny
-    from finetune.modeling.models import lora_config
+    from finetune.modeling.loading import lora_config
 
     torch.manual_seed(seed)
     model = tiny.load_model(model_cfg)

@@ -95,7 +95,7 @@ def test_heldout_loss_after_mixed_precision_wrapping_matches_plain_bf16(
     from finetune.core.config import MethodConfig
     from finetune.evaluation.heldout import heldout_loss
     from finetune.modeling import tiny
-    from finetune.modeling.models import lora_config
+    from finetune.modeling.loading import lora_config
 
     model = tiny.load_model(tiny_model_cfg).to(torch.bfloat16)
     model = get_peft_model(model, lora_config(MethodConfig(lora_dropout=0.0), tiny_model_cfg))

@@ -253,7 +253,7 @@ def test_an_adapter_saved_under_wrapper_names_is_refused_not_scored_as_the_base(
     from finetune.core.config import MethodConfig
     from finetune.core.errors import LaunchError
     from finetune.modeling import tiny
-    from finetune.modeling.models import attach_adapter
+    from finetune.modeling.loading import attach_adapter
 
     adapter = make_adapter_run(tmp_path / "run", tiny_model_cfg, MethodConfig(lora_dropout=0.0))
     attach_adapter(tiny.load_model(tiny_model_cfg), adapter)  # as saved: loads

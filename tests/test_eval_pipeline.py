@@ -87,8 +87,9 @@ def test_a_finished_job_run_again_says_so_and_redoes_only_what_is_asked(tmp_path
 
     redone = cli("redo=eval")
     assert stamp(run / "eval/metrics.json") != kept["eval/metrics.json"]
-    assert stamp(run / "export/merged") == kept["export/merged"] and "export: finished already" in redone.stdout
+    assert (
+        stamp(run / "export/merged") == kept["export/merged"] and "export: finished already" in redone.stdout
+    )
     rescored = json.loads((run / "eval" / "metrics.json").read_text())
     for v in ("base", "trained", "merged"):
         assert rescored[v]["loss"] == pytest.approx(scored[v]["loss"], abs=1e-6)
-

@@ -159,7 +159,7 @@ def _slow_worker(run: Path, flag: Path, module: str, name: str) -> subprocess.Po
 @pytest.mark.parametrize(
     "module, name, during",
     [
-        ("finetune.modeling.models", "load_for_training", "loading the model"),
+        ("finetune.modeling.loading", "load_for_training", "loading the model"),
         ("finetune.train.stage", "load_prepared", "loading the data"),
     ],
     ids=["model_load", "data_load"],
@@ -218,7 +218,7 @@ def test_sigterm_before_training_names_the_existing_resume_point_not_a_new_save(
     (run / "metrics.json").unlink()  # as if the run had died after its last checkpoint
     newest = checkpoints.last_complete(run / "checkpoints")
     stamp = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
-    err = _sigterm_during(run, tmp_path / "flag", "finetune.modeling.models", "load_for_training")
+    err = _sigterm_during(run, tmp_path / "flag", "finetune.modeling.loading", "load_for_training")
     assert (
         f"during loading the model, at once (nothing was saved by this stop); the newest complete checkpoint is {newest}"
         in err
@@ -241,7 +241,7 @@ def test_two_sigterms_to_the_pipeline_half_a_second_apart_exit_75(tmp_path, tiny
     exited 2 (reserved for bad input)."""
     run = prepare_worker_run(tmp_path / "run", tmp_path / "cache", "train.max_steps=4")
     flag = tmp_path / "flag"
-    fake = _fake_python(tmp_path, "finetune.modeling.models", "load_for_training", flag)
+    fake = _fake_python(tmp_path, "finetune.modeling.loading", "load_for_training", flag)
     proc = subprocess.Popen(
         [sys.executable, "-m", "finetune", "mode=train", f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}",
          *WORKER_RUN, f"launch.python={fake}"],

@@ -91,7 +91,8 @@ def test_early_stop_saves_then_stops_the_trainer(tmp_path, tiny_cache, tiny_data
     """A (faked) loss spike at step 5 of 30: a checkpoint at step 5, and no step 6."""
     from transformers import TrainerCallback
 
-    from finetune.modeling.models import load_for_training, load_tokenizer
+    from finetune.modeling.loading import load_for_training
+    from finetune.modeling.models import load_tokenizer
     from finetune.train.sft_trainer import build_trainer
 
     class Spike(TrainerCallback):
@@ -267,7 +268,8 @@ def test_qlora_gradients_after_eval_match_dequantized_reference(tiny_cache, tiny
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from finetune.modeling.models import load_for_training, lora_config, model_source
+    from finetune.modeling.loading import load_for_training, lora_config
+    from finetune.modeling.models import model_source
 
     cfg = tiny_cfg(
         *STEADY,

@@ -14,8 +14,8 @@ from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.markup import markdown_cell, markdown_text
 from finetune.evaluation import regression
-from finetune.modeling.models import VARIANTS
 from finetune.modeling.outputs import Identity
+from finetune.modeling.variants import VARIANTS
 from finetune.rundir import checkpoints
 
 # Metrics where lower is better; every other one is better higher.

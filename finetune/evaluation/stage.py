@@ -42,14 +42,13 @@ from finetune.evaluation.generate import generate, sampling_kwargs
 from finetune.evaluation.heldout import heldout_loss, split_prompt
 from finetune.evaluation.report import metric_names, write_report
 from finetune.modeling import outputs
-from finetune.modeling.models import (
+from finetune.modeling.loading import attach_adapter, initial_output
+from finetune.modeling.models import load_tokenizer
+from finetune.modeling.variants import (
     VARIANTS,
     adapter_on_unchanged_base,
-    attach_adapter,
     available_variants,
     base_source,
-    initial_output,
-    load_tokenizer,
     load_variant,
     trained_dir,
 )

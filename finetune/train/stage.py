@@ -32,7 +32,7 @@ from finetune.core.errors import FinetuneError, is_disk_full
 from finetune.core.noise import quiet_libraries
 from finetune.core.secrets import install_log_filter
 from finetune.data.stage import load_prepared
-from finetune.modeling import models, outputs
+from finetune.modeling import dtypes, loading, models, outputs
 from finetune.planner import Plan
 from finetune.rundir import preflight
 from finetune.train import callbacks as cb
@@ -187,16 +187,16 @@ def _load_model(cfg: Config, plan: Plan, run_dir: Path) -> _Model:
     # from_pretrained load this rank's partition only (zero.Init), not the whole model per rank.
     # The tiny model is built (first use) before that: built under zero.Init it would be saved partitioned.
     models.model_source(cfg.model)
-    args = trainer_module(cfg).build_config(cfg, plan, run_dir, models.training_dtype(cfg))
+    args = trainer_module(cfg).build_config(cfg, plan, run_dir, dtypes.training_dtype(cfg))
     _ = args.device  # joins the process group now: zero.Init partitions over it while loading
     if args.deepspeed:
         import deepspeed
 
         # deepspeed.comm over that group (accelerate sets it up itself on GPUs, not on CPU ranks)
         deepspeed.init_distributed(dist_backend="gloo" if cfg.hardware.device == "cpu" else "nccl")
-    model, compute_dtype = models.load_for_training(cfg, sharded=plan.strategy.engine.shards)
+    model, compute_dtype = loading.load_for_training(cfg, sharded=plan.strategy.engine.shards)
     loaded_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
-    trainable, total = models.trainable_parameters(model)
+    trainable, total = loading.trainable_parameters(model)
     if cfg.hardware.device == "cpu":
         cpu_threads(total)
     log.info(
