@@ -375,7 +375,8 @@ def run(cfg: Config) -> int:
     )  # from here on the plan's profile (hardware=auto: the chosen one)
     if mode in ("train", "all"):
         _enter("the training stage")
-        trained = finished_training(cfg, run_dir) if cfg.redo != "train" else None
+        # resume=false or a checkpoint path asks for training: only resume=true finds it finished
+        trained = finished_training(cfg, run_dir) if cfg.resume is True else None
         if trained is not None:
             _finished("training", trained, "train")
         else:
