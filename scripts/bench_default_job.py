@@ -1,4 +1,4 @@
-"""Wall time of the embedded default job (`python -m finetune`), stage by stage.
+"""Wall and CPU time of the embedded default job (`python -m finetune`), stage by stage.
 
     python scripts/bench_default_job.py               # 3 runs, medians
     python scripts/bench_default_job.py --runs 1
@@ -7,10 +7,11 @@
 Each run is `python -m finetune` in a fresh run directory (`run_dir=` a new temporary folder), in its own
 process, so imports, the data cache left by an earlier run aside, and every stage count as a user sees
 them. The stages are timed inside that process by wrapping the pipeline's stage functions
-(`finetune/pipeline/stages.py`): plan, data, train, eval and export, and the whole command. Prints the
-median of each over the runs, and each run's scores as eval/metrics.json holds them (what the job printed),
-so two versions of the code can be compared on time and on what they report. `--keep` keeps each run's
-folder, with the job's whole console output in output.log.
+(`finetune/pipeline/stages.py`): plan, data, train, eval and export, and the whole command, in wall seconds
+and in CPU seconds (the pipeline's and the ranks'). Prints the median of each over the runs, and each run's
+scores as eval/metrics.json holds them (what the job printed), so two versions of the code can be compared
+on time and on what they report. `--keep` keeps each run's folder, with the job's whole console output in
+output.log.
 """
 
 from __future__ import annotations
@@ -33,26 +34,30 @@ STAGES = ("plan", "data", "train", "eval", "export")
 # writes the seconds per stage to the file named by the first argument.
 TIMED = textwrap.dedent(
     """
-    import atexit, json, sys, time
+    import atexit, json, resource, sys, time
     from finetune.pipeline import cli, stages
     from finetune.data import stage as data_stage
 
     out, argv = sys.argv[1], sys.argv[2:]
     seconds = {}
+    def cpu():
+        me, ranks = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + ranks.ru_utime + ranks.ru_stime
     def timed(name, fn):
         def wrapper(*args, **kwargs):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), cpu()
             try:
                 return fn(*args, **kwargs)
             finally:
                 seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+                seconds[name + " cpu"] = seconds.get(name + " cpu", 0.0) + cpu() - start_cpu
         return wrapper
     stages.plan_stage = timed("plan", stages.plan_stage)
     data_stage.run = timed("data", data_stage.run)
     stages.train_stage = timed("train", stages.train_stage)
     stages.eval_stage = timed("eval", stages.eval_stage)
     stages.export_stage = timed("export", stages.export_stage)
-    atexit.register(lambda: open(out, "w").write(json.dumps(seconds)))
+    atexit.register(lambda: open(out, "w").write(json.dumps({**seconds, "total cpu": cpu()})))
     sys.exit(cli.main(argv))
     """
 )
@@ -113,11 +118,22 @@ def main() -> int:
         runs.append((seconds, metrics))
     print(f"default job (python -m finetune {' '.join(args.overrides)}), {args.runs} run(s), median seconds")
     print(
-        f"{'stage':8s} {'median':>8s}  " + "  ".join(f"{'run ' + str(i + 1):>7s}" for i in range(args.runs))
+        "wall: as a user waits; cpu: user + system seconds of the pipeline and the ranks it started (on a shared"
     )
+    print(
+        "machine the wall clock also counts other tenants' load, the CPU seconds mostly the job's own work)"
+    )
+    header = "  ".join(f"{'run ' + str(i + 1):>7s}" for i in range(args.runs))
+    print(f"{'stage':8s} {'wall':>8s}  {header}  {'cpu':>8s}  {header}")
     for stage in (*STAGES, "total"):
-        values = [seconds.get(stage, 0.0) for seconds, _ in runs]
-        print(f"{stage:8s} {statistics.median(values):8.1f}  " + "  ".join(f"{v:7.1f}" for v in values))
+        walls = [seconds.get(stage, 0.0) for seconds, _ in runs]
+        cpus = [seconds.get(f"{stage} cpu", 0.0) for seconds, _ in runs]
+        print(
+            f"{stage:8s} {statistics.median(walls):8.1f}  "
+            + "  ".join(f"{v:7.1f}" for v in walls)
+            + f"  {statistics.median(cpus):8.1f}  "
+            + "  ".join(f"{v:7.1f}" for v in cpus)
+        )
     print("printed metrics:")
     for i, (_, metrics) in enumerate(runs):
         for line in metrics:
