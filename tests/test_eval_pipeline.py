@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from helpers import SHORT_RUN, child_env, run_cli, write_engine
+from helpers import SHORT_RUN, child_env, run_cli, tiny_cfg, write_engine
 
 
 @pytest.mark.slow
@@ -93,3 +93,26 @@ def test_a_finished_job_run_again_says_so_and_redoes_only_what_is_asked(tmp_path
     rescored = json.loads((run / "eval" / "metrics.json").read_text())
     for v in ("base", "trained", "merged"):
         assert rescored[v]["loss"] == pytest.approx(scored[v]["loss"], abs=1e-6)
+
+
+def test_training_is_finished_for_the_output_on_disk_and_the_length_asked_only(tmp_path):
+    from finetune.modeling import outputs
+    from finetune.pipeline import stages
+
+    cfg = tiny_cfg("train.max_steps=4", run_dir=tmp_path)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"step 4")
+    identity = outputs.record(adapter, 4, "run1", "adapter")
+    train = {"steps": 4, "output_identity": identity.to_dict(), "schedule": cfg.train.length()}
+    (tmp_path / "metrics.json").write_text(json.dumps({"train": train}))
+    assert stages.finished_training(cfg, tmp_path) == "4 steps, adapter/"
+    # a longer run asked for (train.max_steps=6, or epochs instead of steps): training to do
+    assert stages.finished_training(tiny_cfg("train.max_steps=6", run_dir=tmp_path), tmp_path) is None
+    assert stages.finished_training(tiny_cfg("train.max_steps=-1", run_dir=tmp_path), tmp_path) is None
+    # another output on disk than the one metrics.json names (saved by hand, or by a later run)
+    (adapter / "adapter_model.safetensors").write_bytes(b"other")
+    outputs.record(adapter, 4, "run2", "adapter")
+    assert stages.finished_training(cfg, tmp_path) is None
+    # no export made from the adapter on disk: export is not finished
+    assert stages.finished_export(cfg, tmp_path) is None

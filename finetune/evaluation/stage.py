@@ -1,6 +1,7 @@
-"""mode=eval: score base, fine-tuned and (after export) merged models on the same prompts.
+"""The eval stage: the one place base, trained and merged models are scored, each once, on the same prompts.
 
-    python -m finetune +recipe=tiny mode=eval       # after mode=train; again after mode=export adds `merged`
+    python -m finetune +recipe=tiny mode=eval       # after mode=train; export scores `merged` through it
+    python -m finetune +recipe=tiny redo=eval       # score every model again
 
 For each model: the held-out loss over the data stage's eval split, task
 metrics on generated answers to its prompts (`eval.metrics`), the objective's own
@@ -18,8 +19,10 @@ regression set's answers with their flags. Writes into RUN_DIR/eval/:
 
 Provenance: `merged` is scored only when export/ was made from the trained output scored as `trained`
 (its identity); an export made from another model is skipped with a one-line note (and named in
-`skipped`). Results kept from an earlier evaluation are kept only for the same models. The folder is
-written into RUN_DIR/.eval.tmp and renamed into place whole (report.md always matches metrics.json).
+`skipped`). A model already scored with the same settings is kept, not scored again (`redo=eval` asks
+for it). The folder is written into RUN_DIR/.eval.tmp and renamed into place whole (report.md always
+matches metrics.json); the scores also go into RUN_DIR/metrics.json's `eval`. The table is printed by
+`show`, once, after the last stage of a command.
 """
 
 from __future__ import annotations

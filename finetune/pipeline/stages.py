@@ -266,7 +266,8 @@ def _read_metrics(run_dir: Path) -> dict:
 
 def finished_training(cfg: Config, run_dir: Path) -> Optional[str]:
     """What a finished training run left ("400 steps, adapter/"), or None when there is training to do: the
-    output metrics.json names is the one on disk, and it ran the configured steps (or stopped early)."""
+    output metrics.json names is the one on disk, trained to the end of the length this config asks for
+    (metrics.json is written when a run ends: at its last step, or stopped early)."""
     train = _read_metrics(run_dir).get("train")
     out = rundir.trained_dir(run_dir, cfg.method.uses_adapters)
     identity = outputs.identity_of(out)
@@ -274,10 +275,9 @@ def finished_training(cfg: Config, run_dir: Path) -> Optional[str]:
         return None
     if (train.get("output_identity") or {}).get("sha256") != identity.sha256:
         return None
-    steps = train.get("steps")
-    if not isinstance(steps, int) or (0 < steps < cfg.train.max_steps and not train.get("stopped_early")):
+    if train.get("schedule") != cfg.train.length():
         return None
-    return f"{steps} steps, {out.name}/"
+    return f"{train.get('steps')} steps, {out.name}/"
 
 
 def finished_export(cfg: Config, run_dir: Path) -> Optional[str]:

@@ -346,6 +346,7 @@ def _train_metrics(
         "loop_cpu_seconds": round(monitor.train_cpu_seconds, 2),
         "wall_seconds": round(time.perf_counter() - t0, 2),
         "stopped_early": session.early.reason,
+        "schedule": cfg.train.length(),
         "resumed_from": str(Path(trained.resumed_from).resolve()) if trained.resumed_from else None,
         "already_complete": False,
         "method": cfg.method.name,
