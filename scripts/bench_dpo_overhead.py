@@ -20,7 +20,7 @@ starts, on the config it writes), which reads from the first step's start to the
 clock, the process's user and system CPU seconds (every thread: on a 2-core machine shared with other tenants
 the wall clock measures them too, the CPU time mostly the process's own work), its minor page faults, the
 garbage collector's seconds and the callbacks' on_step_end; and the whole `train()` call over the steps
-(set-up and the end-of-run evaluation and checkpoint included). `--off base_eval,...` switches parts of
+(set-up and the end-of-run evaluation and checkpoint included). `--off tensorboard,...` switches parts of
 finetune's worker off (ablations, to find what a step's extra time belongs to). The pairs run A B, B A, A B, ...
 Prints medians, the overhead of the medians and each pair's. Target (issue 22): within 3% per step.
 """
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "--off",
         default="",
         help="switch parts of finetune's worker off, to find where a step's time goes (comma-separated: "
-        "base_eval, malloc_trim, tensorboard, callbacks, token_count; scripts/trainer_loop_probe.py)",
+        "tensorboard, callbacks, token_count; scripts/trainer_loop_probe.py)",
     )
     parser.add_argument(
         "--env",

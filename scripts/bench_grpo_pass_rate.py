@@ -54,7 +54,8 @@ def measure(run_dir: Path, prompts: int, samples: int) -> dict[str, Any]:
     from finetune.data.stage import load_prepared
     from finetune.evaluation import rewards
     from finetune.evaluation.stage import task_items
-    from finetune.modeling.models import load_tokenizer, load_variant
+    from finetune.modeling.models import load_tokenizer
+    from finetune.modeling.variants import load_variant
     from finetune.rundir.state import load_config
 
     cfg = load_config(run_dir)

@@ -117,7 +117,6 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         Path(spec["run_dir"]),
         plan,
         datasets=(train.select(range(shape["n_train"])), evals.select(range(4))),
-        max_generate=1,
     )
     t = metrics["train"]
     first_loss = next((e["loss"] for e in _log_history(Path(spec["run_dir"])) if "loss" in e), None)

@@ -316,7 +316,7 @@ def build_model(m: Any, case: Case, outputs: Optional[tuple[str, ...]] = None) -
         model.requires_grad_(True)
     else:
         if case.method == "qlora":
-            from finetune.modeling.models import prepare_kbit_model
+            from finetune.modeling.loading import prepare_kbit_model
 
             for layer in model.model.layers:
                 _to_qlora(layer)

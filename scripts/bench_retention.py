@@ -74,7 +74,8 @@ def _score(cfg, run_dir: Path, variant: str, model=None) -> dict:
     from finetune.data.stage import load_prepared
     from finetune.evaluation import metrics, regression
     from finetune.evaluation.stage import evaluate_model, task_items
-    from finetune.modeling.models import load_tokenizer, load_variant
+    from finetune.modeling.models import load_tokenizer
+    from finetune.modeling.variants import load_variant
 
     e = cfg.eval
     tokenizer = load_tokenizer(cfg.model)

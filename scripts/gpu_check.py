@@ -231,7 +231,7 @@ def build(case: dict[str, Any], device: str) -> tuple[Any, Any]:
         add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))  # as SFTTrainer, before PEFT
     if case["method"] == "qlora":
         _quantize_linears(model, device)
-        from finetune.modeling.models import prepare_kbit_model
+        from finetune.modeling.loading import prepare_kbit_model
 
         model = prepare_kbit_model(model, torch.bfloat16)  # the trainer's preparation
     if case["method"] in ("lora", "qlora"):

@@ -6,7 +6,7 @@
     python scripts/gpu_pipeline.py OUT_DIR --suite throughput   # the levers' tokens/s and step split
 
 Every case goes through the command line as a user's job does: the data stage, the plan, the
-launcher, TRL's SFTTrainer with PEFT, the worker's evaluation of the base and the trained model in
+launcher, TRL's SFTTrainer with PEFT, the eval stage's scores of the base and the trained model in
 bf16; the last case is the tiny recipe's whole pipeline (`python -m finetune hardware=h200`: data,
 plan, train, evaluation, merge, export). No model hub: the model is built locally by the tiny
 builder (random init) with the real Llama-3.1-8B layer shapes, 4 decoder layers and the real
@@ -63,7 +63,7 @@ SHAPE_8B = [
     "model.max_position_embeddings=8192",
 ]
 # name, method, optimizer, seq_len, chunked loss, activation checkpointing, expected seconds on an H200
-# (two process starts, the model's load, the worker's evaluations, the steps; a case that needs more than
+# (two process starts, the model's load, the evaluations, the steps; a case that needs more than
 # the budget has left is skipped and the table says so);
 # throughput cases also: data (packed | single: generated, see write_data), attention, micro-batch (mb),
 # steps, compile, liger, gpu_only (skipped with --cpu), needs (a module that must be importable, else skipped).
@@ -150,7 +150,9 @@ def case_args(
         "train.logging_steps=1",
         "train.eval_steps=1000",
         "train.save_steps=1000",
-        "eval.num_samples=32",  # the worker's base and trained generation: enough to check, quick
+        # the eval stage's base and trained generation: enough to check, quick
+        "eval.num_samples=32",
+        "eval.regression=false",
     ]
 
 
@@ -230,7 +232,7 @@ def write_data(path: Path, kind: str, seq_len: int, per_row: int, vocab_size: in
 
     packed: about `per_row` samples a row (lengths spread 0.5x to 1.5x around seq_len / per_row), as real
     SFT data packs; single: each sample fills `SINGLE_FILL` of a row, one a row (data.packing=false).
-    Assistant replies stay short, so the worker's evaluation generates little.
+    Assistant replies stay short, so the evaluation generates little.
     """
     import random
 
@@ -308,7 +310,7 @@ def run_case(case: dict[str, Any], out_dir: Path, cpu: bool, timeout: float) -> 
         per_row = SAMPLES_PER_ROW["cpu" if cpu else "gpu"]
         data_file = write_data(out_dir / "data" / name, case["data"], seq_len, per_row, vocab)
     args = case_args(case, run_dir, out_dir / "cache", cpu, data_file)
-    modes = ["mode=all"] if case.get("recipe") else ["mode=data", "mode=train"]
+    modes = ["mode=all"] if case.get("recipe") else ["mode=data", "mode=train", "mode=eval"]
     code = 0
     for mode in modes:
         code = finetune([mode, *args], log, max(1.0, timeout - (time.perf_counter() - start)), env)

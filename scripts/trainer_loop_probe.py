@@ -24,18 +24,6 @@ import time
 from typing import Any
 
 
-def _no_base_evaluation() -> None:
-    import finetune.train.stage as stage
-
-    stage._base_evaluation = lambda *a, **k: None
-
-
-def _no_malloc_trim() -> None:
-    import finetune.train.stage as stage
-
-    stage.release_memory = gc.collect
-
-
 def _no_tensorboard() -> None:
     import finetune.train.base_trainer as base
 
@@ -56,11 +44,9 @@ def _no_token_count() -> None:
     dpo.FinetuneDPOTrainer.compute_loss = DPOTrainer.compute_loss  # type: ignore[method-assign]
 
 
-# What `--off` can switch off in finetune's worker: the base evaluation before training (and its heap), the
-# glibc trim after it, TensorBoard's callback, all of finetune's callbacks, the token count in compute_loss.
+# What `--off` can switch off in finetune's worker: TensorBoard's callback, all of finetune's callbacks, the
+# token count in compute_loss.
 PARTS = {
-    "base_eval": _no_base_evaluation,
-    "malloc_trim": _no_malloc_trim,
     "tensorboard": _no_tensorboard,
     "callbacks": _no_callbacks,
     "token_count": _no_token_count,

@@ -183,7 +183,7 @@ def make_adapter_run(run_dir: Path, model_cfg: Any, method: Any, seed: int = 0, 
     from peft import get_peft_model
 
     from finetune.modeling import tiny
-    from finetune.modeling.models import lora_config
+    from finetune.modeling.loading import lora_config
 
     torch.manual_seed(seed)
     model = tiny.load_model(model_cfg)
@@ -212,7 +212,8 @@ def train_run(
     **strategy: Any,
 ) -> dict:
     """`finetune.train.stage.run` in this process on the tiny data (the first `n_train` training rows and
-    `n_eval` eval rows), planned for this machine with `strategy` fixed (the batch shape); its metrics."""
+    `n_eval` eval rows), planned for this machine with `strategy` fixed (the batch shape), then the eval stage
+    on the same eval rows (`evaluate`): the training metrics with the eval stage's scores as `eval`."""
     from finetune.pipeline.stages import resolve
     from finetune.train import stage
 
@@ -223,7 +224,19 @@ def train_run(
     datasets = (train, evals.select(range(n_eval)))
     plan = plan_for(cfg, **strategy)
     write_engine(cfg, plan, Path(cfg.run_dir))
-    return stage.run(cfg, Path(cfg.run_dir), plan, datasets=datasets, max_generate=max_generate)
+    metrics = stage.run(cfg, Path(cfg.run_dir), plan, datasets=datasets)
+    return {**metrics, "eval": evaluate(cfg, Path(cfg.run_dir), datasets[1], max_generate)}
+
+
+def evaluate(cfg: Config, run_dir: Path, eval_ds: Any, num_samples: Optional[int], **settings: Any) -> dict:
+    """The eval stage on `eval_ds` (its first `num_samples` prompts answered, at most 8 new tokens each, no
+    regression set unless `settings` say so): {base: scores, trained: scores}."""
+    from finetune.evaluation import stage as evaluation
+
+    fields: dict[str, Any] = dict(num_samples=num_samples, max_new_tokens=8, regression=False, progress=False)
+    fields.update(settings)
+    scores = evaluation.run(replace(cfg, eval=replace(cfg.eval, **fields)), run_dir, eval_dataset=eval_ds)
+    return {v: scores[v] for v in ("base", "trained") if v in scores}
 
 
 FOUR_STEPS = ("train.max_steps=4", "train.save_steps=1000", "train.warmup_ratio=0.0")

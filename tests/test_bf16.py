@@ -46,7 +46,7 @@ def _train_bf16(run_dir: Path, tiny_data, method: str, chunked: bool, checkpoint
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["no-ckpt", "ckpt"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["trl-loss", "chunked-loss"])
 @pytest.mark.parametrize("method", ["full", "lora", "qlora"])
-def test_bf16_trains_and_the_worker_evaluates(
+def test_bf16_trains_and_the_eval_stage_scores_it(
     tmp_path, tiny_cache, tiny_data, method, chunked, checkpointing
 ):
     m = _train_bf16(tmp_path, tiny_data, method, chunked, checkpointing)
@@ -67,7 +67,7 @@ def test_bf16_trains_and_the_worker_evaluates(
     assert engine["activation_checkpointing"] is checkpointing
     losses = last_losses(Path(m["train"]["output_dir"]).parent)
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
-    # The worker's evaluation ran after training, on the accelerate-wrapped model, in bf16.
+    # The eval stage scores the saved output, loaded in bf16 as training ran it.
     base, trained = m["eval"]["base"], m["eval"]["trained"]
     assert math.isfinite(base["loss"]) and math.isfinite(trained["loss"])
     assert trained["loss"] < base["loss"] - 0.3, (base["loss"], trained["loss"])
@@ -95,7 +95,7 @@ def test_heldout_loss_after_mixed_precision_wrapping_matches_plain_bf16(
     from finetune.core.config import MethodConfig
     from finetune.evaluation.heldout import heldout_loss
     from finetune.modeling import tiny
-    from finetune.modeling.models import lora_config
+    from finetune.modeling.loading import lora_config
 
     model = tiny.load_model(tiny_model_cfg).to(torch.bfloat16)
     model = get_peft_model(model, lora_config(MethodConfig(lora_dropout=0.0), tiny_model_cfg))

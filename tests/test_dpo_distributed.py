@@ -51,6 +51,7 @@ def pipeline_run(root: Path, name: str, *extra: str, timeout: int = RUN_TIMEOUT_
     metrics = json.loads((run_dir / "metrics.json").read_text())
     return {
         "dir": run_dir,
+        "args": args,
         "metrics": metrics,
         "losses": losses(run_dir / "checkpoints" / f"checkpoint-{STEPS}"),
     }
@@ -102,7 +103,8 @@ def test_dpo_ddp_two_processes_train_like_one(root, reference):
     engine = run["metrics"]["train"]["engine"]
     assert engine["wrapper"] == "DistributedDataParallel"
     assert_like_one_process(run, reference)
-    ev = run["metrics"]["eval"]  # rank 0 holds the whole model: it scores the pairs
+    run_modes(run["args"], root / "ddp", modes=("eval",))  # the eval stage scores the pairs
+    ev = json.loads((run["dir"] / "metrics.json").read_text())["eval"]
     assert ev["base"]["preference_accuracy"] == 0.0 and "preference_accuracy" in ev["trained"]
 
 

@@ -11,7 +11,8 @@ import torch
 from helpers import make_adapter_run, tiny_cfg
 
 from finetune.modeling import tiny
-from finetune.modeling.models import attach_adapter, load_variant
+from finetune.modeling.loading import attach_adapter
+from finetune.modeling.variants import load_variant
 
 
 def _logits(model, ids):

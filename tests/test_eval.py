@@ -253,7 +253,7 @@ def test_an_adapter_saved_under_wrapper_names_is_refused_not_scored_as_the_base(
     from finetune.core.config import MethodConfig
     from finetune.core.errors import LaunchError
     from finetune.modeling import tiny
-    from finetune.modeling.models import attach_adapter
+    from finetune.modeling.loading import attach_adapter
 
     adapter = make_adapter_run(tmp_path / "run", tiny_model_cfg, MethodConfig(lora_dropout=0.0))
     attach_adapter(tiny.load_model(tiny_model_cfg), adapter)  # as saved: loads
@@ -271,15 +271,74 @@ def test_an_adapter_saved_under_wrapper_names_is_refused_not_scored_as_the_base(
 
 def test_no_held_out_split_means_no_loss_not_nan(tiny_cache, tiny_model_cfg, tiny_tokenizer, tiny_data):
     """data.eval_fraction=0: the held-out loss is absent (metrics.json stays strict JSON), not NaN."""
-    from finetune.evaluation.heldout import evaluate, heldout_loss
+    from finetune.evaluation.heldout import heldout_loss
+    from finetune.evaluation.stage import evaluate_model
     from finetune.modeling import tiny
 
     model = tiny.load_model(tiny_model_cfg)
     _, evals = tiny_data
     empty = evals.select([])
     assert heldout_loss(model, empty, tiny_tokenizer.pad_token_id) is None
-    result = evaluate(model, tiny_tokenizer, empty, max_generate=0)
+    result, _, _ = evaluate_model(model, tiny_tokenizer, empty, [], [], fast_eval(num_samples=0), [], "base")
     assert "loss" not in result
     json.dumps(result, allow_nan=False)  # no NaN anywhere
     some = heldout_loss(model, evals.select(range(4)), tiny_tokenizer.pad_token_id)
     assert some is not None and 6.0 < some < 8.0  # random init on a 512-token vocabulary: about ln(512) = 6.2
+
+
+# ---------------------------------------------------------------- what a reader sees: lost checks, counts
+
+
+def _lost_two(run: Path) -> dict:
+    """eval/metrics.json of a trained model that kept 3 of the base's 5 checks (lost fmt-2 and lang-4)."""
+    result = {
+        "base": {"loss": 2.0, "generated": 256, "regression_refusals": 0, "regression_checks_passed": 0.5},
+        "trained": {
+            "loss": 1.5,
+            "generated": 256,
+            "regression_refusals": 1,
+            "regression_checks_passed": 0.4,
+            "regression_checks_kept": 0.6,
+        },
+        "regression": {
+            "trained": {"new_refusals": ["gen-1"], "new_empty": [], "lost_checks": ["fmt-2", "lang-4"]}
+        },
+        "settings": {},
+        "models": {},
+    }
+    (run / "eval").mkdir(parents=True)
+    (run / "eval" / "metrics.json").write_text(json.dumps(result))
+    return result
+
+
+def test_lost_regression_checks_are_marked_and_warned_in_report_and_console(tmp_path, capsys):
+    from finetune.evaluation import stage as eval_stage
+    from finetune.evaluation.report import write_report
+
+    result = _lost_two(tmp_path)
+    write_report(tiny_cfg(), tmp_path / "report.md", result, [], curves_drawn=False)
+    report = (tmp_path / "report.md").read_text().splitlines()
+    # gains ✓, losses ✗; counts as integers; the kept share marked where checks were lost
+    assert "| loss | 2.0000 | 1.5000 | -0.5000 ✓ |" in report
+    assert "| regression_refusals | 0 | 1 | +1 ✗ |" in report
+    assert "| regression_checks_kept | - | 0.6000 ✗ | - |" in report
+    assert "| generated | 256 | 256 | +0 |" in report
+    warning = (
+        "**Warning**: trained fails 2 regression checks the base passes (fmt-2, lang-4); its answers are in "
+        "eval/report.md and eval/samples.jsonl."
+    )
+    assert warning in report
+    assert "- **trained**: new refusals: gen-1; lost checks: fmt-2, lang-4" in report
+
+    eval_stage.show(tmp_path)
+    err = " ".join(capsys.readouterr().err.split())
+    assert "regression_checks_kept │ - │ 0.6000 ✗" in err and "generated │ 256 │ 256" in err
+    assert "256.0000" not in err
+    assert err.count("warning: trained fails 2 regression checks the base passes (fmt-2, lang-4)") == 1
+
+
+def test_no_evaluation_shows_nothing(tmp_path, capsys):
+    from finetune.evaluation import stage as eval_stage
+
+    eval_stage.show(tmp_path)
+    assert capsys.readouterr() == ("", "")

@@ -44,7 +44,7 @@ def _inputs(held_out, n=3):
 
 def test_lora_merge_matches_the_adapter_model_and_ships_everything(tmp_path, tiny_cache, held_out):
     from finetune.modeling import tiny
-    from finetune.modeling.models import attach_adapter
+    from finetune.modeling.loading import attach_adapter
 
     run = tmp_path / "run"
     cfg = _export_cfg(run)
@@ -91,7 +91,8 @@ def test_qlora_merges_into_a_16_bit_base_exactly(tmp_path, tiny_cache, held_out,
     """QLoRA: merged in fp32/bf16, never NF4; equals the adapter on that (original or dequantized) base."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.modeling.models import attach_adapter, load_base
+    from finetune.modeling.loading import attach_adapter
+    from finetune.modeling.variants import load_base
 
     run = tmp_path / "run"
     cfg = _export_cfg(run, "qlora", qlora_merge_base=merge_base)

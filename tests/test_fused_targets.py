@@ -31,7 +31,7 @@ def test_a_chosen_list_still_wins_and_is_checked():
 
 @pytest.mark.slow  # builds and loads a tiny Phi-3 (about 35 s on a shared core)
 def test_the_loader_adapts_a_tiny_phi3s_fused_modules(tiny_cache):
-    from finetune.modeling.models import load_for_training
+    from finetune.modeling.loading import load_for_training
 
     cfg = tiny_cfg("model.architecture=phi3", "model.hidden_size=64", "model.head_dim=16", "method=lora")
     m = cfg.model

@@ -40,7 +40,7 @@ def _train(run: Path, log: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     cfg = resolve(tiny_cfg(*GRPO_RESUME, run_dir=run))
     rundir.save_config(cfg, run)
     plan = rundir.load_plan(run) if (run / rundir.PLAN_FILE).is_file() else plan_stage(cfg, run, quiet=True)
-    return stage.run(cfg, run, plan, max_generate=1)
+    return stage.run(cfg, run, plan)
 
 
 @pytest.mark.slow

@@ -37,7 +37,7 @@ def _trainer(tmp_path: Path, *overrides: str) -> tuple[Any, Any]:
     on a run started from a saved adapter; and the rows it trains on."""
     from datasets import Dataset
 
-    from finetune.modeling import models
+    from finetune.modeling import loading, models
     from finetune.train import grpo_trainer
     from finetune.train.base_trainer import build_trainer
 
@@ -51,7 +51,7 @@ def _trainer(tmp_path: Path, *overrides: str) -> tuple[Any, Any]:
     write_engine(cfg, plan, run)
     rows = Dataset.from_list(grpo_trainer.prompt_rows(tasks.generate(40, 3)))
     args = grpo_trainer.build_config(cfg, plan, run, torch.float32)
-    model, dtype = models.load_for_training(cfg)
+    model, dtype = loading.load_for_training(cfg)
     tokenizer = models.load_tokenizer(cfg.model)
     trainer = build_trainer(cfg, plan, run, model, tokenizer, rows, None, dtype, [], args=args)
     trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which these checks skip

@@ -209,7 +209,7 @@ def test_a_registered_method_is_refused_once_removed():
 
 
 def test_a_registered_method_loads_with_its_peft_options(dora_test: MethodSpec, tiny_cache):
-    from finetune.modeling.models import load_for_training
+    from finetune.modeling.loading import load_for_training
 
     cfg = compose(["method.name=dora_test"])
     model, _ = load_for_training(cfg)

@@ -31,7 +31,7 @@ def test_tiny_mixtral_counts_exactly_and_its_adapters_are_peft_s(tiny_cache):
     from peft import get_peft_model
 
     from finetune.modeling import tiny
-    from finetune.modeling.models import lora_config
+    from finetune.modeling.loading import lora_config
 
     m = tiny_model(
         "mixtral", num_experts=4, num_experts_per_token=2, intermediate_size=48, norm_topk_prob=True

@@ -27,7 +27,7 @@ from helpers import (
 
 from finetune.rundir import checkpoints
 from finetune.train import callbacks as cb
-from finetune.train import stage
+from finetune.train import resume
 
 # 8 steps of 2 x 2 rows, a checkpoint every 4, dropout on so the RNG state matters.
 EIGHT_STEPS = ("train.max_steps=8", "train.save_steps=4", "method.lora_dropout=0.1")
@@ -53,9 +53,9 @@ def test_sigint_saves_at_the_step_boundary_and_resumes_exactly(tmp_path, tiny_ca
 
     monkeypatch.setattr(cb.RunMonitor, "on_step_end", signal_at_step_3)
     run = tmp_path / "run"
-    with pytest.raises(stage.Preempted) as stopped:
+    with pytest.raises(resume.Preempted) as stopped:
         _train(run, tiny_data)
-    assert stopped.value.exit_code == 75 == stage.PREEMPTED_EXIT_CODE
+    assert stopped.value.exit_code == 75 == resume.PREEMPTED_EXIT_CODE
     message = str(stopped.value)
     assert "stopped by SIGINT at step 3" in message and f"python -m finetune.train {run}" in message
     assert "\n" not in message
@@ -159,15 +159,14 @@ def _slow_worker(run: Path, flag: Path, module: str, name: str) -> subprocess.Po
 @pytest.mark.parametrize(
     "module, name, during",
     [
-        ("finetune.modeling.models", "load_for_training", "loading the model"),
-        ("finetune.evaluation.heldout", "evaluate", "the base evaluation"),
+        ("finetune.modeling.loading", "load_for_training", "loading the model"),
+        ("finetune.train.stage", "load_prepared", "loading the data"),
     ],
-    ids=["model_load", "base_evaluation"],
+    ids=["model_load", "data_load"],
 )
 def test_sigterm_outside_the_training_loop_stops_at_once_with_75(tmp_path, tiny_cache, module, name, during):
-    """The reported cases: SIGTERM during model load exited 2; during the base evaluation it waited for all
-    of it, then claimed a checkpoint that this attempt had not saved. Full fine-tuning: its base is scored
-    before the loop (adapters' after it, the next test)."""
+    """SIGTERM while the worker loads stops it at once (exit 75, not 2, not after the slow step), with one line
+    that names what it was doing and claims no checkpoint this attempt did not save."""
     run = prepare_worker_run(tmp_path / "run", tmp_path / "cache", "train.max_steps=4", "method=full")
     flag = tmp_path / "flag"
     proc = _slow_worker(run, flag, module, name)
@@ -185,9 +184,9 @@ def test_sigterm_outside_the_training_loop_stops_at_once_with_75(tmp_path, tiny_
     assert not (run / "checkpoints").exists() or not checkpoints.listing(run / "checkpoints")
 
 
-def _sigterm_during_base_evaluation(run: Path, flag: Path) -> str:
-    """The worker on `run`, stopped by SIGTERM inside its base evaluation: its stderr, once it exited 75."""
-    proc = _slow_worker(run, flag, "finetune.evaluation.heldout", "evaluate")
+def _sigterm_during(run: Path, flag: Path, module: str, name: str) -> str:
+    """The worker on `run`, stopped by SIGTERM inside `module.name`: its stderr, once it exited 75."""
+    proc = _slow_worker(run, flag, module, name)
     _wait(flag, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
@@ -195,19 +194,19 @@ def _sigterm_during_base_evaluation(run: Path, flag: Path) -> str:
     return err
 
 
-def test_sigterm_during_the_base_evaluation_after_an_adapters_loop_names_its_final_checkpoint(
+def test_sigterm_while_saving_after_the_loop_names_its_final_checkpoint_and_keeps_no_half_output(
     tmp_path, tiny_cache
 ):
-    """LoRA's base is scored after the loop, the adapter switched off: a SIGTERM then stops at once, and the
-    line names the checkpoint the loop saved (the output is saved too; metrics.json is not written)."""
+    """After the loop the output is saved whole or not at all: a SIGTERM while it is written stops at once,
+    leaves no adapter/ and no metrics.json, and the line names the checkpoint the loop saved."""
     run = prepare_worker_run(tmp_path / "run", tmp_path / "cache", "train.max_steps=4", "train.save_steps=2")
-    err = _sigterm_during_base_evaluation(run, tmp_path / "flag")
+    err = _sigterm_during(run, tmp_path / "flag", "finetune.modeling.outputs", "record")
     final = run / "checkpoints" / "checkpoint-4"
     assert (
-        f"during the base evaluation, at once (nothing was saved by this stop); the newest complete checkpoint is {final}"
-        in err
+        "during saving the trained output, at once (nothing was saved by this stop); the newest complete "
+        f"checkpoint is {final}" in err
     ), err[-3000:]
-    assert (run / "adapter" / "adapter_config.json").is_file() and not (run / "metrics.json").exists()
+    assert not (run / "adapter").exists() and not (run / "metrics.json").exists()
 
 
 def test_sigterm_before_training_names_the_existing_resume_point_not_a_new_save(tmp_path, tiny_cache):
@@ -219,9 +218,9 @@ def test_sigterm_before_training_names_the_existing_resume_point_not_a_new_save(
     (run / "metrics.json").unlink()  # as if the run had died after its last checkpoint
     newest = checkpoints.last_complete(run / "checkpoints")
     stamp = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
-    err = _sigterm_during_base_evaluation(run, tmp_path / "flag")
+    err = _sigterm_during(run, tmp_path / "flag", "finetune.modeling.loading", "load_for_training")
     assert (
-        f"during the base evaluation, at once (nothing was saved by this stop); the newest complete checkpoint is {newest}"
+        f"during loading the model, at once (nothing was saved by this stop); the newest complete checkpoint is {newest}"
         in err
     )
     assert {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()} == stamp
@@ -242,7 +241,7 @@ def test_two_sigterms_to_the_pipeline_half_a_second_apart_exit_75(tmp_path, tiny
     exited 2 (reserved for bad input)."""
     run = prepare_worker_run(tmp_path / "run", tmp_path / "cache", "train.max_steps=4")
     flag = tmp_path / "flag"
-    fake = _fake_python(tmp_path, "finetune.modeling.models", "load_for_training", flag)
+    fake = _fake_python(tmp_path, "finetune.modeling.loading", "load_for_training", flag)
     proc = subprocess.Popen(
         [sys.executable, "-m", "finetune", "mode=train", f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}",
          *WORKER_RUN, f"launch.python={fake}"],

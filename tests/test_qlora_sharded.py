@@ -102,7 +102,7 @@ def test_sharded_storage_packs_the_same_bytes(tiny_cache):
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnbf
 
-    from finetune.modeling.models import load_for_training
+    from finetune.modeling.loading import load_for_training
 
     cfg = tiny_cfg("method=qlora", "method.precision=bf16")
     layers = {}

@@ -441,7 +441,7 @@ def test_other_nodes_and_detach_lines_run_only_themselves(tmp_path, capsys):
 
 
 def test_resume_hints_in_messages_run_only_themselves(tmp_path):
-    from finetune.train.stage import Preempted, interrupted_message
+    from finetune.train.resume import Preempted, interrupted_message
 
     run = tmp_path / HOSTILE_DIR
     run.mkdir()
@@ -608,7 +608,7 @@ def test_a_damaged_run_dir_file_the_ranks_read_is_one_line(tmp_path, name, text,
 
 
 def test_a_checkpoint_that_fails_to_load_names_the_previous_one(tmp_path):
-    from finetune.train.stage import unresumable
+    from finetune.train.resume import unresumable
 
     folder = tmp_path / "checkpoints"
     _checkpoint(folder, 4)

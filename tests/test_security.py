@@ -172,7 +172,7 @@ def test_pickle_weights_refused_unless_allowed_and_opt_ins_logged(tmp_path, tiny
     import torch
 
     from finetune.modeling import tiny
-    from finetune.modeling.models import check_weight_safety, load_for_training
+    from finetune.modeling.loading import check_weight_safety, load_for_training
     from finetune.pipeline.cli import compose
 
     cfg = compose([SEQ_LEN])
@@ -204,7 +204,7 @@ def test_every_loading_path_refuses_pickle_only_weights(tmp_path, tiny_cache):
 
     from finetune import rundir
     from finetune.export.merge import merged_model
-    from finetune.modeling import models, tiny
+    from finetune.modeling import tiny, variants
     from finetune.pipeline.cli import compose
 
     def pickled(folder: Path) -> None:
@@ -219,17 +219,17 @@ def test_every_loading_path_refuses_pickle_only_weights(tmp_path, tiny_cache):
     on_pickles = replace(cfg, model=replace(cfg.model, name="pickled", config_path=str(base / "config.json")))
     refused = r"only pickle weights \(pytorch_model.bin\)"
     with pytest.raises(ConfigError, match=refused):
-        models.load_variant(on_pickles, tmp_path / "run", "base")
+        variants.load_variant(on_pickles, tmp_path / "run", "base")
     run = tmp_path / "run"
     pickled(rundir.trained_dir(run, uses_adapters=False))
     pickled(rundir.merged_dir(run))
     for variant in ("trained", "merged"):
         with pytest.raises(ConfigError, match=refused):
-            models.load_variant(cfg, run, variant)
+            variants.load_variant(cfg, run, variant)
     with pytest.raises(ConfigError, match=refused):
         merged_model(cfg, run, [])
     with pytest.raises(ConfigError, match=refused):
-        models.load_base(on_pickles, torch.float32)
+        variants.load_base(on_pickles, torch.float32)
 
 
 # ---------------------------------------------------------------- scripts: every value quoted, secrets by name

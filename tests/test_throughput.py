@@ -124,7 +124,8 @@ def test_liger_goes_through_trls_switch_and_reaches_the_trainer(tmp_path, tiny_c
     chunked loss is told to use Liger's kernel (which it does for CUDA tensors only)."""
     import transformers.trainer
 
-    from finetune.modeling.models import load_for_training, load_tokenizer
+    from finetune.modeling.loading import load_for_training
+    from finetune.modeling.models import load_tokenizer
     from finetune.train.base_trainer import build_trainer
     from finetune.train.sft_trainer import build_config
 
@@ -171,7 +172,7 @@ def _segments(position_ids: list[int]) -> list[tuple[int, int]]:
 
 def _lora_model(tiny_cache, attention: str, precision: str):
     from finetune.modeling.chunked_loss import add_chunked_loss_head
-    from finetune.modeling.models import load_for_training
+    from finetune.modeling.loading import load_for_training
 
     # flex: a GPU profile gets past the config's refusal; the model still loads on the CPU (LoRA has no
     # device map), in fp32 (on "cuda" without CUDA, bf16 would fall back to fp32).

@@ -8,9 +8,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SEQ_LEN, last_losses, plan_for, prepare_run, run_cli, tiny_cfg, train_run, write_engine
+from helpers import (
+    SEQ_LEN,
+    evaluate,
+    last_losses,
+    plan_for,
+    prepare_run,
+    run_cli,
+    tiny_cfg,
+    train_run,
+    write_engine,
+)
 
 from finetune import rundir
+from finetune.data.stage import load_prepared
 from finetune.modeling.collator import NUM_TOKENS_KEY, PackedCollator
 from finetune.pipeline.cli import compose
 from finetune.train import stage
@@ -80,7 +91,8 @@ def test_early_stop_saves_then_stops_the_trainer(tmp_path, tiny_cache, tiny_data
     """A (faked) loss spike at step 5 of 30: a checkpoint at step 5, and no step 6."""
     from transformers import TrainerCallback
 
-    from finetune.modeling.models import load_for_training, load_tokenizer
+    from finetune.modeling.loading import load_for_training
+    from finetune.modeling.models import load_tokenizer
     from finetune.train.base_trainer import build_trainer
 
     class Spike(TrainerCallback):
@@ -256,7 +268,8 @@ def test_qlora_gradients_after_eval_match_dequantized_reference(tiny_cache, tiny
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from finetune.modeling.models import load_for_training, lora_config, model_source
+    from finetune.modeling.loading import load_for_training, lora_config
+    from finetune.modeling.models import model_source
 
     cfg = tiny_cfg(
         *STEADY,
@@ -325,8 +338,9 @@ def test_tiny_recipe_learns_the_bundled_task(tmp_path, tiny_cache):
     """The embedded default as configured: held-out loss falls clearly and exact match rises from ~0."""
     run = prepare_run(compose([f"run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"]))
     cfg = rundir.load_config(run)
-    m = stage.run(cfg, run, rundir.load_plan(run), max_generate=None)
-    base, trained = m["eval"]["base"], m["eval"]["trained"]
+    stage.run(cfg, run, rundir.load_plan(run))
+    scores = evaluate(cfg, run, load_prepared(run)[1], None)
+    base, trained = scores["base"], scores["trained"]
     assert base["exact_match"] < 0.05
     assert trained["exact_match"] > base["exact_match"] + 0.4, trained
     assert trained["loss"] < 0.5 * base["loss"], (base["loss"], trained["loss"])

@@ -1,29 +1,18 @@
-"""Held-out evaluation: token-level loss and greedy-generation exact match on the eval split.
+"""The held-out loss, and the held-out conversations split into prompt and reference answer.
 
-The same function scores the base model (before training) and the trained one,
-so `metrics.json` compares like with like: the loss is the mean over every
-labelled token of the split (computed with the chunked loss, so no full logits),
-and the task metric comes from `finetune.core.tasks.score` on greedy answers to the
-held-out prompts rendered with the same chat template.
+The eval stage scores base, trained and merged models with the same function, so `eval/metrics.json`
+compares like with like: the mean next-token loss over every labelled token of the split, computed with
+the chunked loss (no full logits).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
 
-from finetune.core import tasks
-from finetune.core.config.evaluation import EvalConfig
-from finetune.evaluation import rewards
-from finetune.evaluation.generate import generate
 from finetune.modeling.chunked_loss import add_chunked_loss_head
 from finetune.modeling.collator import NUM_TOKENS_KEY, PackedCollator
-
-# Generated answers stop at the end-of-turn token or after this many tokens beyond the longest reference.
-EXTRA_NEW_TOKENS = 4
 
 
 @torch.no_grad()
@@ -65,52 +54,3 @@ def split_prompt(messages: list[dict]) -> tuple[list[dict], str]:
         if messages[i]["role"] == "assistant":
             return messages[:i], messages[i]["content"]
     raise ValueError("conversation has no assistant turn")
-
-
-def evaluate(
-    model: Any,
-    tokenizer: Any,
-    eval_dataset: Any,
-    *,
-    max_generate: Optional[int] = 256,
-    batch_size: int = 16,
-    examples: int = 0,
-    reward_fns: Optional[Sequence[rewards.Reward]] = None,
-) -> dict[str, Any]:
-    """{"loss", "exact_match", per-task exact match...} on the held-out split (model left in train mode after);
-    with `reward_fns` (the objective's rewards) also `mean_reward` and `pass_rate` of the same answers."""
-    was_training = model.training
-    model.eval()
-    try:
-        loss = heldout_loss(model, eval_dataset, tokenizer.pad_token_id, batch_size)
-        result: dict[str, Any] = {} if loss is None else {"loss": loss}
-        n = len(eval_dataset) if max_generate is None else min(max_generate, len(eval_dataset))
-        # eval.num_samples=0: the loss alone, no answers generated
-        if "messages" in eval_dataset.column_names and n:
-            pairs = [split_prompt(json.loads(eval_dataset[i]["messages"])) for i in range(n)]
-            prompts = [p for p, _ in pairs]
-            references = [r for _, r in pairs]
-            longest = max(len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in references)
-            # greedy, left-padded, one rendered prompt each: the evaluation stage's generation
-            settings = EvalConfig(
-                max_new_tokens=longest + EXTRA_NEW_TOKENS,
-                batch_size=batch_size * 2,
-                greedy=True,
-                progress=False,
-            )
-            predictions = generate(model, tokenizer, prompts, settings)
-            last_user = [
-                next((m["content"] for m in reversed(p) if m["role"] == "user"), "") for p in prompts
-            ]
-            result.update(tasks.score(last_user, predictions, references))
-            if reward_fns:
-                result.update(rewards.scores(reward_fns, last_user, predictions, references))
-            result["generated"] = n
-            if examples:
-                result["examples"] = [
-                    {"prompt": u, "reference": r, "prediction": p}
-                    for u, r, p in list(zip(last_user, references, predictions))[:examples]
-                ]
-    finally:
-        model.train(was_training)
-    return result

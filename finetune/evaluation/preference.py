@@ -20,8 +20,6 @@ from typing import Any
 import torch
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-from finetune.evaluation import heldout
-
 # Pairs per forward: both sides of each go through the model together (twice the rows).
 BATCH_PAIRS = 8
 
@@ -81,20 +79,3 @@ def scores(policy: list[list[float]], reference: list[list[float]], beta: float)
         "logprob_accuracy": sum(p[0] > p[1] for p in policy) / n,
         "pairs": n,
     }
-
-
-def evaluate(
-    model: Any,
-    tokenizer: Any,
-    eval_dataset: Any,
-    beta: float,
-    reference: list[list[float]] | None,
-    **generation: Any,
-) -> tuple[dict[str, Any], list[list[float]]]:
-    """(scores, this model's log-probabilities): the SFT evaluation's generation metrics on the prompts
-    (the chosen answer as the reference answer) plus the preference metrics against `reference` (None: this
-    model is the reference, as the base is before training)."""
-    result = heldout.evaluate(model, tokenizer, eval_dataset, **generation)
-    mine = log_probs(model, eval_dataset, tokenizer.pad_token_id)
-    result.update(scores(mine, reference if reference is not None else mine, beta))
-    return result, mine

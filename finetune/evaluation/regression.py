@@ -125,3 +125,25 @@ def regressions(rows: Sequence[dict[str, Any]], variant: str) -> dict[str, list[
             if flag in mine and flag not in base:
                 out[names[flag]].append(row["id"])
     return out
+
+
+# The share of the base's passed checks a fine-tuned model still passes (`summary`).
+KEPT_METRIC = "regression_checks_kept"
+
+
+def lost_checks(result: dict[str, Any]) -> dict[str, list[str]]:
+    """{variant: the regression prompts whose check the base passes and it fails} from eval/metrics.json's
+    `regression`, for the variants that lost any."""
+    found = result.get("regression") or {}
+    return {
+        v: list(f["lost_checks"]) for v, f in found.items() if isinstance(f, dict) and f.get("lost_checks")
+    }
+
+
+def lost_line(variant: str, ids: Sequence[str]) -> str:
+    """One line on the checks `variant` lost: how many, the first few prompt ids, where to read them."""
+    shown = ", ".join(map(str, ids[:5])) + (", ..." if len(ids) > 5 else "")
+    return (
+        f"{variant} fails {len(ids)} regression check{'s' if len(ids) != 1 else ''} the base passes ({shown}); "
+        "its answers are in eval/report.md and eval/samples.jsonl"
+    )

@@ -14,8 +14,8 @@ from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.markup import markdown_cell, markdown_text
 from finetune.evaluation import regression
-from finetune.modeling.models import VARIANTS
 from finetune.modeling.outputs import Identity
+from finetune.modeling.variants import VARIANTS
 from finetune.rundir import checkpoints
 
 # Metrics where lower is better; every other one is better higher.
@@ -42,11 +42,13 @@ def _cell(value: Any, width: int = 80) -> str:
 
 
 def _delta(name: str, base: Any, other: Any) -> str:
+    """other − base, marked ✓ where the model got better and ✗ where it got worse."""
     if not isinstance(base, (int, float)) or not isinstance(other, (int, float)):
         return "-"
     d = other - base
     better = d < 0 if name in LOWER_IS_BETTER else d > 0
-    return f"{d:+.4f}" + (" ✓" if better else "")
+    mark = " ✓" if better else (" ✗" if d else "")
+    return (f"{d:+d}" if isinstance(d, int) else f"{d:+.4f}") + mark
 
 
 def models_section(result: dict[str, Any]) -> list[str]:
@@ -102,8 +104,12 @@ def write_report(
     ]
     header = ["metric", *variants] + [f"{v} − base" for v in variants if v != "base" and "base" in result]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lost = regression.lost_checks(result)
     for name in metric_names(result):  # eval.metrics names a regex or a function: user text
-        cells = [_cell(name)] + [_cell(result[v].get(name)) for v in variants]
+        cells = [_cell(name)] + [
+            _cell(result[v].get(name)) + (" ✗" if name == regression.KEPT_METRIC and lost.get(v) else "")
+            for v in variants
+        ]
         if "base" in result:
             cells += [
                 _delta(name, result["base"].get(name), result[v].get(name)) for v in variants if v != "base"
@@ -113,6 +119,8 @@ def write_report(
     said = regression.note(result)
     if said:  # the regression shares are "-": say why, under the numbers
         lines += ["", f"{markdown_text(said[0].upper() + said[1:])}."]
+    for v, ids in lost.items():
+        lines += ["", f"**Warning**: {markdown_text(regression.lost_line(v, ids))}."]
     models = models_section(result)
     if models:
         lines += ["", *models]

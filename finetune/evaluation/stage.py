@@ -1,6 +1,7 @@
-"""mode=eval: score base, fine-tuned and (after export) merged models on the same prompts.
+"""The eval stage: the one place base, trained and merged models are scored, each once, on the same prompts.
 
-    python -m finetune +recipe=tiny mode=eval       # after mode=train; again after mode=export adds `merged`
+    python -m finetune +recipe=tiny mode=eval       # after mode=train; export scores `merged` through it
+    python -m finetune +recipe=tiny redo=eval       # score every model again
 
 For each model: the held-out loss over the data stage's eval split, task
 metrics on generated answers to its prompts (`eval.metrics`), the objective's own
@@ -18,8 +19,10 @@ regression set's answers with their flags. Writes into RUN_DIR/eval/:
 
 Provenance: `merged` is scored only when export/ was made from the trained output scored as `trained`
 (its identity); an export made from another model is skipped with a one-line note (and named in
-`skipped`). Results kept from an earlier evaluation are kept only for the same models. The folder is
-written into RUN_DIR/.eval.tmp and renamed into place whole (report.md always matches metrics.json).
+`skipped`). A model already scored with the same settings is kept, not scored again (`redo=eval` asks
+for it). The folder is written into RUN_DIR/.eval.tmp and renamed into place whole (report.md always
+matches metrics.json); the scores also go into RUN_DIR/metrics.json's `eval`. The table is printed by
+`show`, once, after the last stage of a command.
 """
 
 from __future__ import annotations
@@ -35,21 +38,20 @@ from typing import Any, Optional
 from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.config.evaluation import EvalConfig
-from finetune.core.markup import console_text
+from finetune.core.markup import console_text, terminal_text
 from finetune.data.stage import load_prepared
 from finetune.evaluation import curves, metrics, preference, regression, rewards
 from finetune.evaluation.generate import generate, sampling_kwargs
 from finetune.evaluation.heldout import heldout_loss, split_prompt
 from finetune.evaluation.report import metric_names, write_report
 from finetune.modeling import outputs
-from finetune.modeling.models import (
+from finetune.modeling.loading import attach_adapter, initial_output
+from finetune.modeling.models import load_tokenizer
+from finetune.modeling.variants import (
     VARIANTS,
     adapter_on_unchanged_base,
-    attach_adapter,
     available_variants,
     base_source,
-    initial_output,
-    load_tokenizer,
     load_variant,
     trained_dir,
 )
@@ -207,9 +209,11 @@ def _key(variant: str, record: Any) -> Any:
     return (record.get("made_from") or {}).get("sha256")
 
 
-def _kept(old_metrics: dict[str, Any], models: _Models, todo: Sequence[str]) -> list[str]:
-    """The variants of an earlier evaluation to keep beside this one: not re-scored now, and recorded as
-    the same model as the one present now (nothing is kept from a file that records no models)."""
+def _kept(old_metrics: dict[str, Any], models: _Models, todo: Sequence[str], settings_now: dict) -> list[str]:
+    """The variants of an earlier evaluation to keep: scored with these settings and recorded as the same model
+    as the one present now (nothing is kept from a file that records no models), and not asked for again."""
+    if old_metrics.get("settings") != settings_now:
+        return []
     old_models = old_metrics.get("models") or {}
     kept = []
     for v in VARIANTS:
@@ -237,27 +241,38 @@ def run(
     variants: Optional[Sequence[str]] = None,
     *,
     eval_dataset: Any = None,
+    redo: bool = False,
 ) -> dict[str, Any]:
-    """Evaluate `variants` (None: every model the run directory holds) and write RUN_DIR/eval/.
+    """Score `variants` (None: every model the run directory holds) and write RUN_DIR/eval/; returns its
+    metrics.json content.
 
-    An explicit list (export passes ["merged"]) adds to the existing metrics and samples; None
-    re-evaluates all and replaces them. `eval_dataset` replaces the data stage's eval split (tests).
+    A model already scored with the same settings (the same base, trained output or export) is kept as it
+    was, not scored again, unless `redo`; with nothing left to score nothing is written. The scores also go
+    into RUN_DIR/metrics.json's `eval`. `eval_dataset` replaces the data stage's eval split (tests).
     """
     run_dir = Path(run_dir)
     metric_fns = metrics.resolve(cfg.eval.metrics)  # a bad dotted path fails before any model loads
     reg_rows = regression.load(cfg.eval.regression_prompts) if cfg.eval.regression else []
-    if eval_dataset is None:
-        eval_dataset = load_prepared(run_dir)[1]
-    replace_all = variants is None
-    todo = _variants_to_evaluate(cfg, run_dir, variants)
+    asked = _variants_to_evaluate(cfg, run_dir, variants)
     models = _models(cfg, run_dir, available_variants(cfg, run_dir))
     for v, why in models.skipped.items():
-        if v in todo:
-            todo.remove(v)
+        if v in asked:
+            asked.remove(v)
             log.warning("eval: %s: not scored as %r; run mode=export to export this trained model", why, v)
     out_dir = rundir.eval_dir(run_dir)
-    old_metrics = {} if replace_all else _read_json(out_dir / rundir.EVAL_METRICS_FILE)
-    keep = _kept(old_metrics, models, todo)
+    old_metrics = _read_json(out_dir / rundir.EVAL_METRICS_FILE)
+    done = [] if redo else _kept(old_metrics, models, (), settings(cfg))
+    todo = [v for v in asked if v not in done]
+    if not todo:
+        if asked:
+            print(
+                f"evaluation: finished already ({', '.join(asked)} scored: "
+                f"{terminal_text(out_dir / rundir.EVAL_METRICS_FILE)}); redo=eval scores them again"
+            )
+        return old_metrics
+    keep = [v for v in done if v not in todo]
+    if eval_dataset is None:
+        eval_dataset = load_prepared(run_dir)[1]
     prompts = _prompts(eval_dataset, reg_rows, cfg.eval.num_samples, out_dir, keep)
     tokenizer = load_tokenizer(cfg.model)
     result: dict[str, Any] = {v: old_metrics[v] for v in keep}
@@ -266,8 +281,20 @@ def run(
     with outputs.staged(out_dir) as staging:
         _write_outputs(cfg, run_dir, staging, ordered, prompts.rows)
         outputs.write_made_from(staging, models.trained)
-    _print_table(ordered)
+    _record_in_run_metrics(run_dir, ordered)
     return ordered
+
+
+def _record_in_run_metrics(run_dir: Path, ordered: dict[str, Any]) -> None:
+    """RUN_DIR/metrics.json's `eval`: each scored model's metrics, beside the training stage's `train`."""
+    path = run_dir / rundir.METRICS_FILE
+    try:
+        doc = json.loads(rundir.read_own_text(path)) if path.is_file() else {}
+    except (OSError, ValueError):
+        doc = {}
+    doc = doc if isinstance(doc, dict) else {}
+    doc["eval"] = {v: ordered[v] for v in VARIANTS if v in ordered}
+    rundir.write_json(path, doc)
 
 
 def _variants_to_evaluate(cfg: Config, run_dir: Path, variants: Optional[Sequence[str]]) -> list[str]:
@@ -405,24 +432,39 @@ def _write_outputs(
     write_report(cfg, out_dir / rundir.EVAL_REPORT_FILE, ordered, rows, curves_drawn=drawn is not None)
 
 
-def _print_table(result: dict[str, Any]) -> None:
+def show(run_dir: Path) -> None:
+    """The table of RUN_DIR/eval/metrics.json on the console, with the regression checks a fine-tuned model
+    lost against the base marked and warned about (nothing when there is no evaluation)."""
     from rich.console import Console
     from rich.table import Table
 
-    variants = [v for v in VARIANTS if v in result]
+    result = _read_json(rundir.eval_dir(Path(run_dir)) / rundir.EVAL_METRICS_FILE)
+    variants = [v for v in VARIANTS if isinstance(result.get(v), dict)]
+    if not variants:
+        return
+    lost = regression.lost_checks(result)
     table = Table(title="evaluation", header_style="bold")
     table.add_column("metric")
     for v in variants:
         table.add_column(v, justify="right")
     for name in metric_names(result):  # a regex metric's name holds brackets: not rich markup
-        table.add_row(console_text(name), *(_fmt(result[v].get(name)) for v in variants))
+        cells = [_fmt(result[v].get(name)) + _mark(name, lost.get(v)) for v in variants]
+        table.add_row(console_text(name), *cells)
     console = Console(stderr=True)
     console.print(table)
     if said := regression.note(result):  # the shares are "-" then: say why
         console.print(console_text(said))
+    for v, ids in lost.items():
+        console.print(console_text(f"warning: {regression.lost_line(v, ids)}"), style="yellow")
+
+
+def _mark(name: str, lost: Optional[list[str]]) -> str:
+    """The mark beside a regression-check share when the model lost checks the base passes."""
+    return " ✗" if lost and name == regression.KEPT_METRIC else ""
 
 
 def _fmt(value: Any) -> str:
+    """A number as read: counts as integers, shares and losses to four places."""
     if value is None:
         return "-"
     if isinstance(value, float):

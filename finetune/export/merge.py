@@ -22,7 +22,8 @@ import torch
 
 from finetune.core.config import Config
 from finetune.core.errors import FinetuneError
-from finetune.modeling.models import attach_adapter, load_base, load_trained_model, trained_dir
+from finetune.modeling.loading import attach_adapter
+from finetune.modeling.variants import load_base, load_trained_model, trained_dir
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,8 @@ from finetune.evaluation import regression
 from finetune.evaluation import stage as eval_stage
 from finetune.export import merge, serve
 from finetune.modeling import outputs
-from finetune.modeling.models import load_tokenizer, model_source, trained_dir
+from finetune.modeling.models import load_tokenizer, model_source
+from finetune.modeling.variants import trained_dir
 from finetune.planner import Plan
 
 log = logging.getLogger(__name__)

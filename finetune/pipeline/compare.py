@@ -20,7 +20,7 @@ from finetune import rundir
 from finetune.core.config import RUNS_DIR
 from finetune.core.errors import ConfigError, FinetuneError
 from finetune.core.markup import console_text, markdown_cell
-from finetune.modeling.models import VARIANTS
+from finetune.modeling.variants import VARIANTS
 
 # Config keys that differ between any two runs without being a knob of the experiment.
 IGNORED_KEYS = ("run_dir", "mode", "runs", "plan.out", "resume", "name", "data.cache_dir")

@@ -16,12 +16,13 @@ from typing import Any, Optional
 from finetune import rundir
 from finetune.core.composition import load_profiles
 from finetune.core.config import RUNS_DIR, Config
-from finetune.core.errors import INTERRUPTED_EXIT_CODE, ConfigError, DataError, LaunchError, PlanError
+from finetune.core.errors import INTERRUPTED_EXIT_CODE, ConfigError, DataError, LaunchError
 from finetune.core.markup import terminal_text
+from finetune.core.noise import quiet_libraries
 from finetune.data import stage as data_stage
 from finetune.launch import rollout
 from finetune.launch import stage as launch_stage
-from finetune.modeling import models
+from finetune.modeling import models, outputs
 from finetune.pipeline import compare
 from finetune.pipeline.plan_report import print_plan
 from finetune.planner import Plan, make_plan
@@ -128,14 +129,14 @@ def config_plan(
 
 
 def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
-    seq_len = None
-    if cfg.train.seq_len == "auto":
-        seq_len = data_seq_len(run_dir)
-        if seq_len is None:
-            raise PlanError("train.seq_len=auto needs the data stage: run mode=data (or mode=all) first")
+    """The plan of this run, written to plan.json: every later stage reads its `seq_len` (train.seq_len, or
+    under `auto` the data stage's resolution, data_stats.json), never the config's."""
+    # auto without the data stage stays None: the planner refuses it, in one line
+    seq_len = data_seq_len(run_dir) if cfg.train.seq_len == "auto" else None
     generates = cfg.objective.spec.generates
     rows_why = None
-    if generates:  # the rows the trainer forms from prompts and completions, when the data stage ran
+    if generates and (seq_len or cfg.train.seq_len != "auto"):
+        # the rows the trainer forms from prompts and completions, when the data stage ran
         seq_len, rows_why = rollout.training_rows(cfg, run_dir, seq_len or int(cfg.train.seq_len))
     run_length = data_run_length(cfg, run_dir)
     if run_length is not None:
@@ -232,17 +233,65 @@ def train_stage(cfg: Config, run_dir: Path, plan: Plan) -> int:
 
 
 def eval_stage(cfg: Config, run_dir: Path) -> dict:
-    """mode=eval: base, trained and merged models on the same held-out prompts (finetune/evaluation/stage.py)."""
+    """mode=eval: base, trained and merged models on the same held-out prompts (finetune/evaluation/stage.py);
+    a model already scored with these settings is not scored again unless redo=eval."""
     from finetune.evaluation import stage as evaluation
 
-    return evaluation.run(cfg, run_dir)
+    quiet_libraries(cfg.verbose)  # transformers' bars, now that it is loaded
+    return evaluation.run(cfg, run_dir, redo=cfg.redo == "eval")
 
 
 def export_stage(cfg: Config, run_dir: Path, plan: Plan) -> dict:
     """mode=export: merge, check, save, serve.sh (finetune/export/stage.py)."""
     from finetune.export import stage as export
 
+    quiet_libraries(cfg.verbose)
     return export.run(cfg, run_dir, plan)
+
+
+def show_evaluation(run_dir: Path) -> None:
+    """The evaluation table of eval/metrics.json, once, after the last stage that scored a model."""
+    from finetune.evaluation import stage as evaluation
+
+    evaluation.show(run_dir)
+
+
+def _read_metrics(run_dir: Path) -> dict:
+    """metrics.json, {} when absent or damaged (the training stage rewrites it whole)."""
+    try:
+        doc = json.loads(rundir.read_own_text(run_dir / rundir.METRICS_FILE))
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def finished_training(cfg: Config, run_dir: Path) -> Optional[str]:
+    """What a finished training run left ("400 steps, adapter/"), or None when there is training to do: the
+    output metrics.json names is the one on disk, trained to the end of the length this config asks for
+    (metrics.json is written when a run ends: at its last step, or stopped early)."""
+    train = _read_metrics(run_dir).get("train")
+    out = rundir.trained_dir(run_dir, cfg.method.uses_adapters)
+    identity = outputs.identity_of(out)
+    if not isinstance(train, dict) or identity is None:
+        return None
+    if (train.get("output_identity") or {}).get("sha256") != identity.sha256:
+        return None
+    if train.get("schedule") != cfg.train.length():
+        return None
+    return f"{train.get('steps')} steps, {out.name}/"
+
+
+def finished_export(cfg: Config, run_dir: Path) -> Optional[str]:
+    """What an export of the trained output left (export/, made from it), or None when there is none."""
+    made_from = outputs.made_from(rundir.export_dir(run_dir))
+    trained = outputs.identity_of(rundir.trained_dir(run_dir, cfg.method.uses_adapters))
+    if made_from is None or trained is None or not outputs.same_model(made_from, trained):
+        return None
+    return f"{rundir.EXPORT_DIR}/ made from {trained.describe()}"
+
+
+def _finished(stage: str, what: str, redo: str) -> None:
+    print(f"{stage}: finished already ({terminal_text(what)}); redo={redo} does it again")
 
 
 # What the summary lists, when this run wrote it.
@@ -259,6 +308,8 @@ SUMMARY_FILES = (
     f"{rundir.EXPORT_DIR}/{rundir.EXPORT_ADAPTER_DIR}",
     f"{rundir.EXPORT_DIR}/{rundir.SERVE_FILE}",
 )
+# What a reader of the evaluation opens, beside eval/metrics.json.
+EVALUATION_FILES = (rundir.EVAL_REPORT_FILE, rundir.EVAL_CURVES_FILE, rundir.EVAL_SAMPLES_FILE)
 
 
 def _stamps(run_dir: Path) -> dict[str, Optional[tuple[int, int, int]]]:
@@ -274,45 +325,24 @@ def _stamps(run_dir: Path) -> dict[str, Optional[tuple[int, int, int]]]:
     return stamps
 
 
-def _training_scores(run_dir: Path, before: dict[str, Optional[tuple[int, int, int]]]) -> dict[str, dict]:
-    """The training stage's base-vs-trained scores, when this run trained (not a dry run, a detached or
-    SLURM launch, or a run already complete)."""
-    path = run_dir / rundir.METRICS_FILE
-    if _stamps(run_dir)[rundir.METRICS_FILE] in (None, before[rundir.METRICS_FILE]):
-        return {}
-    try:
-        doc = json.loads(rundir.read_own_text(path))
-    except ValueError:
-        return {}  # written whole or not at all: a damaged one is not ours to summarise
-    if not isinstance(doc, dict) or (doc.get("train") or {}).get("already_complete"):
-        return {}
-    scores = doc.get("eval") or {}
-    return {v: scores[v] for v in models.VARIANTS if isinstance(scores.get(v), dict)}
-
-
-def _print_summary(
-    run_dir: Path, before: dict[str, Optional[tuple[int, int, int]]], scores: dict[str, dict]
-) -> None:
-    """The files this run wrote and the scores of the models it evaluated; nothing an earlier run left."""
+def _print_summary(run_dir: Path, before: dict[str, Optional[tuple[int, int, int]]]) -> None:
+    """The files this run wrote (nothing an earlier run left), then where the evaluation is to be read."""
     print(f"\nrun directory: {terminal_text(run_dir)}")
     after = _stamps(run_dir)
     for name in SUMMARY_FILES:
         if after[name] is not None and after[name] != before[name]:
             print(f"  {name}")
-    for variant in models.VARIANTS:
-        if variant in scores:
-            values = ", ".join(
-                f"{terminal_text(k)} {v:.4f}"
-                for k, v in scores[variant].items()
-                if isinstance(v, (int, float)) and "/" not in k
-            )
-            print(f"  {variant:8s} {values}")
-    # evaluation's words where the base passes none of the regression checks (its shares left out above)
-    for said in dict.fromkeys(s["regression_note"] for s in scores.values() if s.get("regression_note")):
-        print(f"  {terminal_text(said)}")
+    evaluation = rundir.eval_dir(run_dir)
+    if (evaluation / rundir.EVAL_REPORT_FILE).is_file():
+        shown = [n for n in EVALUATION_FILES if (evaluation / n).is_file()]
+        print(
+            f"evaluation: {terminal_text(evaluation / shown[0])}"
+            + "".join(f", {terminal_text(evaluation / n)}" for n in shown[1:])
+        )
 
 
 def run(cfg: Config) -> int:
+    quiet_libraries(cfg.verbose)
     cfg = resolve(cfg)
     if cfg.mode == "compare":
         out = Path(cfg.run_dir) if cfg.run_dir else Path(RUNS_DIR) / rundir.COMPARE_DIR
@@ -320,6 +350,8 @@ def run(cfg: Config) -> int:
         compare.run(cfg.runs, out)
         rundir.mark_owned(out)
         return 0
+    if cfg.redo == "train":  # starts over: the checkpoints of the finished run are not resumed
+        cfg = replace(cfg, resume=False)
     run_dir = rundir.prepare(cfg)
     before = _stamps(run_dir)
     rundir.check_resumable(cfg, run_dir)
@@ -342,21 +374,27 @@ def run(cfg: Config) -> int:
     cfg = replace(
         cfg, hardware=plan.hardware
     )  # from here on the plan's profile (hardware=auto: the chosen one)
-    scores: dict[str, dict] = {}  # of the models this run evaluated
     if mode in ("train", "all"):
         _enter("the training stage")
-        code = train_stage(cfg, run_dir, plan)
-        if code:
-            return code
-        scores.update(_training_scores(run_dir, before))
+        # resume=false or a checkpoint path asks for training: only resume=true finds it finished
+        trained = finished_training(cfg, run_dir) if cfg.resume is True else None
+        if trained is not None:
+            _finished("training", trained, "train")
+        else:
+            code = train_stage(cfg, run_dir, plan)
+            if code:
+                return code
     if mode in ("eval", "all"):
         _enter("the evaluation stage")
-        evaluated = eval_stage(cfg, run_dir)
-        scores.update({v: evaluated[v] for v in models.VARIANTS if v in evaluated})
+        eval_stage(cfg, run_dir)
     if mode in ("export", "all"):
         _enter("the export stage")
-        merged = export_stage(cfg, run_dir, plan).get("eval", {}).get("merged")
-        if merged is not None:
-            scores["merged"] = merged
-    _print_summary(run_dir, before, scores)
+        exported = finished_export(cfg, run_dir) if cfg.redo != "export" else None
+        if exported is not None:
+            _finished("export", exported, "export")
+        else:
+            export_stage(cfg, run_dir, plan)
+    if mode in ("eval", "export", "all"):
+        show_evaluation(run_dir)
+    _print_summary(run_dir, before)
     return 0

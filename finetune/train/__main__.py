@@ -22,7 +22,8 @@ from finetune.core.errors import (
     is_disk_full,
 )
 from finetune.core.markup import terminal_line
-from finetune.rundir import PLAN_FILE, checkpoint_dir, free_bytes
+from finetune.core.noise import quiet_libraries
+from finetune.rundir import CONFIG_FILE, PLAN_FILE, checkpoint_dir, free_bytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,9 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1 or args[0].startswith("-"):
         print("usage: python -m finetune.train RUN_DIR", file=sys.stderr)
         return 2
-    # From the first line on a signal stops the worker (exit 75): at once while it loads or evaluates,
+    # From the first line on a signal stops the worker (exit 75): at once while it loads or saves,
     # at the next step boundary with a checkpoint while it trains (the trainer's own handler).
     restore = interrupt_on_signals()
+    quiet_libraries(_verbose(Path(args[0])))  # before the libraries load: some speak on import
     try:
         from finetune.train.stage import run_worker
 
@@ -41,10 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"finetune.train: {terminal_line(exc)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:  # Interrupted, or the trainer's second signal
-        from finetune.train.stage import interrupted_message
+        from finetune.train.resume import interrupted_message
 
         name = getattr(exc, "signal_name", None) or (str(exc.args[0]) if exc.args else "SIGINT")
-        print(f"finetune.train: {interrupted_message(name, args[0])}", file=sys.stderr)
+        during = getattr(exc, "during", "starting")  # what `stage.run` was doing
+        print(f"finetune.train: {interrupted_message(name, args[0], during)}", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
     except Exception as exc:  # OSError, torch's RuntimeError, safetensors' SafetensorError (no OSError)
         full = disk_full(exc, args[0])
@@ -55,6 +58,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         restore()
     return 0
+
+
+def _verbose(run_dir: Path) -> bool:
+    """config.yaml's `verbose`, read before the heavy imports (False where it cannot be read: the worker
+    reports a missing or damaged config.yaml itself)."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    return isinstance(doc, dict) and doc.get("verbose") is True
 
 
 def disk_full(exc: BaseException, run_dir: str) -> DiskFullError | None:

@@ -28,7 +28,7 @@ from accelerate.utils import DeepSpeedSequenceParallelConfig
 from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.errors import LaunchError
-from finetune.modeling.models import ATTN_IMPLEMENTATIONS
+from finetune.modeling.loading import ATTN_IMPLEMENTATIONS
 from finetune.planner import Plan
 from finetune.rundir import checkpoints
 from finetune.train import quantized, throughput

@@ -56,6 +56,8 @@ __all__ = [
 ]
 
 MODES = ("all", "plan", "data", "train", "eval", "export", "launch", "compare", "ui")
+# The stages a finished run does again when asked (`redo=`); each later stage follows from what changed.
+REDO_STAGES = ("train", "eval", "export")
 # Where runs go by default: runs/<name> (mode=compare looks names up here too).
 RUNS_DIR = "runs"
 
@@ -89,6 +91,10 @@ class Config:
     run_dir: Optional[str] = None  # default: runs/<name>
     # resume: true (last complete checkpoint), false (start fresh) or a checkpoint path.
     resume: Union[bool, str] = True
+    # A finished stage is not run again: redo=train (starts over), eval or export runs that one again.
+    redo: Optional[str] = choice(None, REDO_STAGES)
+    # Show the libraries' own progress bars and repeated notices (quiet by default).
+    verbose: bool = False
     # mode=compare: run directories (or names under runs/) to put side by side.
     runs: list[str] = field(default_factory=list)
 

@@ -9,7 +9,7 @@ Each concern checks its own fields; checks across concerns live in `TrainConfig.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from finetune.core.config.checks import check_choices, check_positive, choice
 from finetune.core.errors import ConfigError
@@ -98,6 +98,10 @@ class TrainSchedule:
     """Gradients clipped to this global norm."""
     seed: int = 42
     """Seeds the run: the adapters' initialisation, dropout and the data order."""
+
+    def length(self) -> dict[str, Any]:
+        """How long a run is asked to train (metrics.json records it: a run is finished for this length only)."""
+        return {"max_steps": self.max_steps, "epochs": self.epochs}
 
     def _check_schedule(self) -> None:
         check_choices(self, "train", TrainSchedule)

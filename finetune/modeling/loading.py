@@ -1,0 +1,331 @@
+"""Loading a model as a method trains it: every load through `load_pretrained` (the weight-safety check
+first), the pieces each method adds (4-bit quantization, LoRA adapters) and `load_for_training`.
+
+Weights load from safetensors only unless `model.allow_pickle_weights` is set, and every opt-in that can
+run code is logged. Full fine-tuning keeps fp32 master weights under bf16 autocast; LoRA freezes the base
+in the compute dtype and keeps the adapters in `method.adapter_dtype`; QLoRA stores the frozen linear
+weights in 4 bits (packed in uint8, or in the training dtype where FSDP2 or ZeRO-3 divide them across
+ranks). Which method adds what is its spec's (finetune/core/methods.py); nothing here compares names.
+
+torch, transformers, PEFT and bitsandbytes are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from finetune.core.architectures import ARCHITECTURES
+from finetune.core.config import Config, MethodConfig, ModelConfig
+from finetune.core.errors import ConfigError, LaunchError
+from finetune.modeling.dtypes import resolve_dtype, training_dtype
+from finetune.modeling.models import model_source
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+# train.attention -> transformers' `attn_implementation` (finetune/train/throughput.py explains each).
+ATTN_IMPLEMENTATIONS = {
+    "sdpa": "sdpa",
+    "flex": "flex_attention",
+    "eager": "eager",
+    "flash": "flash_attention_2",
+}
+
+
+def attn_implementation(attention: str) -> Optional[str]:
+    """`from_pretrained`'s `attn_implementation`; None for sdpa, transformers' own default (SDPA where
+    the model supports it, eager where not), so the default path loads exactly as before."""
+    return None if attention == "sdpa" else ATTN_IMPLEMENTATIONS[attention]
+
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def check_weight_safety(model: ModelConfig, source: str) -> None:
+    """Refuse pickle-only weights unless `model.allow_pickle_weights`; log every opt-in that can run code.
+
+    Pickle files (pytorch_model.bin, *.pt) execute code when loaded; safetensors cannot.
+    `trust_remote_code` runs the Python that ships with a hub model. Both stay off unless set.
+    """
+    if model.trust_remote_code:
+        log.warning("model.trust_remote_code=true: running the model's own Python code from %s", source)
+    folder = Path(source)
+    if not folder.is_dir():
+        if model.allow_pickle_weights:
+            log.warning("model.allow_pickle_weights=true: pickle weights from %s may be loaded", source)
+        return
+    files = [p.name for p in folder.iterdir() if p.is_file()]
+    pickles = sorted(n for n in files if n.endswith(_PICKLE_SUFFIXES) and n != "training_args.bin")
+    if any(n.endswith(".safetensors") for n in files) or not pickles:
+        return
+    if not model.allow_pickle_weights:
+        raise ConfigError(
+            f"model: {source} has only pickle weights ({pickles[0]}), which can run code when loaded; convert "
+            "them to safetensors, or set model.allow_pickle_weights=true if you trust their source"
+        )
+    log.warning("model.allow_pickle_weights=true: loading pickle weights %s from %s", pickles[0], source)
+
+
+def load_pretrained(model: ModelConfig, source: str, **kwargs: Any) -> Any:
+    """`AutoModelForCausalLM.from_pretrained(source)` after the weight-safety check, safetensors only unless
+    `model.allow_pickle_weights`; a folder or hub id that cannot be loaded is one line (ConfigError)."""
+    from transformers import AutoModelForCausalLM
+
+    check_weight_safety(model, source)
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            source,
+            trust_remote_code=model.trust_remote_code,
+            use_safetensors=None if model.allow_pickle_weights else True,
+            **kwargs,
+        )
+    except OSError as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"model: cannot load weights from {source} ({first})") from None
+
+
+# ---------------------------------------------------------------- the pieces each method adds
+
+
+def quantization_config(
+    method: MethodConfig, compute_dtype: torch.dtype, storage_dtype: Optional[torch.dtype] = None
+) -> Any:
+    """bitsandbytes' 4-bit settings: dequantized to `compute_dtype`, packed into `storage_dtype` (uint8 if None).
+
+    The storage dtype changes no value: the same bytes, read as 2 (uint8) or 4 (bf16) values an element
+    (tests/test_qlora_sharded.py), so a base loaded for evaluation or export in uint8 is the trained one.
+    """
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=method.quant_type,
+        bnb_4bit_use_double_quant=method.double_quant,
+        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_quant_storage=storage_dtype or torch.uint8,
+    )
+
+
+def disable_cpu_bf16_packing(model: Any) -> int:
+    """Keep bitsandbytes' Linear4bit in its trainable layout on CPUs with AVX512-BF16.
+
+    There, any forward in eval mode without grad (evaluation, generation) silently
+    repacks the 4-bit weight into an inference-only layout, and LoRA gradients
+    computed afterwards are wrong. Returns the number of layers switched off.
+    """
+    import bitsandbytes as bnb
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+            count += 1
+    return count
+
+
+def lora_config(method: MethodConfig, model: ModelConfig) -> Any:
+    """PEFT's LoraConfig of the method on a model of `model`'s architecture (its projections by default)."""
+    from peft import LoraConfig
+
+    # the fused 3-D experts are parameters, not linear modules: PEFT reaches them by name
+    experts = list(ARCHITECTURES[model.architecture].expert_parameters) if method.lora_experts else None
+    return LoraConfig(
+        r=method.lora_rank,
+        target_parameters=experts,
+        lora_alpha=method.lora_alpha,
+        lora_dropout=method.lora_dropout,
+        target_modules=method.targets(model.architecture),
+        bias="none",
+        task_type="CAUSAL_LM",
+        **dict(method.spec.lora_options),
+    )
+
+
+def prepare_kbit_model(model: Any, compute_dtype: torch.dtype) -> Any:
+    """A 4-bit model made ready for adapters: PEFT's `prepare_model_for_kbit_training`, minus its fp32 upcast.
+
+    PEFT upcasts every weight it does not quantize (embeddings, LM head, norms) to fp32: +4 GB on a
+    70B, and fp32 hidden states between layers (the checkpointed inputs double). The plan, like the
+    QLoRA paper, keeps them in the compute dtype, so they are cast back (scripts/bench_planner.py
+    measures this path against the plan). Activation checkpointing is the trainer's to turn on, as for
+    every method (SFTConfig's `activation_checkpointing`, which also makes the inputs require grad).
+    """
+    import torch
+    from peft import prepare_model_for_kbit_training
+
+    disable_cpu_bf16_packing(model)
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if compute_dtype != torch.float32:
+        for param in model.parameters():
+            if param.dtype == torch.float32:
+                param.data = param.data.to(compute_dtype)
+    return model
+
+
+@contextlib.contextmanager
+def peft_reading_deprecated_alias() -> Iterator[None]:
+    """peft (ARCHITECTURE.md, "Checked against") reads transformers' deprecated `is_gradient_checkpointing`
+    alias when it wraps a model (get_peft_model, PeftModel.from_pretrained): a FutureWarning a user can do
+    nothing about."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        yield
+
+
+def add_adapters(model: Any, method: MethodConfig, model_cfg: ModelConfig) -> Any:
+    """PEFT's LoRA adapters on a frozen base, kept in `method.adapter_dtype` (PEFT upcasts them to fp32 by
+    default; bf16 ones are cast back)."""
+    import torch
+    from peft import get_peft_model
+
+    with peft_reading_deprecated_alias():
+        model = get_peft_model(
+            model, lora_config(method, model_cfg), autocast_adapter_dtype=method.adapter_dtype == "fp32"
+        )
+    if method.adapter_dtype == "bf16":
+        for param in model.parameters():
+            if param.requires_grad:
+                param.data = param.data.to(torch.bfloat16)
+    return model
+
+
+# ---------------------------------------------------------------- training
+
+
+def _training_device_map(cfg: Config, sharded: bool) -> Any:
+    """Where QLoRA's weights are quantized while they load (bitsandbytes places them at load time).
+
+    ZeRO-3: nowhere given. transformers refuses a device map under ZeRO-3, loads a quantized model without
+    zero.Init and quantizes it on this rank's GPU (the CPU without one); DeepSpeed then partitions it, so each
+    GPU holds the whole 4-bit base for a moment. FSDP2: the CPU, tensor by tensor as they load; fully_shard
+    then moves one decoder layer at a time to this rank's GPU and keeps its shard, so no GPU holds the whole
+    4-bit base. One process and DDP: this rank's GPU, or the CPU.
+    """
+    import torch
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        return None
+    if cfg.hardware.device == "cuda" and torch.cuda.is_available() and not sharded:
+        return {"": int(os.environ.get("LOCAL_RANK", "0"))}
+    return {"": "cpu"}
+
+
+def load_for_training(cfg: Config, sharded: bool = False) -> tuple[Any, torch.dtype]:
+    """The model ready to train with `cfg.method`, and the compute dtype (bf16 or fp32) to train it in.
+
+    Under DeepSpeed ZeRO-3, build the trainer's arguments first (`build_sft_config`) and keep them
+    alive: their DeepSpeed config makes `from_pretrained` load each rank's partition only
+    (`deepspeed.zero.Init`) instead of the whole model on every rank; a quantized model is the
+    exception (transformers loads it without zero.Init, see `_training_device_map`).
+
+    `sharded`: the plan's engine divides the weights across ranks (FSDP2, ZeRO-3); QLoRA's 4-bit weights
+    are then packed in the training dtype, not uint8.
+    """
+    import torch
+
+    method, spec = cfg.method, cfg.method.spec
+    device = cfg.hardware.device
+    compute_dtype = training_dtype(cfg)
+    # packed rows: finetune/train/throughput.py
+    kwargs: dict[str, Any] = dict(attn_implementation=attn_implementation(cfg.train.attention))
+    if spec.trains_base_weights:
+        # fp32 master weights; bf16 autocast in the trainer where bf16 is native.
+        kwargs["dtype"] = torch.float32
+    elif spec.quantized_base:
+        quant_dtype = resolve_dtype(method.quant_compute_dtype_on(device), device, key="method.compute_dtype")
+        kwargs["dtype"] = quant_dtype
+        # FSDP2 and ZeRO-3 divide floating-point parameters only, and cast each to the training dtype (FSDP2's
+        # param_dtype, DeepSpeed's bf16): packed in that dtype, the 4-bit weights are divided and never recast.
+        storage = compute_dtype if sharded else None
+        kwargs["quantization_config"] = quantization_config(method, quant_dtype, storage)
+        kwargs["device_map"] = _training_device_map(cfg, sharded)
+    else:  # a frozen base in the compute dtype
+        kwargs["dtype"] = compute_dtype
+    start_adapter, start_weights = initial_output(cfg)
+    model = load_pretrained(cfg.model, start_weights or model_source(cfg.model), **kwargs)
+    if spec.quantized_base:
+        model = prepare_kbit_model(model, quant_dtype)
+    if start_adapter is not None:  # init_from's adapter trains on (and is DPO's reference)
+        with peft_reading_deprecated_alias():
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
+        check_adapter_matches(model, start_adapter)
+    elif spec.adapters:
+        model = add_adapters(model, method, cfg.model)
+    return model, compute_dtype
+
+
+def initial_output(cfg: Config) -> tuple[Optional[Path], Optional[str]]:
+    """Where training starts under `init_from=RUN_DIR` (SFT, then DPO): (that run's adapter, to train on, when
+    this method has adapters and the run saved one; or None) and (the weights to load instead of the base: that
+    run's fully trained model or merged export; or None). Without init_from: (None, None)."""
+    if not cfg.init_from:
+        return None, None
+    run = Path(cfg.init_from)
+    adapter, model_dir, merged = run / "adapter", run / "model", run / "export" / "merged"
+    if cfg.method.spec.adapters and (adapter / "adapter_config.json").is_file():
+        return adapter, None
+    for folder in (model_dir, merged):
+        if (folder / "config.json").is_file():
+            return None, str(folder)
+    raise ConfigError(
+        f"init_from={cfg.init_from}: no adapter/ (for method={cfg.method.name}), model/ or export/merged/ "
+        "with a model in it; point it at a finished run directory"
+    )
+
+
+def trainable_parameters(model: Any) -> tuple[int, int]:
+    """(trainable, total) parameter counts (4-bit weights counted as their unpacked size)."""
+    trainable = total = 0
+    for param in model.parameters():
+        n = getattr(param, "ds_numel", None) or param.numel()  # ZeRO-3 partitioned at load: the full count
+        quant_state = getattr(param, "quant_state", None)
+        if quant_state is not None:  # packed 4-bit storage: count the weight's own shape
+            n = quant_state.shape.numel()
+        total += n
+        if param.requires_grad:
+            trainable += n
+    return trainable, total
+
+
+def attach_adapter(model: Any, adapter: Path) -> Any:
+    from peft import PeftModel
+
+    if not (adapter / "adapter_config.json").is_file():
+        raise LaunchError(f"{adapter}: no adapter_config.json; run the training stage (mode=train) first")
+    with peft_reading_deprecated_alias():
+        peft_model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
+    check_adapter_matches(peft_model, adapter)
+    return peft_model
+
+
+def check_adapter_matches(peft_model: Any, adapter: Path) -> None:
+    """Every saved adapter tensor loaded into a module: PEFT only warns about names it cannot place,
+    and an adapter saved under a wrapper's names (FSDP's checkpoint wrapper) would score as the base."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors import safe_open
+
+    path = adapter / "adapter_model.safetensors"
+    if not path.is_file():
+        return
+    with safe_open(str(path), framework="pt") as f:
+        saved = set(f.keys())
+    unmatched = sorted(saved - set(get_peft_model_state_dict(peft_model)))
+    if unmatched or not saved:
+        example = f" (e.g. {unmatched[0]})" if unmatched else ""
+        raise LaunchError(
+            f"{path}: {len(unmatched)} of {len(saved)} adapter tensors match no module of the model{example}"
+        )
