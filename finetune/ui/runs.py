@@ -17,7 +17,7 @@ from typing import Any, Optional
 from finetune import rundir
 from finetune.core.errors import ConfigError, FinetuneError
 from finetune.evaluation.curves import log_history, loss_series
-from finetune.modeling.models import VARIANTS
+from finetune.modeling.variants import VARIANTS
 from finetune.planner import Plan
 
 # The samples a run page shows at most.
