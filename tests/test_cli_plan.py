@@ -28,7 +28,7 @@ def test_plan_70b_qlora_fits_one_h100(tmp_path: Path):
     plan = json.loads(out.read_text())
     assert plan["fits"] is True
     assert plan["hardware"]["name"] == "h100" and plan["hardware"]["gpus"] == 1
-    assert plan["params"] == {"total": 70_553_706_496, "trainable": 207_093_760}
+    assert plan["params"] == {"total": 70_553_706_496, "trainable": 207_093_760, "active": 70_553_706_496}
     assert plan["strategy"]["activation_checkpointing"] is True
     assert json.loads((run_dir / "plan.json").read_text()) == plan
     assert (run_dir / "config.yaml").is_file()

@@ -26,8 +26,10 @@ def print_plan(plan: Plan, title: str, console: Console | None = None) -> None:
         f"{verdict}"
         f"  - {m.total:,.1f} GB of {plan.usable_gpu_memory_gb:,.1f} GB usable per GPU"
     )
+    # a mixture of experts: the parameters a token runs through, what MoE models are compared by
+    active = f", {plan.params_active:,} active" if plan.params_active != plan.params_total else ""
     console.print(
-        f"params: {plan.params_total:,} total, {plan.params_trainable:,} trainable"
+        f"params: {plan.params_total:,} total{active}, {plan.params_trainable:,} trainable"
         f" ({100 * plan.params_trainable / plan.params_total:.2f}%), seq_len {plan.seq_len:,}"
     )
 

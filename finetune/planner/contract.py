@@ -144,6 +144,9 @@ class Plan:
     hardware: HardwareConfig
     params_total: int
     params_trainable: int
+    # Parameters a token runs through: the total for a dense model, the routed experts' share for a mixture
+    # of experts (what users compare MoE models by)
+    params_active: int
     strategy: Strategy
     gpu_memory: Memory
     host_memory_gb: float
@@ -193,7 +196,11 @@ class Plan:
                 "usd_per_month": hw.usd_per_month,
                 **{k: list(v) if isinstance(v, list) else v for k, v in profile.items()},
             },
-            "params": {"total": self.params_total, "trainable": self.params_trainable},
+            "params": {
+                "total": self.params_total,
+                "trainable": self.params_trainable,
+                "active": self.params_active,
+            },
             "strategy": asdict(self.strategy),
             "gpu_memory_gb": self.gpu_memory.as_dict(),
             "host_memory_gb": round(self.host_memory_gb, 3),
@@ -218,12 +225,14 @@ class Plan:
         A plan.json written before it carried the whole profile and the layout is refused with one line.
         """
         hw, layout = d.get("hardware") or {}, d.get("layout")
-        missing = [f.name for f in fields(HardwareConfig) if f.name not in hw]
-        if missing or not isinstance(layout, dict):
+        missing = [f"hardware.{f.name}" for f in fields(HardwareConfig) if f.name not in hw]
+        if not isinstance(layout, dict):
+            missing.append("layout")
+        if "active" not in (d.get("params") or {}):
+            missing.append("params.active")
+        if missing:
             raise PlanError(
-                "plan.json was written by an older finetune (no "
-                + (f"hardware.{missing[0]}" if missing else "layout")
-                + "): re-run mode=plan with this run_dir"
+                f"plan.json was written by an older finetune (no {missing[0]}): re-run mode=plan with this run_dir"
             )
         hardware = HardwareConfig(**{f.name: hw[f.name] for f in fields(HardwareConfig)})
         return cls(
@@ -231,6 +240,7 @@ class Plan:
             hardware=hardware,
             params_total=d["params"]["total"],
             params_trainable=d["params"]["trainable"],
+            params_active=d["params"]["active"],
             strategy=Strategy(**d["strategy"]),
             gpu_memory=Memory(**{k: v for k, v in d["gpu_memory_gb"].items() if k != "total"}),
             host_memory_gb=d["host_memory_gb"],

@@ -386,6 +386,7 @@ def _plan_on(job: Job) -> Plan:
         hardware=hw,
         params_total=counts.total,
         params_trainable=job.trainable,
+        params_active=counts.active,
         strategy=s,
         gpu_memory=mem,
         host_memory_gb=host_gb,
