@@ -305,10 +305,10 @@ def eval_dtype(cfg: Config) -> torch.dtype:
     return resolve_dtype(name, cfg.hardware.device, key=key)
 
 
-def attn_implementation(attention: str) -> Optional[str]:
-    """`from_pretrained`'s `attn_implementation`; None for sdpa, transformers' own default (SDPA where
-    the model supports it, eager where not), so the default path loads exactly as before."""
-    return None if attention == "sdpa" else ATTN_IMPLEMENTATIONS[attention]
+def attn_implementation(attention: Optional[str]) -> Optional[str]:
+    """`from_pretrained`'s `attn_implementation`; None for sdpa (and unset, outside training), transformers' own
+    default (SDPA where the model supports it, eager where not), so the default path loads exactly as before."""
+    return None if attention in (None, "sdpa") else ATTN_IMPLEMENTATIONS[attention]
 
 
 # ---------------------------------------------------------------- every load goes through here

@@ -51,6 +51,9 @@ class Strategy:
     sequence_split: str = "ulysses"
     # The checkpointed layer inputs kept in host memory (TRL's activation_offloading).
     activation_offloading: bool = False
+    # The attention implementation (train.attention's names: sdpa, flex, flash, eager), chosen with the split
+    # (finetune/planner/attention.py); the ranks load the model with it.
+    attention: str = "sdpa"
 
     @property
     def engine(self) -> Engine:
@@ -104,17 +107,27 @@ class Layout:
 @dataclass(frozen=True)
 class Memory:
     """Per-GPU terms in GB. `logits` is the loss's peak (the contract's name): the trainer's loss paths never
-    build the whole logits, but a chunk or a tile of them, and their gradient buffers."""
+    build the whole logits, but a chunk or a tile of them, and their gradient buffers. `attention` is the
+    attention path's workspace (finetune/planner/attention.py): SDPA's [T, T] mask biases in the backward
+    above the loss peak, FlexAttention's block mask."""
 
     weights: float
     trainable_state: float
     activations: float
     logits: float
+    attention: float
     overhead: float
 
     @property
     def total(self) -> float:
-        return self.weights + self.trainable_state + self.activations + self.logits + self.overhead
+        return (
+            self.weights
+            + self.trainable_state
+            + self.activations
+            + self.logits
+            + self.attention
+            + self.overhead
+        )
 
     def as_dict(self) -> dict[str, float]:
         d = {k: round(v, 3) for k, v in asdict(self).items()}
@@ -230,7 +243,7 @@ class Plan:
             missing.append("layout")
         if "active" not in (d.get("params") or {}):
             missing.append("params.active")
-        if missing:
+        if missing or not isinstance(layout, dict):
             raise PlanError(
                 f"plan.json was written by an older finetune (no {missing[0]}): re-run mode=plan with this run_dir"
             )

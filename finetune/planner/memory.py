@@ -56,6 +56,7 @@ from finetune.planner.activations import (
     layer_bytes_per_token,
     model_bytes_per_token,
 )
+from finetune.planner.attention import block_mask_bytes, takes_mask, workspace_above_loss
 from finetune.planner.calibration import Calibration, DeviceCalibration
 from finetune.planner.contract import GB, Memory, Strategy
 from finetune.planner.params import ParamCounts, count_params, lora_params, projection_shapes
@@ -227,7 +228,7 @@ def runtime(job: Job, s: Strategy) -> Runtime:
     return Runtime(
         engine, job.hw.device, compute, autocast, full_weights, stored, adapter_compute, fp32_residual,
         # a split drops the attention mask (Ulysses: causality from position_ids; ring: no packed rows)
-        packed=s.split is None,
+        packed=takes_mask(s),
         resident=job.hw.device == "cpu",
     )  # fmt: skip
 
@@ -671,9 +672,16 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
     loss = loss_peak(job, s, rt)
     dev = job.device
     above = _above_loss(job, s, rt, loss)
+    # the attention path's workspace, its own term: the mask biases above the loss peak, or flex's block mask
+    mask_share = _mask_bias(job, s, rt) * (dev.backward_working_set_layers + s.activation_checkpointing)
+    masks = workspace_above_loss(
+        working_set=working_set(job, s, rt), mask_share=mask_share if rt.packed else 0.0, loss=loss
+    )
+    flex = block_mask_bytes(tokens=job.seq_len, rows=micro_batch_rows(job, s)) if s.attention == "flex" else 0
     overhead = (
         dev.fixed_gb * GB
         + above
+        - masks
         + dev.allocator_fraction * _fluctuating(job, s, rt, acts, loss, above)
         + retained_heap(job, s, rt)
     )
@@ -682,6 +690,7 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
         trainable_state=state_gpu / GB,
         activations=acts / GB,
         logits=loss / GB,
+        attention=(masks + flex) / GB,
         overhead=overhead / GB,
     )
     return mem, weights_host + state_host + offloaded_activation_bytes(job, s, rt)
