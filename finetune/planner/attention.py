@@ -16,8 +16,9 @@ its packed rows need flash-attn (`engines.why_not_split` says so in one line).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
+from finetune.core.architectures import ARCHITECTURES
 from finetune.planner.contract import Strategy
 
 # FlexAttention's block size (torch.nn.attention.flex_attention._DEFAULT_SPARSE_BLOCK_SIZE): the block mask
@@ -36,11 +37,16 @@ LABELS = {
 }
 
 
-def choose(attention: Optional[str], *, device: str, packing: bool, split: bool, long_context: bool) -> str:
+def choose(
+    attention: Optional[str], model: Any, *, device: str, packing: bool, split: bool, long_context: bool
+) -> str:
     """The attention implementation a candidate strategy runs: `train.attention` when set; else FlexAttention
-    for packed rows on one CUDA rank from the long-context length on, SDPA otherwise."""
+    for packed rows on one CUDA rank from the long-context length on, SDPA otherwise. A family transformers
+    runs without SDPA (gpt-oss, for its sinks) takes FlexAttention on CUDA and eager attention on the CPU."""
     if attention is not None:
         return attention
+    if not ARCHITECTURES[model.architecture].sdpa:
+        return "flex" if device == "cuda" else "eager"
     if device == "cuda" and packing and not split and long_context:
         return "flex"
     return "sdpa"
@@ -58,6 +64,29 @@ def block_mask_bytes(*, tokens: int, rows: int) -> int:
     measured (FlexAttention has no backward on the CPU)."""
     blocks = -(-tokens // FLEX_BLOCK)
     return rows * FLEX_INDEX_TENSORS * 4 * blocks * blocks
+
+
+def path_bytes(model: Any, s: Strategy, *, tokens: int, rows: int, dtype_bytes: int) -> int:
+    """What the attention path holds beyond the measured layer formulas (modelled, not measured), per GPU:
+
+    - FlexAttention: its block masks (`block_mask_bytes`); a sliding-window family (gpt-oss) has a second one
+      for its sliding layers, bounded by the window: each query block sees at most window / 128 + 1 key blocks.
+    - eager attention: each layer's softmax output, saved for backward: heads x T x (T + 1) a row (gpt-oss's
+      sink adds the column), in the compute dtype; the sliding layers' too (eager masks, it does not skip).
+      Every layer keeps it without checkpointing; with it, the layer being recomputed.
+    """
+    arch = ARCHITECTURES[model.architecture]
+    if s.attention == "flex":
+        held = block_mask_bytes(tokens=tokens, rows=rows)
+        if arch.sliding_window:
+            blocks = -(-tokens // FLEX_BLOCK)
+            seen = min(blocks, -(-arch.sliding_window // FLEX_BLOCK) + 1)
+            held += rows * FLEX_INDEX_TENSORS * 4 * blocks * seen
+        return held
+    if s.attention == "eager":
+        layers = 1 if s.activation_checkpointing else model.num_layers
+        return layers * rows * model.num_heads * tokens * (tokens + 1) * dtype_bytes
+    return 0
 
 
 def workspace_above_loss(*, working_set: float, mask_share: float, loss: float) -> float:

@@ -56,7 +56,7 @@ from finetune.planner.activations import (
     layer_bytes_per_token,
     model_bytes_per_token,
 )
-from finetune.planner.attention import block_mask_bytes, takes_mask, workspace_above_loss
+from finetune.planner.attention import path_bytes, takes_mask, workspace_above_loss
 from finetune.planner.calibration import Calibration, DeviceCalibration
 from finetune.planner.contract import GB, Memory, Strategy
 from finetune.planner.params import ParamCounts, count_params, lora_params, projection_shapes
@@ -677,7 +677,9 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
     masks = workspace_above_loss(
         working_set=working_set(job, s, rt), mask_share=mask_share if rt.packed else 0.0, loss=loss
     )
-    flex = block_mask_bytes(tokens=job.seq_len, rows=micro_batch_rows(job, s)) if s.attention == "flex" else 0
+    path = path_bytes(
+        job.model, s, tokens=rank_tokens(job, s), rows=micro_batch_rows(job, s), dtype_bytes=rt.compute
+    )
     overhead = (
         dev.fixed_gb * GB
         + above
@@ -690,7 +692,7 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
         trainable_state=state_gpu / GB,
         activations=acts / GB,
         logits=loss / GB,
-        attention=(masks + flex) / GB,
+        attention=(masks + path) / GB,
         overhead=overhead / GB,
     )
     return mem, weights_host + state_host + offloaded_activation_bytes(job, s, rt)

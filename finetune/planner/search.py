@@ -32,7 +32,7 @@ from finetune.planner.calibration import Calibration
 from finetune.planner.contract import GB, Alternative, Memory, Plan, Strategy
 from finetune.planner.engines import why_not, why_not_split
 from finetune.planner.memory import Job, load_gpu_bytes, load_host_bytes, make_job, memory
-from finetune.planner.params import count_params
+from finetune.planner.params import count_params, expert_storage_note
 from finetune.planner.timing import HOURS_PER_MONTH, disk, estimate, executed_flops_per_token
 
 # The loss when train.chunked_loss is unset: the project's chunked loss (True) or TRL's fused LM head (False).
@@ -153,7 +153,7 @@ def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
         if how is not None and not getattr(s.engine, how.engine_needs) and t.sharding is None:
             continue  # the split's engine is another one: not a refusal, the search weighs that one too
         long_context = job.seq_len >= LONG_CONTEXT
-        path = attention.choose(t.attention, device=hw.device, packing=job.packing, split=how is not None, long_context=long_context)  # fmt: skip
+        path = attention.choose(t.attention, job.model, device=hw.device, packing=job.packing, split=how is not None, long_context=long_context)  # fmt: skip
         s = replace(s, attention=path)
         reason = why_not(s, job.method.name, hw.total_gpus) or why_not_split(
             s, job.model, s.attention, job.packing, hw.device
@@ -365,8 +365,9 @@ def _plan_on(job: Job) -> Plan:
                 f"host memory: {host_gb:,.0f} GB per node (loading the model, or offload) "
                 f"> {hw.host_memory_gb:,.0f} GB on {hw.name}"
             )
-    if job.seq_len >= LONG_CONTEXT or train.attention is not None:
+    if job.seq_len >= LONG_CONTEXT or train.attention is not None or s.attention != "sdpa":
         reasons.append(attention.describe(s, train.attention is not None))
+    reasons.extend(note for note in [expert_storage_note(job.model)] if note)
     loss = "the project's chunked loss" if s.chunked_loss else "TRL's fused LM head"
     reasons.append(f"loss: {loss}" + (" (the default)" if train.chunked_loss is None else ""))
     if hw.host_memory_gb is None and hw.device == "cuda":
