@@ -204,7 +204,10 @@ def test_every_gpu_profile_plans(name: str):
         (["train.foo=1"], "train.foo: unknown key"),
         (["foo=1"], "foo: unknown key"),
         (["+foo=1"], "foo: unknown key"),
-        (["model=gpt5"], "model=gpt5: unknown model; choose from gemma3_12b, gpt_oss_120b, gpt_oss_20b, llama2_70b"),
+        (
+            ["model=gpt5"],
+            "model=gpt5: unknown model; choose from gemma3_12b, gpt_oss_120b, gpt_oss_20b, llama2_70b",
+        ),
         (["method=dora"], "method=dora: unknown method; choose from full, lora, qlora"),
         (["hardware=tpu"], "hardware=tpu: unknown hardware; choose from a100_40gb"),
         (["+recipe=nope"], "recipe=nope: unknown recipe; choose from gpt_oss_20b_lora, llama70b_full"),
