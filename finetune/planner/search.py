@@ -152,8 +152,10 @@ def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
         how = s.split
         if how is not None and not getattr(s.engine, how.engine_needs) and t.sharding is None:
             continue  # the split's engine is another one: not a refusal, the search weighs that one too
-        long_context = job.seq_len >= LONG_CONTEXT
-        path = attention.choose(t.attention, job.model, device=hw.device, packing=job.packing, split=how is not None, long_context=long_context)  # fmt: skip
+        long_context, unsplit = job.seq_len >= LONG_CONTEXT, how is None
+        path = attention.choose(
+            t.attention, job.model, device=hw.device, packing=job.packing, split=not unsplit, long_context=long_context
+        )
         s = replace(s, attention=path)
         reason = why_not(s, job.method.name, hw.total_gpus) or why_not_split(
             s, job.model, s.attention, job.packing, hw.device
