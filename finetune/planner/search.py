@@ -154,7 +154,12 @@ def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
             continue  # the split's engine is another one: not a refusal, the search weighs that one too
         long_context, unsplit = job.seq_len >= LONG_CONTEXT, how is None
         path = attention.choose(
-            t.attention, job.model, device=hw.device, packing=job.packing, split=not unsplit, long_context=long_context
+            t.attention,
+            job.model,
+            device=hw.device,
+            packing=job.packing,
+            split=not unsplit,
+            long_context=long_context,
         )
         s = replace(s, attention=path)
         reason = why_not(s, job.method.name, hw.total_gpus) or why_not_split(
