@@ -28,7 +28,7 @@ def test_plan_70b_qlora_fits_one_h100(tmp_path: Path):
     plan = json.loads(out.read_text())
     assert plan["fits"] is True
     assert plan["hardware"]["name"] == "h100" and plan["hardware"]["gpus"] == 1
-    assert plan["params"] == {"total": 70_553_706_496, "trainable": 207_093_760}
+    assert plan["params"] == {"total": 70_553_706_496, "trainable": 207_093_760, "active": 70_553_706_496}
     assert plan["strategy"]["activation_checkpointing"] is True
     assert json.loads((run_dir / "plan.json").read_text()) == plan
     assert (run_dir / "config.yaml").is_file()
@@ -121,8 +121,8 @@ def test_local_config_json(tmp_path: Path):
     [
         (["mode=plan", "train.seq_len=0"], "train.seq_len=0"),
         (["mode=plan", "method.lora_rank=-1"], "method.lora_rank=-1"),
-        (["+recipe=does_not_exist"], "choose from llama70b_full"),
-        (["mode=plan", "model=gpt5"], "choose from gemma3_12b, llama2_70b"),
+        (["+recipe=does_not_exist"], "choose from gpt_oss_20b_lora, llama70b_full"),
+        (["mode=plan", "model=gpt5"], "choose from gemma3_12b, gpt_oss_120b, gpt_oss_20b, llama2_70b"),
         (["mode=plan", "hardware=tpu_v5"], "unknown hardware; choose from a100_40gb"),
         (["mode=plan", "train.bogus=1"], "train.bogus: unknown key"),
         (["mode=plan", "train.batch_size=many"], "train.batch_size"),

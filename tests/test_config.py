@@ -68,7 +68,7 @@ def test_stable_names():
         "tiny", "llama8b_lora", "llama8b_lora_128k", "llama8b_qlora", "llama70b_qlora", "llama70b_lora",
         "llama70b_full", "qwen32b_lora", "qwen32b_full", "tiny_dpo", "llama8b_dpo", "llama70b_qlora_dpo",
         "tiny_grpo", "llama8b_grpo", "llama8b_grpo_8gpu", "smollm2_135m_lora", "smollm2_135m_dpo", "tiny_moe", "qwen3_30b_a3b_lora",
-        "tiny_mixtral", "mixtral_8x7b_lora",
+        "tiny_mixtral", "mixtral_8x7b_lora", "gpt_oss_20b_lora",
     }  # fmt: skip
     assert set(group_choices("model")) == {
         "tiny",
@@ -85,6 +85,8 @@ def test_stable_names():
         "phi4",
         "qwen3_30b_a3b",
         "mixtral_8x7b",
+        "gpt_oss_20b",
+        "gpt_oss_120b",
     }
     assert set(group_choices("method")) == {"full", "lora", "qlora"}
     assert set(group_choices("objective")) == {"sft", "dpo", "grpo"}
@@ -203,10 +205,13 @@ def test_every_gpu_profile_plans(name: str):
         (["train.foo=1"], "train.foo: unknown key"),
         (["foo=1"], "foo: unknown key"),
         (["+foo=1"], "foo: unknown key"),
-        (["model=gpt5"], "model=gpt5: unknown model; choose from gemma3_12b, llama2_70b"),
+        (
+            ["model=gpt5"],
+            "model=gpt5: unknown model; choose from gemma3_12b, gpt_oss_120b, gpt_oss_20b, llama2_70b",
+        ),
         (["method=dora"], "method=dora: unknown method; choose from full, lora, qlora"),
         (["hardware=tpu"], "hardware=tpu: unknown hardware; choose from a100_40gb"),
-        (["+recipe=nope"], "recipe=nope: unknown recipe; choose from llama70b_full"),
+        (["+recipe=nope"], "recipe=nope: unknown recipe; choose from gpt_oss_20b_lora, llama70b_full"),
         (["mode=fly"], "mode='fly' is not one of"),
         (["method.optimizer=sgd"], "method.optimizer='sgd' is not one of adamw"),
         (["smoke=maybe"], "smoke.enabled"),

@@ -85,7 +85,7 @@ def test_mixtral_recipes_plan_as_their_comments_say(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert data["hardware"]["name"] == "h200" and data["fits"]
-    assert data["params"] == {"total": 46_702_792_704, "trainable": 223_346_688}
+    assert data["params"] == {"total": 46_702_792_704, "trainable": 223_346_688, "active": 12_879_925_248}
     assert data["strategy"]["sharding"] == "none" and data["strategy"]["activation_checkpointing"]
     assert 100 < data["gpu_memory_gb"]["total"] < data["usable_gpu_memory_gb"]
     cfg, auto = planned("+recipe=mixtral_8x7b_lora", "hardware=auto")

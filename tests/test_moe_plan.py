@@ -125,7 +125,7 @@ def test_the_moe_recipes_plan_as_their_comments_say(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert data["hardware"]["name"] == "h200" and data["fits"]
-    assert data["params"] == {"total": 30_532_122_624, "trainable": 642_514_944}
+    assert data["params"] == {"total": 30_532_122_624, "trainable": 642_514_944, "active": 3_353_032_704}
     assert data["strategy"]["sharding"] == "none" and data["strategy"]["activation_checkpointing"]
     cfg, _ = planned("+recipe=qwen3_30b_a3b_lora")
     assert (cfg.smoke.sibling, cfg.method.lora_experts, cfg.method.lora_dropout) == ("tiny_moe", True, 0.0)

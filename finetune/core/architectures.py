@@ -43,6 +43,19 @@ class Architecture:
     # The router's top-k weights stay fp32 and are always divided by their sum (Mixtral; Qwen-MoE casts them
     # to the compute dtype and renormalizes only where `norm_topk_prob` says): 8k + 4 bytes a token, measured
     fp32_routing_weights: bool = False
+    # a learned logit per head that joins every softmax (gpt-oss's attention sinks): H parameters a layer
+    attention_sinks: bool = False
+    # o_proj has a bias too where the config's attention_bias is set (gpt-oss: all four projections)
+    o_proj_bias: bool = False
+    # each expert's gate_up and down biases, and the router's (gpt-oss)
+    expert_biases: bool = False
+    # every other layer, from the first, attends to the last `sliding_window` tokens only (gpt-oss's layer_types)
+    sliding_window: int = 0
+    # transformers runs the family's attention through SDPA; False: eager, FlexAttention or flash kernels only
+    sdpa: bool = True
+    # the hub checkpoint stores the experts in this many bits a weight (gpt-oss's MXFP4: 4-bit values and an
+    # 8-bit scale per 32, 4.25); transformers' MXFP4 does not train, so training dequantizes them to bf16
+    expert_storage_bits: float = 0.0
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -88,6 +101,24 @@ ARCHITECTURES: dict[str, Architecture] = {
         True,
         qk_norm=True,
         expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+    ),  # fmt: skip
+    # gpt-oss: biased q/k/v/o, attention sinks, sliding-window attention (128 tokens) on every other layer,
+    # a biased router and fused biased experts ([E, h, 2I] gate_up, [E, I, h] down, I its intermediate_size)
+    # stored in MXFP4. No SDPA in transformers: eager on the CPU, FlexAttention on CUDA. Its layer follows the
+    # measured sparse-layer formulas (modelled, not measured for this family).
+    "gpt_oss": Architecture(
+        "gpt_oss",
+        "GptOssDecoderLayer",
+        ("q_proj", "k_proj", "v_proj", "o_proj"),
+        True,
+        True,
+        expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+        attention_sinks=True,
+        o_proj_bias=True,
+        expert_biases=True,
+        sliding_window=128,
+        sdpa=False,
+        expert_storage_bits=4.25,
     ),  # fmt: skip
     # Qwen2's attention (q/k/v biases) and, besides the routed experts, a shared expert with a sigmoid gate
     "qwen2_moe": Architecture(

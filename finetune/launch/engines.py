@@ -138,7 +138,7 @@ def check_runnable(cfg: Config, lay: Layout) -> None:
     """Refuse a strategy the engine would not run as planned (finetune/planner/engines.py's table)."""
     reason = why_not(lay.strategy, cfg.method.name, lay.world_size if lay.strategy.split else None)
     reason = reason or why_not_split(
-        lay.strategy, cfg.model, cfg.train.attention, cfg.data.packing, lay.device
+        lay.strategy, cfg.model, lay.strategy.attention, cfg.data.packing, lay.device
     )
     if reason is not None:
         raise LaunchError(
@@ -218,7 +218,7 @@ def parallelism(cfg: Config, lay: Layout) -> Optional[dict[str, Any]]:
 
     Ulysses: `sp_size` with DeepSpeed's backend and its handler (the attention it wraps, the sequence length
     variable per batch since packed rows vary). Ring: `cp_size` with torch's backend, FSDP2 sharding the rest.
-    `attention` is `train.attention`, which the rank maps to transformers' implementation.
+    `attention` is the plan's (`train.attention`, or the planner's choice), which the rank maps to transformers' implementation.
     """
     s = lay.strategy
     split = s.split
@@ -233,7 +233,7 @@ def parallelism(cfg: Config, lay: Layout) -> Optional[dict[str, Any]]:
     return {
         "kwargs": out,
         "split": split.key,
-        "attention": cfg.train.attention,
+        "attention": s.attention,
         "seq_len": cfg.train.seq_len if isinstance(cfg.train.seq_len, int) else None,
     }
 

@@ -40,10 +40,10 @@ ATTN_IMPLEMENTATIONS = {
 }
 
 
-def attn_implementation(attention: str) -> Optional[str]:
-    """`from_pretrained`'s `attn_implementation`; None for sdpa, transformers' own default (SDPA where
-    the model supports it, eager where not), so the default path loads exactly as before."""
-    return None if attention == "sdpa" else ATTN_IMPLEMENTATIONS[attention]
+def attn_implementation(attention: Optional[str]) -> Optional[str]:
+    """`from_pretrained`'s `attn_implementation`; None for sdpa (and unset, outside training), transformers' own
+    default (SDPA where the model supports it, eager where not), so the default path loads exactly as before."""
+    return None if attention in (None, "sdpa") else ATTN_IMPLEMENTATIONS[attention]
 
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -26,15 +26,17 @@ def print_plan(plan: Plan, title: str, console: Console | None = None) -> None:
         f"{verdict}"
         f"  - {m.total:,.1f} GB of {plan.usable_gpu_memory_gb:,.1f} GB usable per GPU"
     )
+    # a mixture of experts: the parameters a token runs through, what MoE models are compared by
+    active = f", {plan.params_active:,} active" if plan.params_active != plan.params_total else ""
     console.print(
-        f"params: {plan.params_total:,} total, {plan.params_trainable:,} trainable"
+        f"params: {plan.params_total:,} total{active}, {plan.params_trainable:,} trainable"
         f" ({100 * plan.params_trainable / plan.params_total:.2f}%), seq_len {plan.seq_len:,}"
     )
 
     terms = Table(title="GPU memory per GPU (GB)", show_footer=True)
     terms.add_column("term", footer="total")
     terms.add_column("GB", justify="right", footer=_gb(m.total))
-    for name in ("weights", "trainable_state", "activations", "logits", "overhead"):
+    for name in ("weights", "trainable_state", "activations", "logits", "attention", "overhead"):
         terms.add_row(name, _gb(getattr(m, name)))
     strategy = Table(title="strategy")
     strategy.add_column("setting")
@@ -50,6 +52,7 @@ def print_plan(plan: Plan, title: str, console: Console | None = None) -> None:
         "sequence split",
         "none" if split is None else f"{split.key} over {s.sequence_parallel} GPUs ({split.label})",
     )
+    strategy.add_row("attention", s.attention)
     strategy.add_row("chunked loss", str(s.chunked_loss))
     strategy.add_row("micro-batch x accumulation", f"{s.micro_batch_size} x {s.grad_accum_steps}")
     console.print(terms, strategy)

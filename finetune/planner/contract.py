@@ -51,6 +51,9 @@ class Strategy:
     sequence_split: str = "ulysses"
     # The checkpointed layer inputs kept in host memory (TRL's activation_offloading).
     activation_offloading: bool = False
+    # The attention implementation (train.attention's names: sdpa, flex, flash, eager), chosen with the split
+    # (finetune/planner/attention.py); the ranks load the model with it.
+    attention: str = "sdpa"
 
     @property
     def engine(self) -> Engine:
@@ -104,17 +107,27 @@ class Layout:
 @dataclass(frozen=True)
 class Memory:
     """Per-GPU terms in GB. `logits` is the loss's peak (the contract's name): the trainer's loss paths never
-    build the whole logits, but a chunk or a tile of them, and their gradient buffers."""
+    build the whole logits, but a chunk or a tile of them, and their gradient buffers. `attention` is the
+    attention path's workspace (finetune/planner/attention.py): SDPA's [T, T] mask biases in the backward
+    above the loss peak, FlexAttention's block mask."""
 
     weights: float
     trainable_state: float
     activations: float
     logits: float
+    attention: float
     overhead: float
 
     @property
     def total(self) -> float:
-        return self.weights + self.trainable_state + self.activations + self.logits + self.overhead
+        return (
+            self.weights
+            + self.trainable_state
+            + self.activations
+            + self.logits
+            + self.attention
+            + self.overhead
+        )
 
     def as_dict(self) -> dict[str, float]:
         d = {k: round(v, 3) for k, v in asdict(self).items()}
@@ -144,6 +157,9 @@ class Plan:
     hardware: HardwareConfig
     params_total: int
     params_trainable: int
+    # Parameters a token runs through: the total for a dense model, the routed experts' share for a mixture
+    # of experts (what users compare MoE models by)
+    params_active: int
     strategy: Strategy
     gpu_memory: Memory
     host_memory_gb: float
@@ -193,7 +209,11 @@ class Plan:
                 "usd_per_month": hw.usd_per_month,
                 **{k: list(v) if isinstance(v, list) else v for k, v in profile.items()},
             },
-            "params": {"total": self.params_total, "trainable": self.params_trainable},
+            "params": {
+                "total": self.params_total,
+                "trainable": self.params_trainable,
+                "active": self.params_active,
+            },
             "strategy": asdict(self.strategy),
             "gpu_memory_gb": self.gpu_memory.as_dict(),
             "host_memory_gb": round(self.host_memory_gb, 3),
@@ -218,12 +238,14 @@ class Plan:
         A plan.json written before it carried the whole profile and the layout is refused with one line.
         """
         hw, layout = d.get("hardware") or {}, d.get("layout")
-        missing = [f.name for f in fields(HardwareConfig) if f.name not in hw]
+        missing = [f"hardware.{f.name}" for f in fields(HardwareConfig) if f.name not in hw]
+        if not isinstance(layout, dict):
+            missing.append("layout")
+        if "active" not in (d.get("params") or {}):
+            missing.append("params.active")
         if missing or not isinstance(layout, dict):
             raise PlanError(
-                "plan.json was written by an older finetune (no "
-                + (f"hardware.{missing[0]}" if missing else "layout")
-                + "): re-run mode=plan with this run_dir"
+                f"plan.json was written by an older finetune (no {missing[0]}): re-run mode=plan with this run_dir"
             )
         hardware = HardwareConfig(**{f.name: hw[f.name] for f in fields(HardwareConfig)})
         return cls(
@@ -231,6 +253,7 @@ class Plan:
             hardware=hardware,
             params_total=d["params"]["total"],
             params_trainable=d["params"]["trainable"],
+            params_active=d["params"]["active"],
             strategy=Strategy(**d["strategy"]),
             gpu_memory=Memory(**{k: v for k, v in d["gpu_memory_gb"].items() if k != "total"}),
             host_memory_gb=d["host_memory_gb"],

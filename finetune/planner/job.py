@@ -11,6 +11,7 @@ from typing import Any, Optional
 from finetune.core.config import HardwareConfig, MethodConfig, ModelConfig, PlanConfig, TrainConfig
 from finetune.core.objectives import OBJECTIVES, ObjectiveSpec
 from finetune.core.parallelism import Engine
+from finetune.planner.attention import takes_mask
 from finetune.planner.calibration import Calibration, DeviceCalibration
 from finetune.planner.contract import Strategy
 from finetune.planner.params import ParamCounts, count_params, lora_params
@@ -153,7 +154,7 @@ def runtime(job: Job, s: Strategy) -> Runtime:
     return Runtime(
         engine, job.hw.device, compute, autocast, full_weights, stored, adapter_compute, fp32_residual,
         # a split drops the attention mask (Ulysses: causality from position_ids; ring: no packed rows)
-        packed=s.split is None,
+        packed=takes_mask(s),
         resident=job.hw.device == "cpu",
     )  # fmt: skip
 

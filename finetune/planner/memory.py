@@ -47,8 +47,9 @@ from finetune.planner.activations import (
     LayerShape,
     folded_expert_bytes,
 )
+from finetune.planner.attention import path_bytes, workspace_above_loss
 from finetune.planner.contract import GB, Memory, Strategy
-from finetune.planner.job import Job, Runtime, make_job, rank_tokens, runtime, state_shards
+from finetune.planner.job import Job, Runtime, make_job, micro_batch_rows, rank_tokens, runtime, state_shards
 from finetune.planner.params import projection_shapes
 from finetune.planner.step import (
     activations,
@@ -182,9 +183,18 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
     loss = loss_peak(job, s, rt)
     dev = job.device
     above = _above_loss(job, s, rt, loss)
+    # the attention path's workspace, its own term: the mask biases above the loss peak, or flex's block mask
+    mask_share = mask_bias(job, s, rt) * (dev.backward_working_set_layers + s.activation_checkpointing)
+    masks = workspace_above_loss(
+        working_set=working_set(job, s, rt), mask_share=mask_share if rt.packed else 0.0, loss=loss
+    )
+    path = path_bytes(
+        job.model, s, tokens=rank_tokens(job, s), rows=micro_batch_rows(job, s), dtype_bytes=rt.compute
+    )
     overhead = (
         dev.fixed_gb * GB
         + above
+        - masks
         + dev.allocator_fraction * _fluctuating(job, s, rt, acts, loss, above)
         + retained_heap(job, s, rt)
     )
@@ -193,6 +203,7 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
         trainable_state=state_gpu / GB,
         activations=acts / GB,
         logits=loss / GB,
+        attention=(masks + path) / GB,
         overhead=overhead / GB,
     )
     return mem, weights_host + state_host + offloaded_activation_bytes(job, s, rt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from finetune.core.architectures import ARCHITECTURES, LLAMA_PROJECTIONS
 from finetune.core.config import MethodConfig, ModelConfig
@@ -86,6 +87,9 @@ def count_params(m: ModelConfig) -> ParamCounts:
     attention = sum(d_in * d_out for name, (d_in, d_out) in shapes.items() if name[0] in "qkvo")
     mlp = sum(d_in * d_out for name, (d_in, d_out) in shapes.items() if name[0] not in "qkvo")
     expert = mlp
+    arch = ARCHITECTURES[m.architecture]
+    # gpt-oss: each expert's gate_up (2I) and down (h) biases, and the router's (one per expert)
+    expert_bias = 2 * m.expert_intermediate_size + m.hidden_size if arch.expert_biases else 0
     dense_adjust = unrouted = 0
     if m.num_experts:
         mlp = m.num_experts * expert + m.hidden_size * m.num_experts  # every expert, and the router
@@ -93,11 +97,13 @@ def count_params(m: ModelConfig) -> ParamCounts:
             mlp += 3 * m.hidden_size * m.shared_expert_intermediate_size + m.hidden_size
         sparse_layers = m.num_layers - m.dense_layers
         dense_adjust = m.dense_layers * (3 * m.hidden_size * m.intermediate_size - mlp)
-        unrouted = sparse_layers * (m.num_experts - m.num_experts_per_token) * expert
-    arch = ARCHITECTURES[m.architecture]
+        unrouted = sparse_layers * (m.num_experts - m.num_experts_per_token) * (expert + expert_bias)
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    bias = q + 2 * kv if m.attention_bias else 0
+    bias = q + 2 * kv + (m.hidden_size if arch.o_proj_bias else 0) if m.attention_bias else 0
+    if m.num_experts and arch.expert_biases:
+        bias += m.num_experts * (expert_bias + 1)
     norms = (4 if arch.sandwich_norms else 2) * m.hidden_size + (2 * m.head_dim if arch.qk_norm else 0)
+    norms += m.num_heads if arch.attention_sinks else 0
     embedding = m.vocab_size * m.hidden_size
     return ParamCounts(
         embedding=embedding,
@@ -108,6 +114,21 @@ def count_params(m: ModelConfig) -> ParamCounts:
         num_layers=m.num_layers,
         dense_layer_adjust=dense_adjust,
         unrouted=unrouted,
+    )
+
+
+def expert_storage_note(m: ModelConfig) -> Optional[str]:
+    """The plan's line for experts a checkpoint stores in a format that does not train (gpt-oss's MXFP4):
+    transformers dequantizes them to bf16 when it loads them (its MXFP4 path is inference only, and without the
+    `kernels` package it dequantizes anyway); the plan counts the bf16 bytes."""
+    bits = ARCHITECTURES[m.architecture].expert_storage_bits
+    if not (bits and m.num_experts):
+        return None
+    experts = (m.num_layers - m.dense_layers) * m.num_experts * 3 * m.hidden_size * m.expert_intermediate_size
+    stored, bf16 = experts * bits / 8 / 1e9, 2 * experts / 1e9
+    return (
+        f"experts: stored as MXFP4 in the checkpoint ({stored:,.1f} GB), which transformers does not train: "
+        f"dequantized to bf16 when loaded ({bf16:,.1f} GB, {bf16 - stored:,.1f} GB more; the weights term counts bf16)"
     )
 
 
@@ -140,4 +161,11 @@ def lora_params(m: ModelConfig, method: MethodConfig) -> int:
     return per_layer * m.num_layers + experts
 
 
-__all__ = ["LLAMA_PROJECTIONS", "ParamCounts", "check_target_modules", "count_params", "lora_params"]
+__all__ = [
+    "LLAMA_PROJECTIONS",
+    "ParamCounts",
+    "check_target_modules",
+    "count_params",
+    "expert_storage_note",
+    "lora_params",
+]

@@ -26,12 +26,13 @@ from finetune.core.config import HardwareConfig, MethodConfig, ModelConfig, Plan
 from finetune.core.errors import ConfigError, PlanError
 from finetune.core.objectives import ObjectiveSpec
 from finetune.core.parallelism import ENGINES, REPLICATED, SEQUENCE_SPLITS, SHARDED_ENGINES, SINGLE
+from finetune.planner import attention
 from finetune.planner.activations import LayerShape, expert_weights
 from finetune.planner.calibration import Calibration
 from finetune.planner.contract import GB, Alternative, Memory, Plan, Strategy
 from finetune.planner.engines import why_not, why_not_split
 from finetune.planner.memory import Job, load_gpu_bytes, load_host_bytes, make_job, memory
-from finetune.planner.params import count_params
+from finetune.planner.params import count_params, expert_storage_note
 from finetune.planner.timing import HOURS_PER_MONTH, disk, estimate, executed_flops_per_token
 
 # The loss when train.chunked_loss is unset: the project's chunked loss (True) or TRL's fused LM head (False).
@@ -151,8 +152,18 @@ def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
         how = s.split
         if how is not None and not getattr(s.engine, how.engine_needs) and t.sharding is None:
             continue  # the split's engine is another one: not a refusal, the search weighs that one too
+        long_context, unsplit = job.seq_len >= LONG_CONTEXT, how is None
+        path = attention.choose(
+            t.attention,
+            job.model,
+            device=hw.device,
+            packing=job.packing,
+            split=not unsplit,
+            long_context=long_context,
+        )
+        s = replace(s, attention=path)
         reason = why_not(s, job.method.name, hw.total_gpus) or why_not_split(
-            s, job.model, t.attention, job.packing, hw.device
+            s, job.model, s.attention, job.packing, hw.device
         )
         if reason is None:
             out.append(_with_accumulation(job, s))
@@ -361,6 +372,9 @@ def _plan_on(job: Job) -> Plan:
                 f"host memory: {host_gb:,.0f} GB per node (loading the model, or offload) "
                 f"> {hw.host_memory_gb:,.0f} GB on {hw.name}"
             )
+    if job.seq_len >= LONG_CONTEXT or train.attention is not None or s.attention != "sdpa":
+        reasons.append(attention.describe(s, train.attention is not None))
+    reasons.extend(note for note in [expert_storage_note(job.model)] if note)
     loss = "the project's chunked loss" if s.chunked_loss else "TRL's fused LM head"
     reasons.append(f"loss: {loss}" + (" (the default)" if train.chunked_loss is None else ""))
     if hw.host_memory_gb is None and hw.device == "cuda":
@@ -386,6 +400,7 @@ def _plan_on(job: Job) -> Plan:
         hardware=hw,
         params_total=counts.total,
         params_trainable=job.trainable,
+        params_active=counts.active,
         strategy=s,
         gpu_memory=mem,
         host_memory_gb=host_gb,

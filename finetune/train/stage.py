@@ -128,6 +128,8 @@ def run(
     doing (`during`) for `interrupted_message`.
     """
     run_dir = Path(run_dir)
+    # the attention the plan took (train.attention, or the planner's choice with the sequence split)
+    cfg = replace(cfg, train=replace(cfg.train, attention=plan.strategy.attention))
     rank0 = is_rank_zero()
     run_id = uuid.uuid4().hex[:12]  # names this training process in metrics.json and the output's identity
     mismatch = _lock_and_precheck(cfg, run_dir, plan) if rank0 else None

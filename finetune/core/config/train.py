@@ -148,8 +148,9 @@ class TrainSpeed:
     """Throughput switches (README "Throughput"): each is exact against the default path on the CPU
     (tests/test_throughput.py); their GPU speed-ups are measured by scripts/gpu_check.sh."""
 
-    attention: str = choice("sdpa", ATTENTIONS)
-    """Attention for packed rows; flex (FlexAttention's block mask) and flash (flash-attn) need CUDA."""
+    attention: Optional[str] = choice(None, ATTENTIONS)
+    """Attention for packed rows; flex (FlexAttention's block mask) and flash (flash-attn) need CUDA; None: the
+    planner's (SDPA; FlexAttention for long packed rows on one GPU: finetune/planner/attention.py)."""
     liger: bool = False
     """Liger's Triton kernels, its fused linear cross-entropy in the chunked loss (CUDA, finetune[liger])."""
     compile: bool = False
