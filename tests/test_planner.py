@@ -91,7 +91,7 @@ GEMMA = dict(
 
 
 def _from_json(tmp_path, raw: dict) -> ModelConfig:
-    from finetune.modeling.models import model_from_config_json
+    from finetune.modeling.resolve import model_from_config_json
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(raw))
