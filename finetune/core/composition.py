@@ -97,26 +97,29 @@ DEFAULT_RECIPE = "tiny"
 
 
 # A model given by file rather than by group: `model.config_path=...` or `model.gguf_file=...`.
-_MODEL_FILE = re.compile(r"\+{0,2}model\.(config_path|gguf_file)=(.+)")
+_MODEL_FILE = re.compile(r"\+{0,2}model\.(config_path|gguf_file|hub_id)=(.+)")
 
 
 def normalize_overrides(overrides: Sequence[str]) -> list[str]:
     """The spellings the product card promises, made plain Hydra overrides.
 
+    - `model=FOLDER` (a local model folder, as `save_pretrained` writes it) is `model.config_path=FOLDER/
+      config.json`; `model=ORG/NAME` (a hub id, not a preset) is `model.hub_id=ORG/NAME model.shape=hub`:
+      the architecture read from that model's own config.json (finetune/modeling/resolve.py);
     - no `+recipe=` and no model chosen: the embedded default recipe (`tiny`) is added, so `hardware=h200`
       or `method=qlora` alone runs the embedded default there. A model chosen by group (model=...), by its
-      config.json (model.config_path=...) or by a GGUF file (model.gguf_file=...) starts from
+      config.json (model.config_path=...), by a GGUF file (model.gguf_file=...) or by hub id starts from
       configs/config.yaml alone, so no tiny-only value (seq_len, LoRA rank, learning rate, steps) leaks
       into it;
-    - a model given by file, without model= or model.name=, is named after the file (the run directory
+    - a model given by file or hub id, without model.name=, is named after it (the run directory
       runs/<name>_<method>), not `tiny`; a config.json's model is then renamed by its config at resolve time
-      (finetune/modeling/models.py);
+      (finetune/modeling/resolve.py);
     - `smoke=true|false` sets `smoke.enabled` (`smoke` is a section with `steps` and `sibling` too).
     """
-    out = []
+    out: list[str] = []
     for item in overrides:
         m = re.fullmatch(r"smoke=(\w+)", item)
-        out.append(f"smoke.enabled={m.group(1)}" if m else item)
+        out.extend([f"smoke.enabled={m.group(1)}"] if m else _model_spelling(item))
     by_group = any(re.match(r"\+{0,2}(recipe|model)=", item) for item in out)
     by_file = [m for m in (_MODEL_FILE.fullmatch(item) for item in out) if m and m.group(2) != "null"]
     if not by_group and not by_file:
@@ -124,13 +127,41 @@ def normalize_overrides(overrides: Sequence[str]) -> list[str]:
     named = any(re.match(r"\+{0,2}model\.name=", item) for item in out)
     if by_file and not by_group and not named:
         out.append(f"model.name={_file_model_name(*by_file[-1].groups())}")
+    shaped = any(re.match(r"\+{0,2}model\.shape=", item) for item in out)
+    if by_file and not by_group and not shaped and {m.group(1) for m in by_file} == {"hub_id"}:
+        out.append("model.shape=hub")
     return out
 
 
+# A hub id as the hub spells it: ORG/NAME.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _model_spelling(item: str) -> list[str]:
+    """`model=VALUE` where VALUE is a local folder or a hub id rather than a preset, as overrides; any other
+    argument as it is."""
+    m = re.fullmatch(r"model=(.+)", item)
+    if not m or m.group(1) in group_choices("model"):
+        return [item]
+    value = m.group(1)
+    folder = Path(value).expanduser()
+    if folder.is_dir() or value.startswith(("/", "./", "../", "~")):
+        config = folder / "config.json"
+        if not config.is_file():
+            why = "no config.json in that folder" if folder.is_dir() else "no such folder"
+            raise ConfigError(
+                f"model={value}: {why} (a model folder holds the config.json save_pretrained writes)"
+            )
+        return [f"model.config_path={config}"]
+    if _HUB_ID.fullmatch(value):
+        return [f"model.hub_id={value}", "model.shape=hub"]
+    return [item]
+
+
 def _file_model_name(key: str, value: str) -> str:
-    """A run-directory-safe name from the file: a GGUF file's stem, a config.json's folder."""
+    """A run-directory-safe name from the file: a GGUF file's stem, a config.json's folder, a hub id's NAME."""
     path = Path(value.split("/", 1)[1] if value.startswith("package:") and "/" in value else value)
-    stem = path.name.removesuffix(".gguf") if key == "gguf_file" else path.parent.name
+    stem = path.name.removesuffix(".gguf") if key in ("gguf_file", "hub_id") else path.parent.name
     name = re.sub(r"[^A-Za-z0-9._+-]+", "-", stem).strip("-._+")[:100]
     return name or "model"
 
@@ -156,7 +187,24 @@ def compose(overrides: Sequence[str]) -> Config:
         raise ConfigError(_one_line(exc)) from None
     assert isinstance(cfg, Config)
     _register_forwarded_secrets(cfg, overrides)
-    return cfg
+    return _check_preset_hub_id(cfg)
+
+
+def _check_preset_hub_id(cfg: Config) -> Config:
+    """A preset given another hub id is checked against that model's config.json when resolved
+    (`model.shape=checked`), never planned as the preset unseen."""
+    import dataclasses
+
+    import yaml
+
+    model = cfg.model
+    preset = package_dir("configs") / "model" / f"{model.name}.yaml"
+    if model.shape != "stated" or not model.hub_id or not preset.is_file():
+        return cfg
+    stated = (yaml.safe_load(preset.read_text()) or {}).get("hub_id")
+    if stated == model.hub_id:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(model, shape="checked"))
 
 
 # `+launch.env.KEY=${oc.env:NAME}` (or `${oc.env:NAME,default}`): the one place an environment variable may
@@ -216,7 +264,8 @@ def _check_overrides(overrides: Sequence[str]) -> None:
         else:
             continue
         if value not in valid:
-            raise ConfigError(f"{key}={value}: unknown {key}; choose from {', '.join(valid)}")
+            also = ", a hub id (ORG/NAME) or a model folder" if key == "model" else ""
+            raise ConfigError(f"{key}={value}: unknown {key}; choose from {', '.join(valid)}{also}")
         if key == "recipe" and not item.startswith("+"):
             raise ConfigError(
                 f"recipe={value}: write +recipe={value} (a recipe is added on top of the defaults)"

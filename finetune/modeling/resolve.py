@@ -1,18 +1,21 @@
 """Reading a model's architecture from its own config.json: the facts the planner plans with.
 
-A model given by a local config.json (`model.config_path`) or a GGUF file (`model.gguf_file`, converted once
-into a cached folder, finetune/modeling/gguf.py) is read through transformers' AutoConfig, so every key the
-file leaves out takes the model class's own default, exactly as loading the model would. The pipeline calls
-`resolve_model` once; families the planner does not model are refused with one line
-(finetune/core/architectures.py).
+One path for every model: a local config.json (`model.config_path`, or `model=FOLDER`), a GGUF file
+(`model.gguf_file`, converted once into a cached folder, finetune/modeling/gguf.py) or a hub id
+(`model=ORG/NAME`: the hub cache, else the hub where reachable) is read through transformers' AutoConfig, so
+every key the file leaves out takes the model class's own default, exactly as loading the model would. A
+preset (configs/model/) states the same facts offline; given another `model.hub_id` it is checked against
+that model's config.json and refused where they differ. The pipeline calls `resolve_model` once; families
+the planner does not model are refused with one line (finetune/core/architectures.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from finetune.core.architectures import ARCHITECTURES, refusal, unmodelled_option
 from finetune.core.config import ModelConfig
@@ -26,7 +29,97 @@ def resolve_model(model: ModelConfig) -> ModelConfig:
     models as they are (their config group states them)."""
     if model.gguf_file:
         return model_from_gguf(model)
-    return model_from_config_json(model)
+    if model.config_path:
+        return model_from_config_json(model)
+    if model.shape == "hub":
+        return model_from_hub(model)
+    if model.shape == "checked":
+        return checked_against_hub(model)
+    return model
+
+
+# The fields that make a model's shape: a preset and its hub id's config.json must agree on each.
+SHAPE_FIELDS = (
+    "architecture",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "tie_embeddings",
+    "num_experts",
+    "num_experts_per_token",
+    "moe_intermediate_size",
+)
+
+
+def model_from_hub(model: ModelConfig) -> ModelConfig:
+    """`model=ORG/NAME`: the architecture from the hub id's config.json (the hub cache, else the hub)."""
+    hub_id = model.hub_id or ""
+    key = f"model={hub_id}"
+    path = hub_config_json(hub_id)
+    if path is None:
+        raise ConfigError(
+            f"{key}: its config.json is neither in the hub cache nor reachable on the hub (offline?); fetch it "
+            f"where the hub is reachable (hf download {hub_id} config.json) and pass "
+            "model.config_path=PATH/config.json, or run once with the hub reachable"
+        )
+    return model_from_hf_config(model, _auto_config(model, path, key), key, name=model.name)
+
+
+def checked_against_hub(model: ModelConfig) -> ModelConfig:
+    """A preset given another `model.hub_id`: kept only where that model's config.json has the preset's shape
+    (a base and an instruct model of one family); refused where it differs or cannot be read."""
+    hub_id = model.hub_id or ""
+    key = f"model.hub_id={hub_id}"
+    path = hub_config_json(hub_id)
+    if path is None:
+        raise ConfigError(
+            f"{key}: its config.json cannot be read (not in the hub cache, hub unreachable) to check that it has "
+            f"model={model.name}'s shape; pass model={hub_id} to plan it by its own config, or "
+            "model.config_path=PATH/config.json"
+        )
+    read = model_from_hf_config(model, _auto_config(model, path, key), key, name=model.name)
+    differ = [
+        f"{f} {getattr(read, f)} not {getattr(model, f)}"
+        for f in SHAPE_FIELDS
+        if getattr(read, f) != getattr(model, f)
+    ]
+    if differ:
+        raise ConfigError(
+            f"{key}: its config.json is not model={model.name}'s shape ({', '.join(differ)}); pass "
+            f"model={hub_id} to plan it by its own config"
+        )
+    return model
+
+
+def hub_config_json(hub_id: str) -> Optional[Path]:
+    """The hub id's config.json: from the hub cache, else downloaded where the hub answers (one quick
+    request first, so an offline machine is told at once rather than after the client's retries); None when
+    neither."""
+    from huggingface_hub import constants, get_session, hf_hub_download, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(hub_id, "config.json")
+    if isinstance(cached, str):
+        return Path(cached)
+    if constants.HF_HUB_OFFLINE or os.environ.get("TRANSFORMERS_OFFLINE", "").upper() in (
+        "1",
+        "ON",
+        "YES",
+        "TRUE",
+    ):
+        return None
+    try:
+        get_session().head(constants.ENDPOINT, timeout=5)
+    except Exception:  # the HTTP client's connection and timeout errors: the hub is unreachable
+        return None
+    try:
+        return Path(hf_hub_download(hub_id, "config.json"))
+    except Exception as exc:  # a missing or gated repository: say which
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"model={hub_id}: cannot download its config.json ({first})") from None
 
 
 def model_from_gguf(model: ModelConfig) -> ModelConfig:
