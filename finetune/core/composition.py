@@ -16,6 +16,7 @@ stays light for the planner and the workers.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import typing
@@ -124,11 +125,12 @@ def normalize_overrides(overrides: Sequence[str]) -> list[str]:
     by_file = [m for m in (_MODEL_FILE.fullmatch(item) for item in out) if m and m.group(2) != "null"]
     if not by_group and not by_file:
         out.insert(0, f"+recipe={DEFAULT_RECIPE}")
+    by_preset = any(re.match(r"\+{0,2}model=", item) for item in out)
     named = any(re.match(r"\+{0,2}model\.name=", item) for item in out)
-    if by_file and not by_group and not named:
+    if by_file and not by_preset and not named:
         out.append(f"model.name={_file_model_name(*by_file[-1].groups())}")
     shaped = any(re.match(r"\+{0,2}model\.shape=", item) for item in out)
-    if by_file and not by_group and not shaped and {m.group(1) for m in by_file} == {"hub_id"}:
+    if by_file and not by_preset and not shaped and {m.group(1) for m in by_file} == {"hub_id"}:
         out.append("model.shape=hub")
     return out
 
@@ -152,7 +154,7 @@ def _model_spelling(item: str) -> list[str]:
             raise ConfigError(
                 f"model={value}: {why} (a model folder holds the config.json save_pretrained writes)"
             )
-        return [f"model.config_path={config}"]
+        return [f"model.config_path={config.resolve()}"]
     if _HUB_ID.fullmatch(value):
         return [f"model.hub_id={value}", "model.shape=hub"]
     return [item]
@@ -173,28 +175,136 @@ def compose(overrides: Sequence[str]) -> Config:
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    overrides = normalize_overrides(overrides)
-    _check_overrides(overrides)
-    register_configs()
-    GlobalHydra.instance().clear()
+    overrides, files = user_files(overrides)
     try:
-        with initialize_config_dir(config_dir=str(package_dir("configs")), version_base="1.3"):
-            raw = hydra_compose(config_name="config", overrides=list(overrides))
-        cfg = OmegaConf.to_object(raw)
-    except FinetuneError:
-        raise
-    except Exception as exc:  # Hydra and OmegaConf raise many types; all are bad input here.
-        raise ConfigError(_one_line(exc)) from None
-    assert isinstance(cfg, Config)
+        overrides = normalize_overrides(overrides)
+        _check_overrides(overrides, [f.name for f in files])
+        register_configs()
+        for f in files:
+            f.register()
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(package_dir("configs")), version_base="1.3"):
+                raw = hydra_compose(config_name="config", overrides=list(overrides))
+            cfg = OmegaConf.to_object(raw)
+        except FinetuneError:
+            raise
+        except Exception as exc:  # Hydra and OmegaConf raise many types; all are bad input here.
+            raise ConfigError(_one_line(exc)) from None
+        assert isinstance(cfg, Config)
+        cfg = _check_preset_hub_id(cfg)
+    except ConfigError as exc:
+        raise _in_file(exc, files) from None
     _register_forwarded_secrets(cfg, overrides)
-    return _check_preset_hub_id(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------- a config file of one's own
+
+
+@dataclasses.dataclass
+class UserFile:
+    """A YAML file of the user's own (`python -m finetune my.yaml`, `+recipe=./my.yaml`): the recipes'
+    schema. A section given as a string (`model: Qwen/Qwen2.5-7B-Instruct`, `method: qlora`) chooses the
+    group as `model=...` on the command line would; the rest is registered as a recipe is."""
+
+    path: Path
+    name: str
+    node: dict
+    choices: list[str]
+
+    @property
+    def keys(self) -> set[str]:
+        """Every dotted key the file sets (train, train.seq_len, ...), to name the file in errors."""
+        out: set[str] = set()
+
+        def walk(node: Any, prefix: str) -> None:
+            if isinstance(node, dict):
+                for k, v in node.items():
+                    key = f"{prefix}{k}"
+                    out.add(key)
+                    walk(v, f"{key}.")
+
+        walk(self.node, "")
+        out |= {c.split("=", 1)[0] for c in self.choices}
+        for entry in self.node.get("defaults") or []:
+            if isinstance(entry, dict):
+                out |= {str(k).split("/")[-1] for k in entry}
+        return out
+
+    def register(self) -> None:
+        from hydra.core.config_store import ConfigStore
+
+        ConfigStore.instance().store(group="recipe", name=self.name, node=self.node, package="_global_")
+
+
+def _is_user_file(value: str) -> bool:
+    return value not in recipe_names() and (value.endswith((".yaml", ".yml")) or "/" in value)
+
+
+def user_files(overrides: Sequence[str]) -> tuple[list[str], list[UserFile]]:
+    """The command line with each user YAML file (a bare `FILE.yaml` argument or `+recipe=PATH`) replaced by
+    its group choices and `+recipe=<its registered name>`; a group the command line chooses too is left to
+    the command line (it comes later, so it wins, as any key=value over the file does)."""
+    import yaml
+
+    out: list[str] = []
+    files: list[UserFile] = []
+    for i, item in enumerate(overrides):
+        m = re.fullmatch(r"\+{1,2}recipe=(.+)", item)
+        value = m.group(1) if m else item if "=" not in item and item.endswith((".yaml", ".yml")) else None
+        if value is None or not _is_user_file(value):
+            out.append(item)
+            continue
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ConfigError(
+                f"{value}: no such file (a config file of your own: python -m finetune init {value})"
+            )
+        try:
+            node = yaml.safe_load(path.read_text("utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{value}: cannot read it ({exc})") from None
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            line = f"line {where.line + 1}: " if where is not None else ""
+            raise ConfigError(
+                f"{value}: not valid YAML ({line}{getattr(exc, 'problem', None) or exc})"
+            ) from None
+        node = {} if node is None else node
+        if not isinstance(node, dict) or not all(isinstance(k, str) for k in node):
+            raise ConfigError(f"{value}: not a mapping of sections (model:, method:, train:, ...)")
+        later = {re.sub(r"^\+*", "", o).split("=", 1)[0] for o in overrides[i + 1 :] if "=" in o}
+        choices = []
+        for group in _GROUPS:
+            chosen = node.get(group)
+            if isinstance(chosen, str):
+                del node[group]
+                if group not in later:
+                    choices.append(f"{group}={chosen}")
+            elif chosen is not None and not isinstance(chosen, dict):
+                raise ConfigError(f"{value}: {group}: give a name (model: NAME) or a section of keys")
+        stem = re.sub(r"\W+", "_", path.stem)
+        files.append(UserFile(path, f"_file{len(files)}_{stem}", node, choices))
+        out += [*choices, f"+recipe={files[-1].name}"]
+    return out, files
+
+
+def _in_file(exc: ConfigError, files: list[UserFile]) -> ConfigError:
+    """An error about a key the user's file sets, naming the file first."""
+    m = re.match(r"[+~]*([\w.]+)", str(exc))
+    if not m:
+        return exc
+    key = m.group(1)
+    for f in files:
+        if key in f.keys or any(key.startswith(f"{k}.") for k in f.keys if "." in k):
+            return ConfigError(f"{f.path}: {exc}")
+    return exc
 
 
 def _check_preset_hub_id(cfg: Config) -> Config:
     """A preset given another hub id is checked against that model's config.json when resolved
     (`model.shape=checked`), never planned as the preset unseen."""
-    import dataclasses
-
     import yaml
 
     model = cfg.model
@@ -241,7 +351,7 @@ def _register_forwarded_secrets(cfg: Config, overrides: Sequence[str]) -> None:
             secrets.register(value, var)
 
 
-def _check_overrides(overrides: Sequence[str]) -> None:
+def _check_overrides(overrides: Sequence[str], user_recipes: Sequence[str] = ()) -> None:
     """Name the valid choices for an unknown group option or recipe before Hydra's long message."""
     for item in overrides:
         if not item.strip():
@@ -258,7 +368,7 @@ def _check_overrides(overrides: Sequence[str]) -> None:
             continue
         key, value = m.groups()
         if key == "recipe":
-            valid = recipe_names()
+            valid = [*recipe_names(), *user_recipes]
         elif key in _GROUPS and key not in ("train", "plan", "launch", "eval", "export"):
             valid = group_choices(key)
         else:
@@ -295,8 +405,6 @@ def _one_line(exc: BaseException) -> str:
 
 def _valid_keys(full_key: str) -> list[str]:
     """The fields of the section that holds `full_key` (train.foo -> the fields of TrainConfig)."""
-    import dataclasses
-
     node: Any = Config
     for part in full_key.split(".")[:-1]:
         node = typing.get_type_hints(node).get(part)

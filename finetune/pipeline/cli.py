@@ -3,6 +3,9 @@
     python -m finetune                                      # embedded default: tiny recipe on the CPU
     python -m finetune +recipe=llama70b_qlora mode=plan     # will it fit, and how should it run?
     python -m finetune mode=plan model=llama3_1_8b method=lora hardware=auto train.seq_len=8192 plan.out=plan.json
+    python -m finetune model=Qwen/Qwen2.5-0.5B-Instruct mode=plan   # a hub id, or a folder: model=/models/my-sft
+    python -m finetune init my.yaml                         # a commented config file of your own, then:
+    python -m finetune my.yaml train.seq_len=1024           # that file, overrides on top
 
 Bad input ends with a one-line message naming the key and exit code 2; no traceback.
 """
@@ -26,7 +29,7 @@ from finetune.core.errors import (
 )
 from finetune.core.markup import terminal_line
 from finetune.core.secrets import install_log_filter
-from finetune.pipeline import smoke, stages
+from finetune.pipeline import smoke, stages, starter
 from finetune.rundir import free_bytes
 
 __all__ = ["compose", "main", "run"]
@@ -47,6 +50,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     restore = interrupt_on_signals()
     try:
+        if args and args[0] == "init":
+            return starter.write(args[1:])
         cfg = compose(args)
         if cfg.smoke.enabled and cfg.mode in ("all", "train"):
             smoke.run(cfg, args)
