@@ -143,3 +143,49 @@ def test_a_bad_model_value_is_one_line(tmp_path: Path, capsys, monkeypatch, valu
     assert needle in line
     if "unknown model" in needle:
         assert "a hub id (ORG/NAME) or a model folder" in line
+
+
+_LLAMA = '{"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, '
+_LLAMA += '"num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 1000'
+
+
+@pytest.mark.parametrize(
+    "tail, needle",
+    [
+        (', "hidden_size": "256"}', 'hidden_size="256" must be a whole number'),
+        (', "hidden_size": 256.0}', "hidden_size=256.0 must be a whole number"),
+        (', "num_hidden_layers": true}', "num_hidden_layers=true must be a whole number"),
+        (', "vocab_size": null}', "vocab_size=null must be a whole number"),
+        (', "hidden_size": NaN}', "hidden_size=nan must be a whole number"),
+        (', "num_attention_heads": 0}', "num_attention_heads=0 must be a whole number in 1.."),
+        (', "num_key_value_heads": 0}', "num_key_value_heads=0 must be a whole number in 1.."),
+        (', "rms_norm_eps": "small"}', 'rms_norm_eps="small" must be a finite number'),
+        (', "tie_word_embeddings": "no"}', 'tie_word_embeddings="no" must be true or false'),
+        (', "rope_scaling": ' + "[" * 50_000 + "]" * 50_000 + "}", "nested too deeply"),
+        (', "vocab_size": ' + "9" * 5000 + "}", "not a readable JSON file (Exceeds the limit"),
+        (
+            ', "vocab_size": ' + "9" * 4000 + "}",
+            "vocab_size=99999999999999999999... (4,000 characters) must be",
+        ),
+    ],
+    ids=[
+        "str",
+        "float",
+        "bool",
+        "null",
+        "nan",
+        "zero_heads",
+        "zero_kv",
+        "eps_str",
+        "flag_str",
+        "deep",
+        "huge",
+        "big",
+    ],
+)
+def test_a_config_json_of_wrong_types_is_one_line(tmp_path: Path, capsys, tail: str, needle: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(_LLAMA + tail)
+    line = _refusal([f"model.config_path={path}", f"run_dir={tmp_path / 'run'}"], capsys)
+    assert line.startswith(f"finetune: error: model.config_path={path}: ") and needle in line, line
+    assert not (tmp_path / "run").exists()

@@ -12,6 +12,7 @@ the planner does not model are refused with one line (finetune/core/architecture
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -143,27 +144,97 @@ def model_from_config_json(model: ModelConfig) -> ModelConfig:
         return model
     path = Path(model.config_path)
     key = f"model.config_path={path}"
-    if not path.is_file():
-        raise ConfigError(f"{key}: no such file")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{key}: not a readable JSON file ({exc})") from None
+    raw = read_config_json(path, key)
     named = raw.get("_name_or_path") if isinstance(raw, dict) else None
     resolved = model_from_hf_config(model, _auto_config(model, path, key), key, name=model.name)
     return replace(resolved, name=_config_name(named, resolved))
 
 
 def _auto_config(model: ModelConfig, path: Path, key: str) -> Any:
+    """The text model's transformers config from a config.json, every failure one line naming the key."""
     from transformers import AutoConfig
 
+    check_config_json(read_config_json(path, key), key)
     try:
         return AutoConfig.from_pretrained(
             str(path), local_files_only=True, trust_remote_code=model.trust_remote_code
         ).get_text_config()
-    except (OSError, ValueError, KeyError) as exc:
+    except Exception as exc:  # a config.json is user input: whatever transformers cannot read is bad input
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"{key}: transformers cannot read it ({first})") from None
+        raise ConfigError(f"{key}: transformers cannot read it ({first[:300]})") from None
+
+
+def read_config_json(path: Path, key: str) -> Any:
+    """A config.json's JSON; unreadable, too deeply nested or holding an over-long number: one line."""
+    if not path.is_file():
+        raise ConfigError(f"{key}: no such file")
+    try:
+        return json.loads(path.read_text("utf-8"))
+    except RecursionError:
+        raise ConfigError(f"{key}: nested too deeply to be a model's config.json") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{key}: not a readable JSON file ({str(exc)[:200]})") from None
+
+
+# The sizes a config.json states, each a positive whole number where present (`text_config` too).
+_SIZE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
+_FLOAT_KEYS = ("rope_theta", "rms_norm_eps")
+_BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "norm_topk_prob")
+# Larger than any model's dimension: a value beyond it is a typo, not a model (and would overflow the counts).
+_MAX_SIZE = 10**9
+
+
+def check_config_json(raw: Any, key: str) -> None:
+    """The types transformers' own config classes would reject with a traceback, refused in one line that
+    names the field: a size that is not a positive whole number, a float field that is not a finite number,
+    a flag that is not true or false."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{key}: not a model's config.json (a JSON object of its settings)")
+    sections = [("", raw)]
+    if isinstance(raw.get("text_config"), dict):
+        sections.append(("text_config.", raw["text_config"]))
+    for prefix, section in sections:
+        for name in _SIZE_KEYS:
+            value = section.get(name, 1)
+            if name in ("num_experts", "num_local_experts", "shared_expert_intermediate_size") and value in (
+                0,
+                None,
+            ):
+                continue
+            if name in ("head_dim", "num_key_value_heads") and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _MAX_SIZE:
+                raise ConfigError(
+                    f"{key}: {prefix}{name}={_shown(value)} must be a whole number in 1..{_MAX_SIZE:,}"
+                )
+        for name in _FLOAT_KEYS:
+            value = section.get(name, 1.0)
+            if name in section and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"{key}: {prefix}{name}={_shown(value)} must be a finite number")
+        for name in _BOOL_KEYS:
+            if not isinstance(section.get(name, False), bool):
+                raise ConfigError(f"{key}: {prefix}{name}={_shown(section[name])} must be true or false")
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text):,} characters)"
 
 
 def model_from_hf_config(model: ModelConfig, hf: Any, key: str, name: str) -> ModelConfig:
