@@ -422,7 +422,12 @@ def load_profiles() -> dict[str, HardwareConfig]:
 
     profiles = {}
     for name in group_choices("hardware"):
-        if name in ("auto", "cpu", "local"):  # chosen, or read from the machine, at plan time
+        if name in (
+            "auto",
+            "cpu",
+            "local",
+            "custom",
+        ):  # chosen, read from the machine, or given, at plan time
             continue
         node = OmegaConf.merge(
             OmegaConf.structured(HardwareConfig),

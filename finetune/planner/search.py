@@ -294,7 +294,10 @@ def _plan_on(job: Job) -> Plan:
     """The fastest strategy for the job on its hardware profile (or, when none fits, the smallest)."""
     hw, method, train, plan_cfg, cal = job.hw, job.method, job.train, job.plan, job.cal
     if hw.gpu_memory_gb is None:
-        raise PlanError(f"hardware.gpu_memory_gb is unknown for profile {hw.name!r}; set it")
+        raise PlanError(
+            f"hardware.gpu_memory_gb is unknown for profile {hw.name!r}; set it (hardware.gpu_memory_gb=24; "
+            "hardware.peak_bf16_tflops and hardware.usd_per_gpu_hour add the time and the cost)"
+        )
     usable = _usable_gb(hw, plan_cfg.headroom)
     runnable, refused = candidates(job)
     if not runnable:
