@@ -9,6 +9,7 @@ held-out prompts rendered with the same chat template.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -85,9 +86,15 @@ def evaluate(
         loss = heldout_loss(model, eval_dataset, tokenizer.pad_token_id, batch_size)
         result: dict[str, Any] = {} if loss is None else {"loss": loss}
         n = len(eval_dataset) if max_generate is None else min(max_generate, len(eval_dataset))
+        pairs: list[tuple[list[dict], str]] = []
         # eval.num_samples=0: the loss alone, no answers generated
         if "messages" in eval_dataset.column_names and n:
-            pairs = [split_prompt(json.loads(eval_dataset[i]["messages"])) for i in range(n)]
+            rows = (json.loads(eval_dataset[i]["messages"]) for i in range(len(eval_dataset)))
+            # plain-text rows (data.format=text) hold no answer to generate: their loss alone measures them
+            answered = (m for m in rows if any(x["role"] == "assistant" for x in m))
+            pairs = [split_prompt(m) for m in itertools.islice(answered, n)]
+            n = len(pairs)
+        if pairs:
             prompts = [p for p, _ in pairs]
             references = [r for _, r in pairs]
             longest = max(len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in references)

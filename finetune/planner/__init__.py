@@ -2,7 +2,8 @@
 
 contract (the Plan and its parts), params (exact counts), activations (the measured saved-bytes
 formulas), memory (the memory model, as the trainer runs it), engines (which engine runs which
-strategy), timing (step time, cost, disk), search (the fastest strategy that fits; `make_plan`),
+strategy), timing (step time, cost, disk), search (the fastest strategy that fits), advice (the
+alternatives on other profiles and what would fit), plan (`make_plan`),
 calibration (per-device constants). Scripts and tests use these modules' public names only.
 """
 
@@ -11,7 +12,8 @@ from finetune.planner.contract import Alternative, Estimate, Layout, Memory, Pla
 from finetune.planner.engines import ENGINES, why_not, why_not_split
 from finetune.planner.memory import Job, Runtime, make_job, memory, runtime, tensors_gb
 from finetune.planner.params import ParamCounts, count_params, lora_params
-from finetune.planner.search import DEFAULT_CHUNKED_LOSS, candidates, make_plan
+from finetune.planner.plan import make_plan
+from finetune.planner.search import DEFAULT_CHUNKED_LOSS, candidates
 from finetune.planner.timing import estimate, executed_flops_per_token, model_flops_per_token
 
 __all__ = [
