@@ -68,6 +68,14 @@ def split_prompt(messages: list[dict]) -> tuple[list[dict], str]:
     raise ValueError("conversation has no assistant turn")
 
 
+def answered(eval_dataset: Any, limit: int) -> list[tuple[int, list[dict], str]]:
+    """The first `limit` held-out rows that end in an answer: (row, the conversation up to it, the answer).
+    Plain-text rows (data.format=text) hold no answer to generate: their loss alone measures them."""
+    rows = ((i, json.loads(eval_dataset[i]["messages"])) for i in range(len(eval_dataset)))
+    with_answer = ((i, m) for i, m in rows if any(x["role"] == "assistant" for x in m))
+    return [(i, *split_prompt(m)) for i, m in itertools.islice(with_answer, limit)]
+
+
 def evaluate(
     model: Any,
     tokenizer: Any,
@@ -89,10 +97,7 @@ def evaluate(
         pairs: list[tuple[list[dict], str]] = []
         # eval.num_samples=0: the loss alone, no answers generated
         if "messages" in eval_dataset.column_names and n:
-            rows = (json.loads(eval_dataset[i]["messages"]) for i in range(len(eval_dataset)))
-            # plain-text rows (data.format=text) hold no answer to generate: their loss alone measures them
-            answered = (m for m in rows if any(x["role"] == "assistant" for x in m))
-            pairs = [split_prompt(m) for m in itertools.islice(answered, n)]
+            pairs = [(conversation, reference) for _, conversation, reference in answered(eval_dataset, n)]
             n = len(pairs)
         if pairs:
             prompts = [p for p, _ in pairs]

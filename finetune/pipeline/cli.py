@@ -6,6 +6,7 @@
     python -m finetune model=Qwen/Qwen2.5-0.5B-Instruct mode=plan   # a hub id, or a folder: model=/models/my-sft
     python -m finetune init my.yaml                         # a commented config file of your own, then:
     python -m finetune my.yaml train.seq_len=1024           # that file, overrides on top
+    python -m finetune mode=chat                            # talk to the trained model (chat.model=base|merged)
 
 Bad input ends with a one-line message naming the key and exit code 2; no traceback.
 """
@@ -39,6 +40,15 @@ def run(cfg: Config) -> int:
     return stages.run(cfg)
 
 
+def chat(cfg: Config) -> int:
+    """`mode=chat`: the run's model in the terminal. The chat module loads torch and transformers on import,
+    so it is imported here, when it runs (as the pipeline imports the evaluation stage)."""
+    from finetune.evaluation import chat as chat_module
+
+    cfg = stages.resolve(cfg)
+    return chat_module.run(cfg, cfg.resolved_run_dir)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     install_log_filter()
     args = list(sys.argv[1:] if argv is None else argv)
@@ -53,6 +63,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args and args[0] == "init":
             return starter.write(args[1:])
         cfg = compose(args)
+        if cfg.mode == "chat":
+            return chat(cfg)
         if cfg.smoke.enabled and cfg.mode in ("all", "train"):
             smoke.run(cfg, args)
         return run(cfg)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
+from finetune.core.config.chat import ChatConfig
 from finetune.core.config.checks import check_all_finite, check_choices, choice
 from finetune.core.config.data import DataConfig
 from finetune.core.config.evaluation import EvalConfig
@@ -36,6 +37,7 @@ __all__ = [
     "RUNS_DIR",
     "SHARDINGS",
     "Config",
+    "ChatConfig",
     "DataConfig",
     "EvalConfig",
     "ExportConfig",
@@ -51,7 +53,7 @@ __all__ = [
     "TrainConfig",
 ]
 
-MODES = ("all", "plan", "data", "train", "eval", "export", "launch", "compare")
+MODES = ("all", "plan", "data", "train", "eval", "export", "launch", "compare", "chat")
 # Where runs go by default: runs/<name> (mode=compare looks names up here too).
 RUNS_DIR = "runs"
 
@@ -73,6 +75,8 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    # mode=chat: which of the run's models to talk to (finetune/evaluation/chat.py).
+    chat: ChatConfig = field(default_factory=ChatConfig)
     # What the model is trained to do (sft, dpo, grpo), and each objective's own settings section.
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     dpo: DPOSettings = field(default_factory=DPOSettings)
