@@ -133,3 +133,17 @@ def test_init_writes_a_commented_starter_that_runs_as_written(tmp_path: Path, ca
     err = capsys.readouterr().err
     assert "init other.yaml: model=nonesuch: unknown model" in err and "job.yaml: the file exists" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml", "run"]
+
+
+def test_smoke_carries_a_user_yamls_choices_as_the_command_lines(tmp_path: Path) -> None:
+    from finetune.core.composition import user_files
+    from finetune.pipeline.smoke import sibling_overrides
+
+    path = tmp_path / "big.yaml"
+    path.write_text("model: llama3_1_70b\nmethod: qlora\nhardware: h100\ntrain:\n  seq_len: 2048\n")
+    cfg = _compose(str(path), "smoke=true")
+    carried = sibling_overrides(cfg, user_files([str(path), "smoke=true"])[0], "llama8b_qlora")
+    assert carried[0] == "+recipe=llama8b_qlora"
+    # the model and the file itself stay with the real run; the method and hardware go with the sibling
+    assert "method=qlora" in carried and "hardware=h100" in carried
+    assert not any(o.startswith(("model=", "+recipe=_file")) or o == str(path) for o in carried)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from finetune.core.composition import compose, group_choices, recipe_names
+from finetune.core.composition import compose, group_choices, recipe_names, user_files
 from finetune.core.config import Config
 from finetune.core.errors import (
     INTERRUPTED_EXIT_CODE,
@@ -66,7 +66,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if cfg.mode == "chat":
             return chat(cfg)
         if cfg.smoke.enabled and cfg.mode in ("all", "train"):
-            smoke.run(cfg, args)
+            # a config file's group choices carried as the command line's are; its recipe is the run's own
+            smoke.run(cfg, user_files(args)[0])
         return run(cfg)
     except FinetuneError as exc:
         print(f"finetune: error: {terminal_line(exc)}", file=sys.stderr)
