@@ -189,3 +189,10 @@ def test_a_config_json_of_wrong_types_is_one_line(tmp_path: Path, capsys, tail: 
     line = _refusal([f"model.config_path={path}", f"run_dir={tmp_path / 'run'}"], capsys)
     assert line.startswith(f"finetune: error: model.config_path={path}: ") and needle in line, line
     assert not (tmp_path / "run").exists()
+
+
+def test_a_hub_id_alone_is_read_as_model_equals_it(hub_cache: Path) -> None:
+    cfg, plan = planned("model.hub_id=Org/Small", "mode=plan")
+    _, by_model = planned("model=Org/Small", "mode=plan")
+    assert (cfg.model.shape, cfg.name) == ("hub", "Small_lora")
+    assert plan.to_dict() == by_model.to_dict()
