@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     from finetune.core.config.evaluation import EvalConfig
     from finetune.evaluation import regression
     from finetune.evaluation.generate import generate
-    from finetune.modeling import loading, models
+    from finetune.modeling import loading, models, resolve
 
     held_out = {m["content"] for r in regression.load() for m in r["messages"] if m["role"] == "user"}
     asked = [p for p in prompts() if p not in held_out]  # the regression checks stay held out
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             saved[messages[0]["content"]] = messages[1]["content"]
     if to_ask := [p for p in asked if p not in saved]:
         torch.set_num_threads(1)  # shared cores: one thread is faster (finetune/train/stage.py: cpu_threads)
-        model_cfg = models.resolve_model(compose(["model=smollm2_135m", "mode=plan"]).model)
+        model_cfg = resolve.resolve_model(compose(["model=smollm2_135m", "mode=plan"]).model)
         tokenizer = models.load_tokenizer(model_cfg)
         model = loading.load_pretrained(model_cfg, models.model_source(model_cfg), dtype=torch.float32)
         settings = EvalConfig(

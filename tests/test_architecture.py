@@ -81,6 +81,8 @@ EXCEPTIONS = {
     "transformers and PEFT on import (the chunked loss and the collator are torch modules); the pipeline "
     "imports them when it runs them, so mode=plan, data and launch load none of them",
     ("finetune.pipeline.stages", "finetune.export.stage"): "as finetune.evaluation.stage",
+    ("finetune.pipeline.cli", "finetune.evaluation.chat"): "as finetune.evaluation.stage: mode=chat loads "
+    "torch and transformers, every other mode's command line must not",
     ("finetune.train.__main__", "finetune.train.stage"): "the worker installs its signal handlers before it "
     "imports torch, transformers and TRL (seconds), so a signal during that import also exits 75 with one line",
     ("finetune.train.__main__", "finetune.train.resume"): "as finetune.train.stage",

@@ -93,7 +93,8 @@ def test_stable_names():
     assert set(group_choices("hardware")) == {
         "cpu", "h100", "h200", "b200", "b300", "h100x8", "h200x8", "b200x8", "b300x8", "auto", "local",
         "a100_40gb", "a100_80gb", "a100_40gbx8", "a100_80gbx8", "l40s", "l40sx8", "h100_nvl",
-        "gh200_96gb", "gh200_144gb", "rtx4090", "l4", "a10gx4",
+        "gh200_96gb", "gh200_144gb", "rtx4090", "l4", "a10gx4", "rtx3090", "rtx5090", "rtx_a6000", "l40",
+        "rtx_pro_6000", "custom",
     }  # fmt: skip
 
 
@@ -181,7 +182,9 @@ def test_rented_profiles_carry_datasheet_facts_and_no_invented_ones():
         assert hw.usd_per_month is None and hw.host_memory_gb is None and len(hw.gpu_names) == 1, name
 
 
-@pytest.mark.parametrize("name", [n for n in group_choices("hardware") if n not in ("auto", "cpu", "local")])
+@pytest.mark.parametrize(
+    "name", [n for n in group_choices("hardware") if n not in ("auto", "cpu", "local", "custom")]
+)
 def test_every_gpu_profile_plans(name: str):
     from finetune.planner import make_plan
 

@@ -236,7 +236,7 @@ def test_bad_input_raises_with_file_line_and_counts(tmp_path, tokenizer):
         good[:5]
         + ["{broken", '{"messages": [{"role": "wizard", "content": "x"}]}']
         + good[5:]
-        + ['{"text": 1}']
+        + ['{"body": 1}']
     )
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(lines) + "\n")

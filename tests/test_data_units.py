@@ -149,8 +149,8 @@ def test_renderer_needs_a_template(corpus):
 
     tok = _tok(corpus, synthetic.LLAMA3)
     tok.chat_template = None
-    with pytest.raises(DataError, match="chat template"):
-        Renderer(tok)
+    with pytest.raises(DataError, match="chat template"):  # a conversation needs one; plain text does not
+        Renderer(tok).encode([[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]])
 
 
 # --- formats -------------------------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def test_formats_map_to_messages():
 @pytest.mark.parametrize(
     "record,reason",
     [
-        ({"text": "x"}, "missing_field"),
+        ({"body": "x"}, "missing_field"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "unknown_role"),
         ({"messages": [{"role": "user"}]}, "missing_field"),
         ({"messages": [{"role": "user", "content": 3}]}, "bad_content"),

@@ -25,7 +25,6 @@ H100_PCIE = GPU("NVIDIA H100 PCIe", 85_029_158_912, (9, 0))
 A100_80 = GPU("NVIDIA A100-SXM4-80GB", 85_097_971_712, (8, 0))
 A100_40 = GPU("NVIDIA A100-SXM4-40GB", 42_405_855_232, (8, 0))
 GH200_144 = GPU("NVIDIA GH200 144G HBM3e", 153_008_209_920, (9, 0))
-RTX3090 = GPU("NVIDIA GeForce RTX 3090", 25_393_692_672, (8, 6))
 V100 = GPU("Tesla V100-SXM2-32GB", 34_089_730_048, (7, 0))
 
 
@@ -103,7 +102,7 @@ def test_a_price_the_user_sets_is_kept():
 @pytest.mark.parametrize(
     "gpus, why",
     [
-        ((RTX3090,), "no profile's GPU is NVIDIA GeForce RTX 3090 with 25.4 GB"),
+        ((V100,), "no profile's GPU is Tesla V100-SXM2-32GB with 34.1 GB"),
         (
             (H100_PCIE,),
             "no profile's GPU is NVIDIA H100 PCIe",

@@ -16,7 +16,7 @@ from helpers import REPO, four_steps_learn, planned, script_module, tiny_model
 from finetune.core.config import MethodConfig, ModelConfig
 from finetune.core.errors import ConfigError
 from finetune.modeling import tiny
-from finetune.modeling.models import model_from_config_json
+from finetune.modeling.resolve import model_from_config_json
 from finetune.planner.params import count_params, lora_params
 
 FAMILIES = {"qwen3_8b": "qwen3", "gemma3_12b": "gemma3_text", "phi4": "phi3"}

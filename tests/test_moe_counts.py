@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from finetune.core.config import ModelConfig
-from finetune.modeling.models import model_from_config_json
+from finetune.modeling.resolve import model_from_config_json
 from finetune.planner.params import count_params
 
 # small configs of each style: Mixtral (every layer sparse), Qwen3-MoE (q/k norms, dense layers

@@ -14,6 +14,7 @@ from finetune.core.composition import compose, group_choices, load_profiles
 from finetune.core.config import Config, HardwareConfig, ModelConfig
 from finetune.core.errors import PlanError
 from finetune.planner import (
+    Alternative,
     Calibration,
     Plan,
     Strategy,
@@ -91,7 +92,7 @@ GEMMA = dict(
 
 
 def _from_json(tmp_path, raw: dict) -> ModelConfig:
-    from finetune.modeling.models import model_from_config_json
+    from finetune.modeling.resolve import model_from_config_json
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(raw))
@@ -733,7 +734,12 @@ def test_plan_contract_fields():
     }
     assert set(d["disk_gb"]) == {"checkpoint", "export"}
     assert set(d["estimate"]) == {"tokens_per_second", "step_seconds", "run_hours", "usd"}
-    assert all(set(a) == {"hardware", "fits", "total_gb", "usd_per_month"} for a in d["alternatives"])
+    assert all(
+        list(a)[:4]
+        == ["hardware", "fits", "total_gb", "usd_per_month"]  # then the added fields, none renamed
+        and set(a) == {f.name for f in fields(Alternative)}
+        for a in d["alternatives"]
+    )
     assert d["strategy"]["sharding"] in ("none", "ddp", "fsdp", "zero3")
     total = sum(v for k, v in d["gpu_memory_gb"].items() if k != "total")
     assert d["gpu_memory_gb"]["total"] == pytest.approx(total, abs=0.01)

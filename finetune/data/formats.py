@@ -1,6 +1,8 @@
-"""Mapping records to conversations: `messages`, prompt/completion, or instruction/input/output (Alpaca).
+"""Mapping records to conversations: `messages`, prompt/completion, instruction/input/output (Alpaca), or
+plain `text`.
 
-A conversation is a list of `{"role", "content"}` dicts with string content.
+A conversation is a list of `{"role", "content"}` dicts with string content. A `text` record is one message
+of the role `TEXT_ROLE`: the renderer writes it as it is, with no chat template, and trains every token.
 A record that cannot be mapped (a field missing, a role nobody knows, content
 that is not text) raises `RecordError` with a counted reason; the stage turns
 it into a located `DataError` or, with data.on_error=skip, a counted skip.
@@ -10,7 +12,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from collections import Counter
+from typing import Any, Optional
 
 from finetune.core.config.data import DataConfig
 
@@ -19,6 +22,14 @@ ROLES = ("system", "user", "assistant")
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
 
 Messages = list[dict[str, str]]
+
+# The role of a plain-text record's one message (`is_text`): no chat turn, no template.
+TEXT_ROLE = "text"
+
+
+def is_text(msgs: Messages) -> bool:
+    """A plain-text record (data.format=text), not a conversation."""
+    return len(msgs) == 1 and msgs[0]["role"] == TEXT_ROLE
 
 
 class RecordError(ValueError):
@@ -36,17 +47,28 @@ def detect_format(record: dict, cfg: DataConfig) -> str:
         return "prompt_completion"
     if cfg.instruction_field in record and cfg.output_field in record:
         return "alpaca"
-    fields = ", ".join(sorted(map(str, record))) or "none"
+    if cfg.text_field in record:
+        return "text"
+    names = [str(k) for k in record]
+    mapping = (
+        f"data.prompt_field={names[0]} data.completion_field={names[1]}"
+        if len(names) == 2
+        else "data.prompt_field=... data.completion_field=..."
+    )
     raise RecordError(
         "missing_field",
-        f"no '{cfg.messages_field}', '{cfg.prompt_field}'+'{cfg.completion_field}' or "
-        f"'{cfg.instruction_field}'+'{cfg.output_field}' field (fields: {fields})",
+        f"no '{cfg.messages_field}', '{cfg.prompt_field}'+'{cfg.completion_field}', "
+        f"'{cfg.instruction_field}'+'{cfg.output_field}' or '{cfg.text_field}' field "
+        f"(fields: {', '.join(sorted(names)) or 'none'}); name yours with {mapping} "
+        "(or data.messages_field, data.text_field)",
     )
 
 
-def _field(record: dict, key: str) -> Any:
+def _field(record: dict, key: str, setting: str) -> Any:
     if key not in record or record[key] is None:
-        raise RecordError("missing_field", f"missing field '{key}'")
+        raise RecordError(
+            "missing_field", f"missing field '{key}' ({setting}={key}; set it to your field's name)"
+        )
     return record[key]
 
 
@@ -110,13 +132,22 @@ def _messages(value: Any, what: str) -> Messages:
     return [_message(m, i) for i, m in enumerate(value)]
 
 
-def to_messages(record: dict, cfg: DataConfig) -> Messages:
+def to_messages(record: dict, cfg: DataConfig, formats: Optional[Counter] = None) -> Messages:
+    """The record as a conversation (or a text record); `formats` counts the format each record was read as."""
     fmt = detect_format(record, cfg)
-    if fmt == "messages":
+    if fmt == "text":
+        msgs = [
+            {
+                "role": TEXT_ROLE,
+                "content": _text(_field(record, cfg.text_field, "data.text_field"), cfg.text_field),
+            }
+        ]
+    elif fmt == "messages":
         key = cfg.messages_field if cfg.messages_field in record or cfg.format != "auto" else "conversations"
-        msgs = _messages(_field(record, key), key)
+        msgs = _messages(_field(record, key, "data.messages_field"), key)
     elif fmt == "prompt_completion":
-        prompt, completion = _field(record, cfg.prompt_field), _field(record, cfg.completion_field)
+        prompt = _field(record, cfg.prompt_field, "data.prompt_field")
+        completion = _field(record, cfg.completion_field, "data.completion_field")
         if isinstance(prompt, list):  # conversational prompt/completion (TRL's format)
             msgs = _messages(prompt, cfg.prompt_field) + _messages(completion, cfg.completion_field)
         else:
@@ -125,23 +156,33 @@ def to_messages(record: dict, cfg: DataConfig) -> Messages:
                 {"role": "assistant", "content": _text(completion, cfg.completion_field)},
             ]
     else:
-        instruction = _text(_field(record, cfg.instruction_field), cfg.instruction_field)
+        instruction = _text(
+            _field(record, cfg.instruction_field, "data.instruction_field"), cfg.instruction_field
+        )
         extra = record.get(cfg.input_field) or ""
         extra = _text(extra, cfg.input_field)
         prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
         msgs = [
             {"role": "user", "content": prompt},
-            {"role": "assistant", "content": _text(_field(record, cfg.output_field), cfg.output_field)},
+            {
+                "role": "assistant",
+                "content": _text(_field(record, cfg.output_field, "data.output_field"), cfg.output_field),
+            },
         ]
-    if cfg.system_prompt and not (msgs and msgs[0]["role"] == "system"):
+    if cfg.system_prompt and fmt != "text" and not (msgs and msgs[0]["role"] == "system"):
         msgs = [{"role": "system", "content": cfg.system_prompt}, *msgs]
+    if formats is not None:
+        formats[fmt] += 1
     return msgs
 
 
 def turn_order_problem(msgs: Messages) -> str | None:
-    """Why a conversation's turns are out of order, or None: [system] then user/assistant alternating, ending on assistant."""
+    """Why a conversation's turns are out of order, or None: [system] then user/assistant alternating, ending on
+    assistant (a text record has no turns)."""
     if not msgs:
         return "no messages"
+    if is_text(msgs):
+        return None
     body = msgs[1:] if msgs[0]["role"] == "system" else msgs
     if not body:
         return "only a system message"

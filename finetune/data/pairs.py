@@ -42,8 +42,8 @@ def _common_prefix(a: Messages, b: Messages) -> int:
 
 def to_pair(record: dict, cfg: DataConfig) -> Pair:
     """One record as a `Pair`, or `RecordError` naming what is wrong."""
-    chosen_raw = _field(record, cfg.chosen_field)
-    rejected_raw = _field(record, cfg.rejected_field)
+    chosen_raw = _field(record, cfg.chosen_field, "data.chosen_field")
+    rejected_raw = _field(record, cfg.rejected_field, "data.rejected_field")
     if cfg.prompt_field in record and record[cfg.prompt_field] is not None:
         prompt = _side(record[cfg.prompt_field], cfg.prompt_field, "user")
         chosen = _side(chosen_raw, cfg.chosen_field, "assistant")

@@ -19,6 +19,10 @@ contents are placeholders. The layout must reproduce the rendered text exactly
 (each content verbatim or stripped, each piece of template text in its place),
 else that conversation falls back to the search below. Same spans, linear time.
 
+A plain-text record (data.format=text, `formats.is_text`) is no conversation: it is written as it is, after
+the beginning-of-sequence token where the tokenizer adds one and before its end-of-sequence token (as TRL
+writes language-modelling text), with no chat template, and every token is trainable.
+
 Texts are then tokenized in batches by the fast tokenizer with offsets, and a
 token is trainable when it starts inside a trainable span. Both routes give
 the same labels for the same conversation (tested).
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from finetune.core.errors import DataError
-from finetune.data.formats import Messages
+from finetune.data.formats import Messages, is_text
 
 IGNORE_INDEX = -100
 _MARKERS = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -111,19 +115,17 @@ class Renderer:
         template = tokenizer.chat_template
         if isinstance(template, dict):
             template = template.get("default")
-        if not template:
-            raise DataError(
-                "the tokenizer has no chat template: set one (tokenizer.chat_template) for this model"
-            )
         self.tokenizer = tokenizer
-        self.template: str = template
+        # A base model may have none: only conversations need it (`_render` says so), plain text does not.
+        self.template: str = template or ""
         self.train_on = train_on
-        self.markers = has_generation_markers(template)
+        self.markers = has_generation_markers(self.template)
         self.template_kwargs = dict(tokenizer.special_tokens_map)
         self.prefix_fallbacks = 0  # conversations whose prefixes did not render as prefixes
         self._layout_learned = False
         self._layout: Optional[_Layout] = None
-        self._compiled: Any = _compiled(template)
+        self._compiled: Any = _compiled(template) if template else None
+        self._text_bos = _adds_bos(tokenizer)
 
     def __getstate__(self) -> dict:  # compiled templates do not pickle (data.num_proc worker processes)
         return {**self.__dict__, "_compiled": None, "_recompile": True}
@@ -135,6 +137,11 @@ class Renderer:
             self._compiled = _compiled(self.template)
 
     def _render(self, convs: list[Messages], add_generation_prompt: bool = False, markers: bool = False):
+        if not self.template:
+            raise DataError(
+                "the tokenizer has no chat template: set one (tokenizer.chat_template) for this model, or train "
+                "on plain text (data.format=text)"
+            )
         if self._compiled is not None:
             # The same compiled template and variables transformers uses, without its per-call copying of
             # every message into plain data (ours are plain: {"role": str, "content": str}, from
@@ -174,6 +181,9 @@ class Renderer:
 
     def render(self, msgs: Messages) -> tuple[str, list[tuple[int, int]]]:
         """The rendered text and its trainable character spans."""
+        if is_text(msgs):
+            text = f"{self._text_bos}{msgs[0]['content']}{self.tokenizer.eos_token or ''}"
+            return text, [(0, len(text))]
         if self.train_on == "all":
             (text,), _ = self._render([msgs])
             return text, [(0, len(text))]
@@ -353,6 +363,16 @@ class Renderer:
                 return [e.ids for e in encodings], [e.offsets for e in encodings]
         enc = tok(texts, **kwargs)
         return list(enc["input_ids"]), list(enc["offset_mapping"])
+
+
+def _adds_bos(tokenizer: Any) -> str:
+    """The beginning-of-sequence token the tokenizer puts before a text of its own accord (Llama's), else ""."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if not bos:
+        return ""
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return bos if len(with_special) > len(plain) and with_special[0] == tokenizer.bos_token_id else ""
 
 
 def _token_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:

@@ -171,7 +171,7 @@ def collect(
     try:
         for rec in records:
             try:
-                msgs = to_messages(rec.data, dc)
+                msgs = to_messages(rec.data, dc, loaded.formats)
             except RecordError as exc:
                 loaded.add_bad(sources.BadRecord(rec.source, rec.line, exc.reason, str(exc)))
                 continue

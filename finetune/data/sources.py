@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Optional, Union
 
+from finetune.core.config.data import DataConfig
 from finetune.core.errors import DataError
 
 EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
@@ -77,6 +78,8 @@ class Loaded:
     bad_counts: Counter = field(default_factory=Counter)
     first_bad: list[BadRecord] = field(default_factory=list)
     empty_files: list[str] = field(default_factory=list)
+    # The format each good record was read as (data.format=auto detects it per record): data_stats.json.
+    formats: Counter = field(default_factory=Counter)
 
     def add_bad(self, bad: BadRecord) -> None:
         """Count a bad record (read, or found when mapped to messages); keep it if among the first by place."""
@@ -542,13 +545,14 @@ def records(inp: Input, loaded: Loaded, advance: Advance = lambda n: None) -> It
 # Opening data.path
 
 
-def _train_split(ds: Any, source: str) -> Any:
+def _split(ds: Any, source: str, split: str) -> Any:
+    """The split data.split names of a set of splits (a save_to_disk folder of a DatasetDict)."""
     from datasets import DatasetDict
 
     if isinstance(ds, DatasetDict):
-        if "train" not in ds:
-            raise DataError(f"data.path={source}: no 'train' split (splits: {', '.join(ds)})")
-        return ds["train"]
+        if split not in ds:
+            raise DataError(f"data.path={source}: no split data.split={split} (splits: {', '.join(ds)})")
+        return ds[split]
     return ds
 
 
@@ -557,9 +561,12 @@ def is_local(path_or_name: str) -> bool:
     return path.exists() or path.is_symlink()
 
 
-def open_input(path_or_name: str, fingerprint: Optional[str] = None) -> tuple[Input, str]:
+def open_input(
+    path_or_name: str, fingerprint: Optional[str] = None, data: Optional[DataConfig] = None
+) -> tuple[Input, str]:
     """What data.path names, ready to read, with a fingerprint of its content (`content_fingerprint` for a
-    local path, unless given)."""
+    local path, unless given). A hub data set is read at data.split, data.subset and data.revision."""
+    data = data or DataConfig()
     path = Path(path_or_name).expanduser()
     if is_local(path_or_name):
         # Every file is checked to be a regular one before the first is opened.
@@ -567,23 +574,39 @@ def open_input(path_or_name: str, fingerprint: Optional[str] = None) -> tuple[In
         if is_save_to_disk(path):
             from datasets import load_from_disk
 
-            ds = _train_split(load_from_disk(str(path)), str(path))
+            ds = _split(load_from_disk(str(path)), str(path), data.split)
             return Input(str(path), dataset=ds), fingerprint
         return Input(str(path), files=input_files(path)), fingerprint
     if path_or_name.startswith((".", "/", "~")) or path.suffix.lower() in EXTENSIONS:
         raise DataError(f"data.path={path_or_name}: no such file or folder")
-    try:
-        from datasets import load_dataset
-
-        ds = _train_split(load_dataset(path_or_name), path_or_name)
-    except DataError:
-        raise
-    except Exception as exc:  # offline, unknown name, gated: all the user's to fix
-        raise DataError(
-            f"data.path={path_or_name}: not a local path, and the hub data set cannot be loaded ({exc})"
-        ) from None
-    fingerprint = hashlib.sha256(f"hub:{path_or_name}:{getattr(ds, '_fingerprint', '')}".encode()).hexdigest()
+    ds = _hub_dataset(path_or_name, data)
+    where = f"hub:{path_or_name}:{data.subset}:{data.split}:{data.revision}"
+    fingerprint = hashlib.sha256(f"{where}:{getattr(ds, '_fingerprint', '')}".encode()).hexdigest()
     return Input(path_or_name, dataset=ds), fingerprint
+
+
+def _hub_dataset(name: str, data: DataConfig) -> Any:
+    """`load_dataset(name, data.subset, split=data.split, revision=data.revision)`; a split, subset or
+    revision it does not have, and the hub out of reach, in one line naming the key."""
+    from datasets import load_dataset
+
+    try:
+        return load_dataset(name, data.subset, split=data.split, revision=data.revision)
+    except (
+        Exception
+    ) as exc:  # offline, unknown name, gated, a split or subset it lacks: all the user's to fix
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        key = "data.path"
+        if "split" in first.lower():
+            key = "data.split"
+        elif "config" in first.lower():
+            key = "data.subset"
+        elif "revision" in first.lower():
+            key = "data.revision"
+        raise DataError(
+            f"{key}: the hub data set data.path={name} (data.subset={data.subset}, data.split={data.split}, "
+            f"data.revision={data.revision}) cannot be loaded ({first})"
+        ) from None
 
 
 def iter_where(loaded: Loaded) -> Iterator[str]:

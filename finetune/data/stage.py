@@ -105,7 +105,7 @@ def _published_entry(
     if sources.is_local(path):  # devices, FIFOs and sockets are refused here, before anything is opened
         input_fp = sources.content_fingerprint(Path(path).expanduser())
     else:  # a hub name: its fingerprint is known once it is loaded
-        inp, input_fp = sources.open_input(path)
+        inp, input_fp = sources.open_input(path, data=cfg.data)
     key = _fingerprint(cfg, input_fp, tokenizer)
     cache_root = cache.root(cfg.data.cache_dir)
     for leftover in cache.clean_partial(cache_root):
@@ -145,7 +145,7 @@ def _build(
     prepared: Any = None
     try:
         with cache.building(cache_root, key) as tmp:
-            inp = inp if inp is not None else sources.open_input(path, input_fp)[0]
+            inp = inp if inp is not None else sources.open_input(path, input_fp, cfg.data)[0]
             # The objective's record kind (finetune/core/objectives.py) chooses the preparation.
             kind = cfg.objective.spec.record_module()
             # Its scratch files (texts, MinHash rows, token ids) live in the entry being built, gone before the manifest.
@@ -248,8 +248,10 @@ def _report(console, s: dict) -> None:
     # Preference pairs are not packed (one pair a row).
     packing = s.get("packing")
     packed = f"packing {packing['bins']:,} bins at {packing['efficiency']:.1%}; " if packing else ""
+    formats = ", ".join(f"{k} {v:,}" for k, v in (s.get("formats") or {}).items())
     console.print(
-        f"data: {s['num_input']:,} input, dropped: {dropped}; seq_len {s['seq_len']}; "
+        f"data: {s['num_input']:,} input{f' ({formats})' if formats else ''}, dropped: {dropped}; "
+        f"seq_len {s['seq_len']}; "
         f"{packed}cache {cache_line} {s['cache']['fingerprint']}"
     )
 

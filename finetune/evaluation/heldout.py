@@ -7,6 +7,8 @@ the chunked loss (no full logits).
 
 from __future__ import annotations
 
+import itertools
+import json
 from typing import Any, Optional
 
 import torch
@@ -54,3 +56,11 @@ def split_prompt(messages: list[dict]) -> tuple[list[dict], str]:
         if messages[i]["role"] == "assistant":
             return messages[:i], messages[i]["content"]
     raise ValueError("conversation has no assistant turn")
+
+
+def answered(eval_dataset: Any, limit: int) -> list[tuple[int, list[dict], str]]:
+    """The first `limit` held-out rows that end in an answer: (row, the conversation up to it, the answer).
+    Plain-text rows (data.format=text) hold no answer to generate: their loss alone measures them."""
+    rows = ((i, json.loads(eval_dataset[i]["messages"])) for i in range(len(eval_dataset)))
+    with_answer = ((i, m) for i, m in rows if any(x["role"] == "assistant" for x in m))
+    return [(i, *split_prompt(m)) for i, m in itertools.islice(with_answer, limit)]

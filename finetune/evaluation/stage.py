@@ -42,7 +42,7 @@ from finetune.core.markup import console_text, terminal_text
 from finetune.data.stage import load_prepared
 from finetune.evaluation import curves, metrics, preference, regression, rewards
 from finetune.evaluation.generate import generate, sampling_kwargs
-from finetune.evaluation.heldout import heldout_loss, split_prompt
+from finetune.evaluation.heldout import answered, heldout_loss
 from finetune.evaluation.report import metric_names, write_report
 from finetune.modeling import outputs
 from finetune.modeling.loading import attach_adapter, initial_output
@@ -65,8 +65,7 @@ def task_items(eval_ds: Any, num_samples: Optional[int]) -> list[dict]:
         return []
     n = len(eval_ds) if num_samples is None else min(num_samples, len(eval_ds))
     items = []
-    for i in range(n):
-        conversation, reference = split_prompt(json.loads(eval_ds[i]["messages"]))
+    for i, conversation, reference in answered(eval_ds, n):
         prompt = next((m["content"] for m in reversed(conversation) if m["role"] == "user"), "")
         items.append({"id": f"task-{i}", "messages": conversation, "prompt": prompt, "reference": reference})
     return items

@@ -7,6 +7,7 @@ from rich.table import Table
 
 from finetune.core.markup import console_text
 from finetune.planner import Plan
+from finetune.planner.advice import shortlist
 
 
 def _gb(value: float) -> str:
@@ -17,14 +18,17 @@ def print_plan(plan: Plan, title: str, console: Console | None = None) -> None:
     """The plan on the console; names, paths and reasons hold user text, escaped (`markup.console_text`)."""
     console = console or Console()
     hw, s, m = plan.hardware, plan.strategy, plan.gpu_memory
+    on_gpus = hw.device == "cuda"
     verdict = "[bold green]FITS[/]" if plan.fits else "[bold red]DOES NOT FIT[/]"
     gpus = f"{hw.total_gpus} x " if hw.total_gpus > 1 else ""
     # What was detected on this machine (hardware=local): the names nvidia-smi gives.
     kind = f"{console_text(' / '.join(hw.gpu_names))}, " if hw.name == "local" and hw.gpu_names else ""
+    # On the CPU the host's RAM is the memory the job must fit in: no GPU is spoken of.
+    size = f"{gpus}{kind}{hw.gpu_memory_gb:g} GB" if on_gpus else f"{hw.gpu_memory_gb:g} GB RAM"
+    per = " per GPU" if on_gpus else " RAM"
     console.print(
-        f"\n[bold]{console_text(title)}[/] on [bold]{console_text(hw.name)}[/] ({gpus}{kind}{hw.gpu_memory_gb:g} GB): "
-        f"{verdict}"
-        f"  - {m.total:,.1f} GB of {plan.usable_gpu_memory_gb:,.1f} GB usable per GPU"
+        f"\n[bold]{console_text(title)}[/] on [bold]{console_text(hw.name)}[/] ({size}): {verdict}"
+        f"  - {m.total:,.1f} GB of {plan.usable_gpu_memory_gb:,.1f} GB usable{per}"
     )
     # a mixture of experts: the parameters a token runs through, what MoE models are compared by
     active = f", {plan.params_active:,} active" if plan.params_active != plan.params_total else ""
@@ -33,7 +37,7 @@ def print_plan(plan: Plan, title: str, console: Console | None = None) -> None:
         f" ({100 * plan.params_trainable / plan.params_total:.2f}%), seq_len {plan.seq_len:,}"
     )
 
-    terms = Table(title="GPU memory per GPU (GB)", show_footer=True)
+    terms = Table(title="GPU memory per GPU (GB)" if on_gpus else "memory (GB of RAM)", show_footer=True)
     terms.add_column("term", footer="total")
     terms.add_column("GB", justify="right", footer=_gb(m.total))
     for name in ("weights", "trainable_state", "activations", "logits", "attention", "overhead"):
@@ -77,15 +81,50 @@ def print_plan(plan: Plan, title: str, console: Console | None = None) -> None:
             console.print(f"[bold]{title_}:[/]")
             for item in items:
                 console.print(f"  - {console_text(item)}")
-    if plan.alternatives:
-        alts = Table(title="alternatives")
-        for col in ("hardware", "fits", "GB per GPU", "USD/month"):
-            alts.add_column(col)
-        for a in plan.alternatives:
-            alts.add_row(
-                console_text(a.hardware),
-                "yes" if a.fits else "no",
-                _gb(a.total_gb),
-                "-" if a.usd_per_month is None else f"{a.usd_per_month:,.0f}",
-            )
-        console.print(alts)
+    _print_alternatives(plan, console)
+
+
+def _figure(value: float | None, digits: int = 0) -> str:
+    """A price or a duration; one too small for its digits says so rather than print as zero."""
+    if value is None:
+        return "-"
+    floor = 10.0**-digits
+    return f"<{floor:g}" if 0 < value < floor else f"{value:,.{digits}f}"
+
+
+def _print_alternatives(plan: Plan, console: Console) -> None:
+    """The best few other profiles (every one that fits with a cheaper or faster trade; plan.json has all):
+    usable memory, how each runs where that differs, its price per GPU-hour and month, and the run's
+    hours and cost when its length is known."""
+    shown = shortlist(plan)
+    if not shown:
+        return
+    run_known = any(a.run_hours is not None for a in shown)
+    fitting = any(a.fits for a in shown)
+    title = "alternatives" if fitting else "alternatives (none fits: the nearest)"
+    alts = Table(title=title)
+    columns = ["hardware", "fits", "GB/GPU", "usable", "USD/GPU-h", "USD/month"]
+    if run_known:
+        columns += ["run h", "run USD"]
+    columns.append("strategy there")
+    for col in columns:
+        alts.add_column(col, justify="left" if col in ("hardware", "fits", "strategy there") else "right")
+    for a in shown:
+        row = [
+            console_text(a.hardware),
+            "yes" if a.fits else "no",
+            f"{a.total_gb:,.2f}",
+            _figure(a.usable_gb, 1),
+            _figure(a.usd_per_gpu_hour, 2),
+            _figure(a.usd_per_month),
+        ]
+        if run_known:
+            row += [_figure(a.run_hours, 2), _figure(a.run_usd, 2)]
+        alts.add_row(*row, "as planned" if a.strategy is None else console_text(a.strategy))
+    console.print(alts)
+    others = len([a for a in plan.alternatives if a.hardware != plan.hardware.name])
+    if others > len(shown):
+        console.print(
+            f"{others - len(shown)} more profiles weighed (slower and no cheaper, or not fitting): "
+            "plan.json's alternatives"
+        )

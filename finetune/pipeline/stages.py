@@ -22,7 +22,8 @@ from finetune.core.noise import quiet_libraries
 from finetune.data import stage as data_stage
 from finetune.launch import rollout
 from finetune.launch import stage as launch_stage
-from finetune.modeling import models, outputs
+from finetune.modeling import outputs
+from finetune.modeling.resolve import resolve_model
 from finetune.pipeline import compare
 from finetune.pipeline.plan_report import print_plan
 from finetune.planner import Plan, make_plan
@@ -41,9 +42,7 @@ def resolve(cfg: Config) -> Config:
     """Facts read at the edge: a local config.json or GGUF file (converted once), this machine for
     hardware=local, its memory for hardware=cpu."""
     hardware = machine.resolve_local(cfg.hardware, cfg.launch.nnodes or 1, cfg.resolved_run_dir)
-    return replace(
-        cfg, model=models.resolve_model(cfg.model), hardware=machine.resolve_host_hardware(hardware)
-    )
+    return replace(cfg, model=resolve_model(cfg.model), hardware=machine.resolve_host_hardware(hardware))
 
 
 def _data_stats(run_dir: Path) -> Optional[dict]:

@@ -145,10 +145,20 @@ class Estimate:
 
 @dataclass(frozen=True)
 class Alternative:
+    """The job planned on another profile (finetune/planner/advice.py). The contract's first four fields, then:
+    the memory usable there, how it would run where that differs from the plan's strategy, the price per
+    GPU-hour, and the estimate (the run's hours and cost where its length is known)."""
+
     hardware: str
     fits: bool
     total_gb: float
     usd_per_month: Optional[float]
+    usable_gb: Optional[float] = None
+    strategy: Optional[str] = None
+    usd_per_gpu_hour: Optional[float] = None
+    tokens_per_second: Optional[float] = None
+    run_hours: Optional[float] = None
+    run_usd: Optional[float] = None
 
 
 @dataclass(frozen=True)

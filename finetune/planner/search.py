@@ -1,4 +1,4 @@
-"""The strategy search: the fastest strategy that fits and that the chosen engine runs, and `make_plan`.
+"""The strategy search: the fastest strategy that fits and that the chosen engine runs (`plan_on`).
 
 Every combination of the settings the user left open (`None` in the config) is
 a candidate: activation checkpointing, micro-batch size (halving down to 1,
@@ -22,18 +22,16 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from finetune.core.architectures import ARCHITECTURES
-from finetune.core.config import HardwareConfig, MethodConfig, ModelConfig, PlanConfig, TrainConfig
+from finetune.core.config import HardwareConfig, MethodConfig, ModelConfig, TrainConfig
 from finetune.core.errors import ConfigError, PlanError
-from finetune.core.objectives import ObjectiveSpec
 from finetune.core.parallelism import ENGINES, REPLICATED, SEQUENCE_SPLITS, SHARDED_ENGINES, SINGLE
 from finetune.planner import attention
 from finetune.planner.activations import LayerShape, expert_weights
-from finetune.planner.calibration import Calibration
-from finetune.planner.contract import GB, Alternative, Memory, Plan, Strategy
+from finetune.planner.contract import GB, Memory, Plan, Strategy
 from finetune.planner.engines import why_not, why_not_split
-from finetune.planner.memory import Job, load_gpu_bytes, load_host_bytes, make_job, memory
+from finetune.planner.memory import Job, load_gpu_bytes, load_host_bytes, memory
 from finetune.planner.params import count_params, expert_storage_note
-from finetune.planner.timing import HOURS_PER_MONTH, disk, estimate, executed_flops_per_token
+from finetune.planner.timing import disk, estimate, executed_flops_per_token
 
 # The loss when train.chunked_loss is unset: the project's chunked loss (True) or TRL's fused LM head (False).
 # Measured on an H200 (MEMORY_MODEL.md, GPU reference; 8B shape, 4 layers, 8,192 tokens): ours 40,177 tokens/s
@@ -228,7 +226,7 @@ def _preference(job: Job, s: Strategy, mfu: Optional[float]) -> tuple[Any, ...]:
 
 def _savings_words(s: Strategy) -> str:
     """The strategy's optimizer and offload in a few words (the engine-choice reason)."""
-    words = [s.optimizer + _offload_words(s)]
+    words = [s.optimizer + offload_words(s)]
     if s.activation_checkpointing:
         words.append("checkpointing")
     words.append(f"micro-batch {s.micro_batch_size}")
@@ -301,11 +299,14 @@ def _forcing_term(before: Memory, after: Memory) -> str:
     return f"{name} {b[name]:,.1f} -> {a[name]:,.1f} GB"
 
 
-def _plan_on(job: Job) -> Plan:
+def plan_on(job: Job) -> Plan:
     """The fastest strategy for the job on its hardware profile (or, when none fits, the smallest)."""
     hw, method, train, plan_cfg, cal = job.hw, job.method, job.train, job.plan, job.cal
     if hw.gpu_memory_gb is None:
-        raise PlanError(f"hardware.gpu_memory_gb is unknown for profile {hw.name!r}; set it")
+        raise PlanError(
+            f"hardware.gpu_memory_gb is unknown for profile {hw.name!r}; set it (hardware.gpu_memory_gb=24; "
+            "hardware.peak_bf16_tflops and hardware.usd_per_gpu_hour add the time and the cost)"
+        )
     usable = _usable_gb(hw, plan_cfg.headroom)
     runnable, refused = candidates(job)
     if not runnable:
@@ -318,7 +319,9 @@ def _plan_on(job: Job) -> Plan:
         savings = _describe(s, hw.total_gpus)
         start = _start_micro_batch(job)
         if not savings and s.micro_batch_size == start:
-            reasons.append(f"fits as configured: {mem.total:,.1f} GB of {usable:,.1f} GB usable per GPU")
+            reasons.append(
+                f"fits as configured: {mem.total:,.1f} GB of {usable:,.1f} GB usable{per_device(hw)}"
+            )
         else:
             n = len(fitting)
             reasons.append(
@@ -338,7 +341,7 @@ def _plan_on(job: Job) -> Plan:
         for what, without in savings:
             if why_not(without, method.name, hw.total_gpus) is None:
                 other, _ = memory(job, _with_accumulation(job, without))
-                line = f"{what}: {other.total:,.1f} -> {mem.total:,.1f} GB per GPU"
+                line = f"{what}: {other.total:,.1f} -> {mem.total:,.1f} GB{per_device(hw)}"
                 if (without.sequence_parallel, without.activation_offloading) != (
                     s.sequence_parallel,
                     s.activation_offloading,
@@ -355,13 +358,13 @@ def _plan_on(job: Job) -> Plan:
             bigger, _ = memory(job, _with_accumulation(job, replace(s, micro_batch_size=start)))
             reasons.append(
                 f"micro-batch {s.micro_batch_size} with more gradient accumulation: "
-                f"{bigger.total:,.1f} -> {mem.total:,.1f} GB per GPU"
+                f"{bigger.total:,.1f} -> {mem.total:,.1f} GB{per_device(hw)}"
             )
     else:
         s, _, mem, host_gb = min(judged, key=lambda j: j[2].total)
         loading = load_gpu_bytes(job, s) / GB
         if mem.total > usable:
-            reasons.append(_biggest_term(mem, usable))
+            reasons.append(_biggest_term(mem, usable, hw))
         if loading > usable:
             reasons.append(
                 f"loading: ZeRO-3 quantizes the whole 4-bit base onto each GPU before it partitions it "
@@ -414,125 +417,36 @@ def _plan_on(job: Job) -> Plan:
     )
 
 
-def _biggest_term(mem: Memory, usable: float) -> str:
-    terms = {k: v for k, v in mem.as_dict().items() if k != "total"}
-    name, value = max(terms.items(), key=lambda kv: kv[1])
-    return (
-        f"does not fit even with every memory saving: {mem.total:.1f} GB per GPU > {usable:.1f} GB usable; "
-        f"largest term is {name} ({value:.1f} GB)"
-    )
+def per_device(hw: HardwareConfig) -> str:
+    """How a memory figure is counted on this hardware: per GPU, or of the host's RAM on the CPU."""
+    return " per GPU" if hw.device == "cuda" else " RAM"
 
 
-def _try(job: Job, **changes: Any) -> Optional[Plan]:
-    """The plan of the job with `changes` (Job.but), or None when that variant cannot be planned."""
-    try:
-        return _plan_on(job.but(**changes))
-    except (PlanError, ConfigError):
-        return None
-
-
-def _suggestions(plan: Plan, job: Job, alts: list[Plan]) -> list[str]:
-    """What would fit instead of a plan that does not: another profile, the lighter method, the other
-    engine, a shorter sequence."""
-    method, train = job.method, job.train
-    out: list[str] = []
-    fitting = sorted((a for a in alts if a.fits), key=lambda a: _monthly(a.hardware))
-    if fitting:
-        a = fitting[0]
-        usd = a.hardware.usd_per_month
-        price = "price unknown" if usd is None else f"{usd * a.hardware.nodes:,.0f} USD/month"
-        out.append(f"hardware={a.hardware.name} fits ({a.gpu_memory.total:.1f} GB per GPU, {price})")
-    hw = plan.hardware
-    lighter = method.spec.fallback
-    if lighter is not None:
-        settings = dict(method.spec.fallback_settings)
-        lo = _try(job, method=replace(method, name=lighter, **settings))
-        if lo is not None and lo.fits:
-            out.append(f"method={lighter} fits on {hw.name} ({lo.gpu_memory.total:.1f} GB per GPU)")
-    out.extend(_sharding_suggestions(plan, job))
-    if hw.total_gpus > 1 and method.optimizer is not None and train.engine is not None:
-        # a fixed optimizer the chosen sharded engine does not run, that another one does
-        for other in SHARDED_ENGINES:
-            runs = method.optimizer in ENGINES[other].optimizers
-            if other == train.engine or not runs or method.optimizer in ENGINES[train.engine].optimizers:
-                continue
-            alt = _try(job, train=replace(train, engine=other))
-            if alt is not None and alt.fits:
-                out.append(
-                    f"train.engine={other} fits on {hw.name} ({ENGINES[other].short} runs {method.optimizer})"
-                )
-    out.extend(_split_suggestions(job))
-    seq = plan.seq_len // 2
-    while seq >= 256:
-        shorter = _try(job, seq_len=seq)
-        if shorter is not None and shorter.fits:
-            out.append(f"train.seq_len={seq} fits on {hw.name} ({shorter.gpu_memory.total:.1f} GB per GPU)")
-            break
-        seq //= 2
-    return out
-
-
-def _split_suggestions(job: Job) -> list[str]:
-    """A job that fits only with a sequence split its packed rows or attention refuse: the settings that let it."""
-    if job.hw.total_gpus < 2 or job.train.sequence_parallel == 1:
-        return []
-    variants = [("train.attention=flash", replace(job, train=replace(job.train, attention="flash")))]
-    if job.packing:
-        variants.append(("data.packing=false", replace(job, packing=False)))
-    for words, variant in variants:
-        try:
-            plan = _plan_on(variant)
-        except (PlanError, ConfigError):
-            continue
-        split = plan.strategy.split
-        if plan.fits and split is not None:
-            return [
-                f"{words} fits: {split.label} over {plan.strategy.sequence_parallel} GPUs, "
-                f"{plan.gpu_memory.total:.1f} GB per GPU"
-            ]
-    return []
-
-
-def _offload_words(s: Strategy) -> str:
+def offload_words(s: Strategy) -> str:
     """What the strategy offloads, as a clause (", everything offloaded"), or nothing."""
     if s.offload_params:
         return ", parameters offloaded" if s.engine.offloads_optimizer_alone else ", everything offloaded"
     return ", optimizer offloaded" if s.offload_optimizer else ""
 
 
-def _sharding_suggestions(plan: Plan, job: Job) -> list[str]:
-    """A job that does not fit unsharded: sharded across this node's GPUs (sharding left to the search), or, on
-    one GPU, across a node of 2, 4 or 8 of them; each with the per-GPU figure."""
-    hw, train = job.hw, job.train
-    if plan.strategy.engine.shards or hw.nodes > 1:
-        return []
-    if hw.gpus_per_node > 1:
-        if train.sharding is None:
-            return []
-        sharded = _try(job, train=replace(train, sharding=None))
-        if sharded is None or not sharded.fits or not sharded.strategy.engine.shards:
-            return []
-        e = sharded.strategy.engine
-        return [
-            f"train.sharding={e.key} fits: {e.short} across the {hw.gpus_per_node} GPUs of {hw.name}"
-            f"{_offload_words(sharded.strategy)}, {sharded.gpu_memory.total:.1f} GB per GPU"
-        ]
-    for gpus in (2, 4, 8):
-        wider = _try(job, hw=replace(hw, gpus_per_node=gpus))
-        if wider is not None and wider.fits and wider.strategy.engine.shards:
-            e = wider.strategy.engine
-            return [
-                f"hardware.gpus_per_node={gpus} fits: {e.short} across {gpus} x {hw.name}"
-                f"{_offload_words(wider.strategy)}, {wider.gpu_memory.total:.1f} GB per GPU"
-            ]
-    return []
+def _biggest_term(mem: Memory, usable: float, hw: HardwareConfig) -> str:
+    terms = {k: v for k, v in mem.as_dict().items() if k != "total"}
+    name, value = max(terms.items(), key=lambda kv: kv[1])
+    return (
+        f"does not fit even with every memory saving: {mem.total:.1f} GB{per_device(hw)} > {usable:.1f} GB usable; "
+        f"largest term is {name} ({value:.1f} GB)"
+    )
 
 
-def _monthly(hw: HardwareConfig) -> float:
-    return math.inf if hw.usd_per_month is None else hw.usd_per_month * hw.nodes
+def try_plan(job: Job, **changes: Any) -> Optional[Plan]:
+    """The plan of the job with `changes` (Job.but), or None when that variant cannot be planned."""
+    try:
+        return plan_on(job.but(**changes))
+    except (PlanError, ConfigError):
+        return None
 
 
-def _resolve_seq_len(model: ModelConfig, train: TrainConfig, seq_len: Optional[int]) -> int:
+def resolve_seq_len(model: ModelConfig, train: TrainConfig, seq_len: Optional[int]) -> int:
     value = seq_len if seq_len is not None else train.seq_len
     if value == "auto" or not isinstance(value, int):
         raise PlanError("train.seq_len=auto needs the data stage: run mode=data (or mode=all) first")
@@ -584,97 +498,4 @@ def _qlora_split(model: ModelConfig, method: MethodConfig) -> str:
     )
 
 
-def make_plan(
-    model: ModelConfig,
-    method: MethodConfig,
-    hardware: HardwareConfig,
-    train: TrainConfig,
-    plan_cfg: PlanConfig,
-    profiles: dict[str, HardwareConfig],
-    *,
-    seq_len: Optional[int] = None,
-    calibration: Optional[Calibration] = None,
-    objective: Optional[ObjectiveSpec] = None,
-    precompute_reference: Optional[bool] = None,
-    packing: bool = True,
-) -> Plan:
-    """Plan the job. `profiles` are the hardware profiles to weigh as alternatives (and for `auto`).
-
-    `seq_len` overrides `train.seq_len` (the data stage resolves `auto` to the longest kept sequence).
-    `objective` (default SFT) says how many sequences an example puts through the model and whether a
-    reference model runs; `precompute_reference` fixes full fine-tuning's reference (None: chosen here).
-    """
-    check_model(model, method)
-    n = _resolve_seq_len(model, train, seq_len)
-    job = make_job(model, method, hardware, train, n, calibration, plan_cfg, objective, packing)
-    job = replace(job, precompute_reference=precompute_reference)
-    gpu_profiles = [p for p in profiles.values() if p.device == "cuda" and p.gpu_memory_gb is not None]
-    notes: list[str] = []
-    if hardware.is_auto:
-        names = hardware.candidates or [p.name for p in gpu_profiles]
-        unknown = [name for name in names if name not in profiles]
-        if unknown:
-            raise PlanError(f"hardware.candidates names unknown profiles: {', '.join(unknown)}")
-        # Without a known price a profile cannot be the cheapest: auto weighs the priced ones only.
-        unpriced = [name for name in names if profiles[name].usd_per_month is None]
-        gpu_profiles = [
-            replace(profiles[name], nodes=hardware.nodes) for name in names if name not in unpriced
-        ]
-        if unpriced:
-            notes.append(f"hardware=auto: skipped {', '.join(unpriced)} (price unknown)")
-        if not gpu_profiles:
-            raise PlanError(
-                f"hardware=auto: no candidate has a known price (usd_per_month): {', '.join(names)}"
-            )
-    alts: list[Plan] = []
-    refused: dict[str, str] = {}
-    for p in gpu_profiles:
-        try:
-            alts.append(_plan_on(job.but(hw=p)))
-        except Unrunnable as exc:
-            refused[p.name] = exc.reason
-    if hardware.is_auto:
-        why = "; ".join(sorted(set(refused.values())))
-        if refused:
-            notes.append(f"hardware=auto: skipped {', '.join(sorted(refused))} ({why})")
-        if not alts:
-            raise PlanError(f"hardware=auto: no candidate can run the fixed settings: {why}")
-        plan = _choose(alts)
-        plan = replace(plan, reasons=(plan.reasons[0],) + tuple(notes) + plan.reasons[1:])
-    else:
-        plan = _plan_on(job)
-    alternatives = tuple(
-        Alternative(a.hardware.name, a.fits, round(a.gpu_memory.total, 3), a.hardware.usd_per_month)
-        for a in sorted(alts, key=lambda a: (_monthly(a.hardware), a.hardware.name))
-    )
-    suggestions = () if plan.fits else tuple(_suggestions(plan, job.but(hw=plan.hardware), alts))
-    return replace(plan, alternatives=alternatives, suggestions=suggestions)
-
-
-def _choose(alts: list[Plan]) -> Plan:
-    """hardware=auto: the cheapest for the run when every fitting profile has a run cost, else per month."""
-    fitting = [a for a in alts if a.fits]
-    if not fitting:
-        plan = min(alts, key=lambda a: a.gpu_memory.total / (a.hardware.gpu_memory_gb or 1))
-        return replace(plan, reasons=("hardware=auto: no profile fits",) + plan.reasons)
-    if all(a.estimate.usd is not None for a in fitting):
-        ranked = sorted(fitting, key=lambda a: (a.estimate.usd, a.gpu_memory.total))
-        best = ranked[0]
-        why = (
-            f"hardware=auto: {best.hardware.name} costs the least for this run: {best.estimate.usd:,.0f} USD over "
-            f"{best.estimate.run_hours:,.1f} h"
-        )
-        if len(ranked) > 1:
-            nxt = ranked[1]
-            why += f" (next: {nxt.hardware.name}, {nxt.estimate.usd:,.0f} USD over {nxt.estimate.run_hours:,.1f} h)"
-    else:
-        best = min(fitting, key=lambda a: (_monthly(a.hardware), a.gpu_memory.total))
-        per_month = _monthly(best.hardware)
-        why = (
-            f"hardware=auto: {best.hardware.name} is the cheapest profile that fits ({per_month:,.0f} USD/month; "
-            "give train.max_steps or train.dataset_tokens to compare the cost of the run)"
-        )
-    return replace(best, reasons=(why,) + best.reasons)
-
-
-__all__ = ["DEFAULT_CHUNKED_LOSS", "HOURS_PER_MONTH", "candidates", "check_model", "make_plan"]
+__all__ = ["DEFAULT_CHUNKED_LOSS", "candidates", "check_model", "plan_on", "resolve_seq_len", "try_plan"]

@@ -17,13 +17,13 @@ from __future__ import annotations
 from typing import Optional
 
 from finetune.core.config import ModelConfig
+from finetune.core.config.hardware import HOURS_PER_MONTH
 from finetune.core.methods import METHODS
 from finetune.planner.contract import GB, Estimate, Strategy
 from finetune.planner.job import Job, rank_tokens, runtime
 from finetune.planner.params import count_params
 from finetune.planner.step import offloaded_activation_bytes
 
-HOURS_PER_MONTH = 730.0
 # Bandwidth a GPU's exchange with its peers gets, GB/s each way. Not measured here (no GPU): NVLink 4's
 # 450 GB/s a direction on an H100/H200 at the about one third all-to-alls reach in nccl-tests' alltoall_perf
 # on 8 GPUs; PCIe Gen5 x16's 64 GB/s at a half. A setting a GPU check should replace with a measurement.

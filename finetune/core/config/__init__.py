@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from finetune.core.config.chat import ChatConfig
 from finetune.core.config.checks import check_all_finite, check_choices, choice
 from finetune.core.config.data import DataConfig
 from finetune.core.config.dpo import DPOObjective
@@ -38,6 +39,7 @@ __all__ = [
     "RUNS_DIR",
     "SHARDINGS",
     "Config",
+    "ChatConfig",
     "DataConfig",
     "EvalConfig",
     "ExportConfig",
@@ -55,7 +57,7 @@ __all__ = [
     "UiConfig",
 ]
 
-MODES = ("all", "plan", "data", "train", "eval", "export", "launch", "compare", "ui")
+MODES = ("all", "plan", "data", "train", "eval", "export", "launch", "compare", "ui", "chat")
 # The stages a finished run does again when asked (`redo=`); each later stage follows from what changed.
 REDO_STAGES = ("train", "eval", "export")
 # Where runs go by default: runs/<name> (mode=compare looks names up here too).
@@ -80,6 +82,8 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     ui: UiConfig = field(default_factory=UiConfig)
+    # mode=chat: which of the run's models to talk to (finetune/evaluation/chat.py).
+    chat: ChatConfig = field(default_factory=ChatConfig)
     # What the model is trained to do, with that objective's settings: an ObjectiveConfig subclass chosen by
     # `objective=NAME` (untyped here so each objective's own dataclass is the schema; None: SFT).
     objective: Any = None

@@ -15,10 +15,17 @@ class DataConfig:
     # A file (JSONL, JSON, Parquet, CSV), a folder of them, a `save_to_disk`
     # folder or a hub data set name. None: the data set bundled with finetune.
     path: Optional[str] = None
-    # auto: detected from the fields.
-    format: str = choice("auto", ("auto", "messages", "prompt_completion", "alpaca"))
+    # A hub data set's split (or a save_to_disk folder's), its configuration (`load_dataset`'s name: the
+    # subset), and the revision read (a branch, tag or commit; None: the default branch).
+    split: str = "train"
+    subset: Optional[str] = None
+    revision: Optional[str] = None
+    # auto: detected from the fields, per record. `text`: plain text (continued pre-training): no chat
+    # template, every token trained, an end-of-sequence token after each record.
+    format: str = choice("auto", ("auto", "messages", "prompt_completion", "alpaca", "text"))
     # Field names, mapped to messages by `format`.
     messages_field: str = "messages"
+    text_field: str = "text"
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     instruction_field: str = "instruction"
@@ -64,5 +71,7 @@ class DataConfig:
             raise ConfigError(f"data.seq_len_percentile={self.seq_len_percentile} must be in (0, 100]")
         check_positive("data.min_tokens", self.min_tokens, allow_zero=True)
         check_positive("data.max_tokens", self.max_tokens, allow_none=True)
+        if not self.split.strip():
+            raise ConfigError("data.split is empty: name a split (train, train_sft, ...)")
         if self.num_proc < 1:
             raise ConfigError(f"data.num_proc={self.num_proc} must be >= 1")

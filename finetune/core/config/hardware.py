@@ -7,6 +7,9 @@ from typing import Optional
 
 from finetune.core.config.checks import check_choices, check_positive, choice
 
+# Hours in a month of rent, for prices quoted per month (730: 8,760 hours a year / 12).
+HOURS_PER_MONTH = 730.0
+
 
 @dataclass
 class HardwareConfig:
@@ -25,7 +28,11 @@ class HardwareConfig:
     vcpus: Optional[int] = None
     local_nvme_tb: Optional[float] = None
     interconnect: Optional[str] = None  # nvlink | pcie | None
+    # The price of one node (gpus_per_node GPUs) a month; null: unknown (no cost estimate, not ranked by
+    # hardware=auto).
     usd_per_month: Optional[float] = None
+    # The price as rentals quote it, per GPU-hour: when set, it sets usd_per_month (x gpus_per_node x 730 h).
+    usd_per_gpu_hour: Optional[float] = None
     # hardware=auto: the profiles to choose from, cheapest that fits wins.
     candidates: list[str] = field(default_factory=list)
     # What torch.cuda.get_device_name() reports for this profile's GPU (hardware=local matches on it
@@ -41,6 +48,18 @@ class HardwareConfig:
         check_positive("hardware.nodes", self.nodes)
         check_positive("hardware.gpu_memory_gb", self.gpu_memory_gb, allow_none=True)
         check_positive("hardware.host_memory_gb", self.host_memory_gb, allow_none=True)
+        check_positive("hardware.peak_bf16_tflops", self.peak_bf16_tflops, allow_none=True)
+        check_positive("hardware.usd_per_month", self.usd_per_month, allow_none=True, allow_zero=True)
+        check_positive("hardware.usd_per_gpu_hour", self.usd_per_gpu_hour, allow_none=True, allow_zero=True)
+        if self.usd_per_gpu_hour is not None:
+            self.usd_per_month = round(self.usd_per_gpu_hour * self.gpus_per_node * HOURS_PER_MONTH, 2)
+
+    @property
+    def gpu_hour_usd(self) -> Optional[float]:
+        """USD per GPU-hour, from the monthly price of a node; None where the price is unknown."""
+        if self.usd_per_month is None:
+            return None
+        return self.usd_per_month / self.gpus_per_node / HOURS_PER_MONTH
 
     @property
     def is_auto(self) -> bool:

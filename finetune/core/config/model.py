@@ -15,6 +15,8 @@ from finetune.core.errors import ConfigError
 GGUF_PACKAGE_PREFIX = "package:"
 _PACKAGE_SPEC = re.compile(r"package:([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)/(.+)")
 
+SHAPE_SOURCES = ("stated", "hub", "checked")
+
 
 def check_gguf_spec(spec: str) -> None:
     """A path, or package:NAME/FILE with NAME an importable name and FILE inside it (no '..')."""
@@ -43,6 +45,11 @@ class ModelConfig:
 
     name: str = "tiny"
     hub_id: Optional[str] = None
+    # Where the architecture facts below come from. `stated`: this config group states them (a preset is an
+    # offline copy of its model's config.json). `hub`: read from hub_id's config.json (the hub cache, or the
+    # hub where reachable): what `model=ORG/NAME` composes. `checked`: stated, and hub_id's config.json must
+    # agree: a preset given another model.hub_id is refused rather than planned as the preset.
+    shape: str = choice("stated", SHAPE_SOURCES)
     config_path: Optional[str] = None
     # A GGUF file (llama.cpp, Ollama): a path, or package:NAME/FILE for a file an installed package ships.
     # Converted once into a safetensors folder in the cache (keyed by the file's hash); it wins over hub_id.
@@ -78,6 +85,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "model")
+        if self.shape != "stated" and not self.hub_id:
+            raise ConfigError(f"model.shape={self.shape} reads hub_id's config.json: set model.hub_id")
         if self.gguf_file is not None:
             check_gguf_spec(self.gguf_file)
             if self.config_path:
