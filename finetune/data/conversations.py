@@ -93,6 +93,7 @@ def _stats(
     train_lengths = rows.lengths[rows.train].tolist()
     return {
         "num_input": tally.num_input,
+        "formats": dict(sorted(loaded.formats.items())),
         "num_train": len(rows.train),
         "num_eval": len(rows.evals),
         "dropped": {k: v for k, v in sorted(tally.dropped.items()) if v},

@@ -249,6 +249,7 @@ def _pair_stats(
     return {
         "record_kind": "preferences",
         "num_input": tally.num_input,
+        "formats": dict(sorted(loaded.formats.items())),
         "num_train": len(train),
         "num_eval": len(evals),
         "dropped": {k: v for k, v in sorted(tally.dropped.items()) if v},

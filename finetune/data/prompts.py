@@ -58,6 +58,7 @@ def prepare(
     result = {
         "record_kind": "prompts",
         "num_input": tally.num_input,
+        "formats": dict(sorted(loaded.formats.items())),
         "num_train": len(train),
         "num_eval": len(evals),
         "dropped": {k: v for k, v in sorted(tally.dropped.items()) if v},
