@@ -26,6 +26,7 @@ from finetune.pipeline import compare
 from finetune.pipeline.plan_report import print_plan
 from finetune.planner import Plan, make_plan
 from finetune.rundir import machine, preflight
+from finetune.train import tracking
 
 # What the pipeline is doing now, for the one line a signal leaves (`cli.main`).
 current_stage = "the set-up"
@@ -336,6 +337,7 @@ def run(cfg: Config) -> int:
     if mode == "launch":
         _enter("the launch stage")
         return launch_ranks(cfg, run_dir, plan_stage(cfg, run_dir, quiet=True))
+    tracking.check_installed(cfg)
     _enter("the plan stage")
     plan = plan_stage(cfg, run_dir, quiet=mode in ("eval", "export"))
     cfg = replace(
@@ -357,5 +359,7 @@ def run(cfg: Config) -> int:
         merged = export_stage(cfg, run_dir, plan).get("eval", {}).get("merged")
         if merged is not None:
             scores["merged"] = merged
+    if mode in ("eval", "export", "all"):  # the config, plan, scores and report to the run's MLflow run
+        tracking.log_results(cfg, run_dir)
     _print_summary(run_dir, before, scores)
     return 0
