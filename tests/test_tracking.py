@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import SEQ_LEN, child_env, run_cli, tiny_cfg
@@ -167,33 +168,51 @@ def test_wandb_offline_run_files(tmp_path, tiny_cache):
     run = tmp_path / "run"
     env = child_env(WANDB_MODE="offline", WANDB_SILENT="true", **SECRETS)
     args = [f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}", *TINY_JOB, "train.report_to=[wandb]"]
-    proc = run_cli("mode=train", *args, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for mode in ("data", "train"):
+        proc = run_cli(f"mode={mode}", *args, env=env)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     offline = sorted((run / "wandb").glob("offline-run-*"))
     assert len(offline) == 1, list((run / "wandb").iterdir())
     (wandb_file,) = offline[0].glob("run-*.wandb")
-    losses = wandb_losses(wandb_file)
+    run_record, losses = wandb_losses(wandb_file)
+    assert (run_record.project, run_record.display_name) == ("finetune", tiny_cfg().name)
     expected = [loss for _, loss in loss_series(log_history(run))["train"]]
     assert losses == pytest.approx(expected, rel=1e-6)
     assert files_holding(run, list(SECRETS.values())) == []
 
 
-def wandb_losses(path: Path) -> list[float]:
-    """The `train/loss` of each history record in a W&B offline run file, read with W&B's own reader."""
+def wandb_records(path: Path) -> Iterator[Any]:
+    """The protobuf records of a W&B run file (run-ID.wandb): a 7-byte header (":W&B", magic, version), then
+    LevelDB's log format (32 KiB blocks of records with a 7-byte header: crc, length, full/first/middle/last)."""
     from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal import datastore
 
-    store = datastore.DataStore()
-    store.open_for_scan(str(path))
-    losses = []
-    while True:
-        data = store.scan_data()
-        if data is None:
-            break
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(data)
-        if record.WhichOneof("record_type") == "history":
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:8]
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if left < 7 or (length == 0 and kind == 0):  # the zero padding at a block's end
+            pos += left
+            continue
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last part of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+            pending = b""
+
+
+def wandb_losses(path: Path) -> tuple[Any, list[float]]:
+    """The run record and the `train/loss` of each history record of a W&B offline run file."""
+    run, losses = None, []
+    for record in wandb_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run = record.run
+        elif kind == "history":
             items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
             if "train/loss" in items:
                 losses.append(float(json.loads(items["train/loss"])))
-    return losses
+    return run, losses

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from finetune import rundir
 from finetune.core.config import Config
-from finetune.core.errors import ConfigError
+from finetune.core.errors import ConfigError, LaunchError
 from finetune.rundir.layout import MLFLOW_ARTIFACTS_DIR, MLFLOW_DB_FILE, TRACKING_FILE, WANDB_DIR
 
 log = logging.getLogger(__name__)
@@ -94,8 +94,12 @@ def prepare(cfg: Config, run_dir: Path, main_process: bool) -> None:
     run_dir = Path(run_dir)
     trackers = cfg.train.report_to
     if "wandb" in trackers:
+        # W&B creates and appends in place, and links its newest run and logs inside its folder (its own
+        # links): the folders on the way are checked, not W&B's folder's contents.
         folder = run_dir / WANDB_DIR
-        rundir.check_folder(folder)  # W&B creates and appends in place
+        rundir.check_folder(folder.parent, deep=False)
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            raise LaunchError(f"{folder}: not a folder finetune made (a link or a file); move it away")
         folder.mkdir(exist_ok=True)
         os.environ.setdefault("WANDB_DIR", str(run_dir))
         os.environ.setdefault("WANDB_PROJECT", "finetune")
