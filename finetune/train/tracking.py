@@ -123,11 +123,11 @@ def start_mlflow_run(cfg: Config, run_dir: Path) -> str:
         run_id = str(known["run_id"])
     else:
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.name
-        experiment = client.get_experiment_by_name(name)
+        found = client.get_experiment_by_name(name)
         # The default store in the run directory keeps its artifacts there too (not in the working directory).
         local = "MLFLOW_TRACKING_URI" not in os.environ
         artifacts = (Path(run_dir).resolve() / MLFLOW_ARTIFACTS_DIR).as_uri() if local else None
-        experiment_id = experiment.experiment_id if experiment else client.create_experiment(name, artifacts)
+        experiment_id = found.experiment_id if found else client.create_experiment(name, artifacts)
         experiment = client.get_experiment(experiment_id)
         run = client.create_run(
             experiment_id, run_name=cfg.name, tags={"finetune.run_dir": str(Path(run_dir).resolve())}
