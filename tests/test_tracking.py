@@ -111,15 +111,18 @@ def test_tracking_uri_is_written_without_credentials():
 
 
 @pytest.mark.slow
-def test_mlflow_server_receives_params_losses_scores_and_files(tmp_path, tiny_cache, mlflow_server):
-    """The default job with train.report_to=[mlflow] against a local tracking server: one MLflow run holds
-    the resolved config and the plan, the loss of every step (transformers' callback), the evaluation's
-    scores and plan.json / report.md, byte for byte; no secret of the environment is in the run directory."""
+def test_default_job_with_mlflow_and_gguf(tmp_path, tiny_cache, mlflow_server):
+    """The default job with train.report_to=[mlflow] and export.gguf=q8_0 against a local tracking server: one
+    MLflow run holds the resolved config and the plan, the loss of every step (transformers' callback), the
+    evaluation's scores and plan.json / report.md / the model card, byte for byte; export/gguf holds the q8_0
+    file (read back with the gguf reader) and its Modelfile; no secret of the environment is in the run
+    directory."""
     from mlflow.tracking import MlflowClient
 
     run = tmp_path / "run"
     env = child_env(MLFLOW_TRACKING_URI=mlflow_server, MLFLOW_EXPERIMENT_NAME="finetune-test", **SECRETS)
-    args = [f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}", *TINY_JOB, "train.report_to=[mlflow]"]
+    args = [f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}", *TINY_JOB, "train.report_to=[mlflow]",
+            "export.gguf=q8_0"]  # fmt: skip
     proc = run_cli(*args, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
@@ -153,9 +156,26 @@ def test_mlflow_server_receives_params_losses_scores_and_files(tmp_path, tiny_ca
         assert metrics[f"eval.{variant}.exact_match"] == pytest.approx(scores[variant]["exact_match"])
 
     out = tmp_path / "downloaded"
-    for name in ("plan.json", "config.yaml", "eval/report.md", "eval/metrics.json"):
+    for name in ("plan.json", "config.yaml", "eval/report.md", "eval/metrics.json", "export/README.md"):
         got = Path(client.download_artifacts(mlrun.info.run_id, name, str(out)))
         assert got.read_bytes() == (run / name).read_bytes(), name
+
+    # What export.gguf=q8_0 wrote: the file llama.cpp's converter made, its Modelfile, export.json's entry.
+    from gguf import GGUFReader
+
+    exported = json.loads((run / "export" / "export.json").read_text())["gguf"]
+    assert exported["path"] == "tiny.q8_0.gguf" and exported["type"] == "q8_0"
+    reader = GGUFReader(str(run / "export" / "gguf" / "tiny.q8_0.gguf"))
+    chat_template = (run / "export" / "merged" / "chat_template.jinja").read_text()
+    assert reader.fields["tokenizer.chat_template"].contents() == chat_template
+    assert reader.fields["general.file_type"].contents() == 7  # llama.cpp's MOSTLY_Q8_0
+    modelfile = (run / "export" / "gguf" / "Modelfile").read_text().splitlines()
+    assert modelfile[0] == "FROM ./tiny.q8_0.gguf" and modelfile[-1] == 'PARAMETER stop "<|end|>"'
+    card = (run / "export" / "README.md").read_text()
+    merged = scores["merged"]
+    assert (
+        f"| merged | {merged['loss']:.4f} |" in card and "tags:\n- finetune\n- lora\n- sft\n- gguf\n" in card
+    )
 
     assert files_holding(run, list(SECRETS.values())) == []
 

@@ -63,6 +63,7 @@ def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> 
     """Export per `cfg.export`; returns export.json's content. `eval_dataset` replaces the data stage's (tests)."""
     run_dir = Path(run_dir)
     x = cfg.export
+    hub.check_reachable(cfg)  # before anything is read, merged or written: nothing is half-uploaded
     source = trained_dir(cfg, run_dir)
     identity = outputs.identity_of(source)
     if identity is None:
@@ -73,8 +74,7 @@ def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> 
         except Exception as exc:  # no data stage: the check falls back to the regression prompts
             log.warning("no held-out split for the merge check (%s); using the regression prompts", exc)
     do_merge = x.merge or not cfg.method.uses_adapters
-    # What could stop the export half way is checked before anything is merged or written.
-    hub.check_reachable(cfg)
+    # The converter (fetched once) and the quantizer, before anything is merged or written.
     converter = gguf.check_ready(cfg, do_merge)
     out = rundir.export_dir(run_dir)
     with outputs.staged(out, _export_bytes(cfg, plan, source)) as staging:

@@ -19,6 +19,7 @@ from finetune.core.config import RUNS_DIR, Config
 from finetune.core.errors import INTERRUPTED_EXIT_CODE, ConfigError, DataError, LaunchError, PlanError
 from finetune.core.markup import terminal_text
 from finetune.data import stage as data_stage
+from finetune.export import hub
 from finetune.launch import rollout
 from finetune.launch import stage as launch_stage
 from finetune.modeling import models
@@ -329,6 +330,10 @@ def run(cfg: Config) -> int:
         _enter("the plan stage")
         plan_stage(cfg, run_dir)
         return 0
+    if mode in ("train", "eval", "export", "all"):  # the trackers installed, before anything runs
+        tracking.check_installed(cfg)
+    if mode in ("export", "all"):  # export.push_to_hub: the Hub asked before hours of training, not after
+        hub.check_reachable(cfg)
     if mode in ("data", "all"):
         _enter("the data stage")
         data_stage.run(cfg, run_dir)
@@ -337,7 +342,6 @@ def run(cfg: Config) -> int:
     if mode == "launch":
         _enter("the launch stage")
         return launch_ranks(cfg, run_dir, plan_stage(cfg, run_dir, quiet=True))
-    tracking.check_installed(cfg)
     _enter("the plan stage")
     plan = plan_stage(cfg, run_dir, quiet=mode in ("eval", "export"))
     cfg = replace(

@@ -6,7 +6,7 @@ module only sets up where they go, before the trainer starts, and adds what the 
 - MLflow: rank 0 creates the run (or reuses the one RUN_DIR/tracking.json names, when training resumes)
   and hands its id to transformers' `MLflowCallback` through `MLFLOW_RUN_ID`; after evaluation and export
   the pipeline logs the resolved config and the plan as parameters, the evaluation's scores as metrics and
-  plan.json, config.yaml, eval/metrics.json and eval/report.md as artifacts to that same run
+  plan.json, config.yaml, eval/metrics.json, eval/report.md and export/README.md as artifacts to that same run
   (`log_results`). Where MLFLOW_TRACKING_URI is unset, the store is RUN_DIR/mlflow.db.
 - W&B: its run files go to RUN_DIR/wandb (WANDB_DIR); WANDB_MODE=offline needs no network or key.
 - Trackio: its defaults (a local store under the Hugging Face cache); TRACKIO_DIR moves it.
@@ -29,7 +29,13 @@ from urllib.parse import urlsplit, urlunsplit
 from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.errors import ConfigError, LaunchError
-from finetune.rundir.layout import MLFLOW_ARTIFACTS_DIR, MLFLOW_DB_FILE, TRACKING_FILE, WANDB_DIR
+from finetune.rundir.layout import (
+    MLFLOW_ARTIFACTS_DIR,
+    MLFLOW_DB_FILE,
+    MODEL_CARD_FILE,
+    TRACKING_FILE,
+    WANDB_DIR,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,7 @@ ARTIFACTS = (
     rundir.CONFIG_FILE,
     f"{rundir.EVAL_DIR}/{rundir.EVAL_METRICS_FILE}",
     f"{rundir.EVAL_DIR}/{rundir.EVAL_REPORT_FILE}",
+    f"{rundir.EXPORT_DIR}/{MODEL_CARD_FILE}",
 )
 
 
