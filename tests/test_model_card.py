@@ -108,3 +108,45 @@ def test_push_to_hub_stops_in_one_line_before_anything(tmp_path, env, said):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert re.search(rf"export.push_to_hub=me/tiny: {said}", lines[-1]), lines[-3:]
     assert not any((run / name).exists() for name in ("data", "adapter", "export", "plan.json"))
+
+
+def test_upload_is_one_commit_of_export(tmp_path, monkeypatch):
+    """What export.push_to_hub sends: the merged model at the repository's root, the card, gguf/ and adapter/,
+    in one commit to a private repository (huggingface_hub's HfApi, recorded here instead of the network)."""
+    import huggingface_hub
+
+    from finetune.export import hub
+
+    export = tmp_path / "export"
+    for name in ("merged/config.json", "merged/model.safetensors", "README.md", "gguf/tiny.q8_0.gguf",
+                 "gguf/Modelfile", "adapter/adapter_config.json", "serve.sh", "merge_check.json"):  # fmt: skip
+        (export / name).parent.mkdir(parents=True, exist_ok=True)
+        (export / name).write_text(name)
+    calls = []
+
+    class Api:
+        def create_repo(self, repo, private, exist_ok):
+            calls.append(("create_repo", repo, private, exist_ok))
+            return f"https://hub.example/{repo}"
+
+        def create_commit(self, repo, operations, commit_message):
+            calls.append(
+                ("create_commit", repo, sorted(op.path_in_repo for op in operations), commit_message)
+            )
+            return type("Commit", (), {"oid": "abc123"})()
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Api)
+    cfg = compose(["export.push_to_hub=me/tiny-lora", "mode=plan"])
+    done = hub.upload(cfg, export)
+    assert calls == [
+        ("create_repo", "me/tiny-lora", True, True),
+        ("create_commit", "me/tiny-lora", ["README.md", "adapter/adapter_config.json", "config.json",
+                                           "gguf/Modelfile", "gguf/tiny.q8_0.gguf", "model.safetensors"],
+         f"finetune: {cfg.name}"),
+    ]  # fmt: skip
+    assert done == {
+        "repo": "me/tiny-lora",
+        "url": "https://hub.example/me/tiny-lora",
+        "commit": "abc123",
+        "files": 6,
+    }
