@@ -37,7 +37,7 @@ from finetune.core.config import Config
 from finetune.core.config.evaluation import EvalConfig
 from finetune.core.markup import console_text
 from finetune.data.stage import load_prepared
-from finetune.evaluation import curves, metrics, preference, regression, rewards
+from finetune.evaluation import curves, lm_eval, metrics, preference, regression, rewards
 from finetune.evaluation.generate import generate, sampling_kwargs
 from finetune.evaluation.heldout import heldout_loss, split_prompt
 from finetune.evaluation.report import metric_names, write_report
@@ -245,6 +245,7 @@ def run(
     """
     run_dir = Path(run_dir)
     metric_fns = metrics.resolve(cfg.eval.metrics)  # a bad dotted path fails before any model loads
+    lm_eval.check(cfg.eval)
     reg_rows = regression.load(cfg.eval.regression_prompts) if cfg.eval.regression else []
     if eval_dataset is None:
         eval_dataset = load_prepared(run_dir)[1]
@@ -316,6 +317,7 @@ def _evaluate_variants(
             model = load_variant(cfg, run_dir, v)
         log.info("evaluating %s", v)
         result[v] = _score_variant(model, tokenizer, eval_dataset, prompts, cfg.eval, metric_fns, v)
+        result[v].update(lm_eval.scores(cfg.eval, model, tokenizer))  # eval.lm_eval_tasks, on the same model
         if reward_fns and prompts.items:
             answers = [row[v] for row in prompts.rows if row["set"] == "task"]
             refs = [it["reference"] for it in prompts.items]
@@ -380,6 +382,7 @@ def _ordered(cfg: Config, result: dict[str, Any], prompts: _Prompts, models: _Mo
         if prompts.reg_rows
         else {}
     )
+    ordered.update(lm_eval.deltas(ordered))  # the harness's scores against the base's
     ordered["settings"] = settings(cfg)
     ordered["models"] = {v: models.records[v] for v in VARIANTS if v in result}
     if models.skipped:
