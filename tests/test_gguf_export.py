@@ -34,6 +34,15 @@ def test_gguf_settings_are_checked_before_anything_is_written(tmp_path, monkeypa
         ConfigError, match=r"export.gguf converts the merged model: it needs export.merge=true"
     ):
         gguf.check_ready(tiny_cfg("export.gguf=q8_0", "export.merge=false"), merges=False)
+    real = gguf.importlib.util.find_spec
+    monkeypatch.setattr(
+        gguf.importlib.util, "find_spec", lambda name: None if name == "sentencepiece" else real(name)
+    )
+    with pytest.raises(
+        ConfigError, match=r"export.gguf needs sentencepiece .*: pip install 'finetune\[gguf\]'"
+    ):
+        gguf.check_ready(tiny_cfg("export.gguf=q8_0"), merges=True)
+    monkeypatch.setattr(gguf.importlib.util, "find_spec", real)
     monkeypatch.setattr(gguf, "quantizer", lambda: None)
     with pytest.raises(ConfigError, match=r"export.gguf=q4_k_m needs llama.cpp's quantizer: pip install"):
         gguf.check_ready(tiny_cfg("export.gguf=q4_k_m"), merges=True)
@@ -114,3 +123,18 @@ def test_llama_cpp_answers_as_the_model_does(tmp_path, tiny_model_dir, tiny_toke
         if len(answer) == len(expected):
             break
     assert answer == expected, (tiny_tokenizer.decode(answer), tiny_tokenizer.decode(expected))
+
+
+@pytest.mark.slow
+def test_q4_k_m_is_quantized_by_llama_cpp(tmp_path, tiny_model_dir, converter):
+    """export.gguf=q4_k_m: the converter's f16 file through llama.cpp's quantizer; the file says Q4_K_M
+    (llama_ftype 15), holds every tensor and is smaller than the f16 one, which is not kept."""
+    if gguf.quantizer() is None:
+        pytest.skip("llama-cpp-python is not installed (pip install llama-cpp-python builds llama.cpp)")
+    written = gguf.convert(tiny_cfg("export.gguf=q4_k_m"), converter, tiny_model_dir, tmp_path / "q4")
+    f16 = gguf.convert(tiny_cfg("export.gguf=f16"), converter, tiny_model_dir, tmp_path / "f16")
+    meta, tensors = gguf_fields(tmp_path / "q4" / written["path"])
+    _, f16_tensors = gguf_fields(tmp_path / "f16" / f16["path"])
+    assert meta["general.file_type"] == 15 and len(tensors) == len(f16_tensors)
+    assert written["size_bytes"] < f16["size_bytes"]
+    assert sorted(p.name for p in (tmp_path / "q4").iterdir()) == [written["path"]]

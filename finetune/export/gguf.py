@@ -111,6 +111,10 @@ def check_ready(cfg: Config, merges: bool) -> Optional[Path]:
         return None
     if not merges:
         raise ConfigError("export.gguf converts the merged model: it needs export.merge=true")
+    if importlib.util.find_spec("sentencepiece") is None:
+        raise ConfigError(
+            "export.gguf needs sentencepiece (llama.cpp's converter imports it): pip install 'finetune[gguf]'"
+        )
     if gguf_type in QUANTIZER_TYPES and quantizer() is None:
         raise ConfigError(
             f"export.gguf={gguf_type} needs llama.cpp's quantizer: pip install llama-cpp-python (it builds "
