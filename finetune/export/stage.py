@@ -198,5 +198,12 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
         )
     if "adapter" in summary:
         console.print(f"adapter: {summary['adapter']['size_bytes'] / 1e6:,.2f} MB")
+    if "gguf" in summary:
+        gguf_file = out / EXPORT_GGUF_DIR / summary["gguf"]["path"]
+        console.print(
+            f"gguf: {console_text(str(gguf_file))} ({summary['gguf']['size_bytes'] / 1e6:,.1f} MB); Ollama: "
+            + console_text(rundir.command_line("ollama", "create", summary["gguf"]["path"].rsplit(".", 2)[0], "-f",
+                                               out / EXPORT_GGUF_DIR / MODELFILE))
+        )  # fmt: skip
     serve_line = rundir.command_line("bash", out / rundir.SERVE_FILE)
     console.print(f"serve: {console_text(serve_line)} {console_text('[' + '|'.join(summary['serve']) + ']')}")
