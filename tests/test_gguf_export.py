@@ -99,19 +99,21 @@ def test_converter_writes_the_model_and_its_template(
 
 
 @pytest.mark.slow
-def test_llama_cpp_answers_as_the_model_does(tmp_path, tiny_model_dir, tiny_tokenizer, converter):
-    """The f16 file run by llama.cpp (llama-cpp-python) answers a prompt greedily with the tokens transformers'
-    model answers (the tiny model's weights are exact in f16's range)."""
+@pytest.mark.parametrize("gguf_type", ["f16", "q8_0"])
+def test_llama_cpp_answers_as_the_model_does(tmp_path, tiny_model_dir, tiny_tokenizer, converter, gguf_type):
+    """The GGUF file run by llama.cpp (llama-cpp-python) answers a prompt greedily with the tokens transformers'
+    model answers."""
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama-cpp-python is not installed (pip install llama-cpp-python builds llama.cpp)")
     import torch
     from llama_cpp import Llama
     from transformers import AutoModelForCausalLM
 
-    cfg = tiny_cfg("export.gguf=f16")
+    cfg = tiny_cfg(f"export.gguf={gguf_type}")
     path = tmp_path / gguf.convert(cfg, converter, tiny_model_dir, tmp_path)["path"]
     messages = [{"role": "user", "content": "What is 12 + 7?"}]
-    prompt = list(tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    text = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
