@@ -40,7 +40,7 @@ from finetune.core.config import Config
 from finetune.core.config.evaluation import EvalConfig
 from finetune.core.markup import console_text, terminal_text
 from finetune.data.stage import load_prepared
-from finetune.evaluation import curves, metrics, preference, regression, rewards
+from finetune.evaluation import curves, lm_eval, metrics, preference, regression, rewards
 from finetune.evaluation.generate import generate, sampling_kwargs
 from finetune.evaluation.heldout import answered, heldout_loss
 from finetune.evaluation.report import metric_names, write_report
@@ -251,6 +251,7 @@ def run(
     """
     run_dir = Path(run_dir)
     metric_fns = metrics.resolve(cfg.eval.metrics)  # a bad dotted path fails before any model loads
+    lm_eval.check(cfg.eval)
     reg_rows = regression.load(cfg.eval.regression_prompts) if cfg.eval.regression else []
     asked = _variants_to_evaluate(cfg, run_dir, variants)
     models = _models(cfg, run_dir, available_variants(cfg, run_dir))
@@ -345,6 +346,7 @@ def _evaluate_variants(
             model = load_variant(cfg, run_dir, v)
         log.info("evaluating %s", v)
         result[v] = _score_variant(model, tokenizer, eval_dataset, prompts, cfg.eval, metric_fns, v)
+        result[v].update(lm_eval.scores(cfg.eval, model, tokenizer))  # eval.lm_eval_tasks, on the same model
         if reward_fns and prompts.items:
             answers = [row[v] for row in prompts.rows if row["set"] == "task"]
             refs = [it["reference"] for it in prompts.items]
@@ -409,6 +411,7 @@ def _ordered(cfg: Config, result: dict[str, Any], prompts: _Prompts, models: _Mo
         if prompts.reg_rows
         else {}
     )
+    ordered.update(lm_eval.deltas(ordered))  # the harness's scores against the base's
     ordered["settings"] = settings(cfg)
     ordered["models"] = {v: models.records[v] for v in VARIANTS if v in result}
     if models.skipped:

@@ -9,7 +9,10 @@ Writes RUN_DIR/export/:
 - serve.sh          `vllm serve` for the merged model, the base + adapter, and FP8; names the model it serves
 - export.json       what was written, sizes, the serve commands as argument lists, `made_from`
 - made_from.json    the identity of the trained output it was made from (`finetune.modeling.outputs`)
-and then adds `merged` to RUN_DIR/eval/metrics.json (export.evaluate_merged).
+- gguf/             export.gguf: NAME.TYPE.gguf (llama.cpp's converter) and an Ollama Modelfile
+- README.md         the Hub model card (`finetune.export.modelcard`)
+and then adds `merged` to RUN_DIR/eval/metrics.json (export.evaluate_merged) and uploads export/ to the Hub
+(export.push_to_hub; checked to be reachable before anything is written).
 
 Everything is written into RUN_DIR/.export.tmp and renamed into place whole once the merged model, its
 check and serve.sh are all written: a failed check, a full disk or a signal leaves the previous export
@@ -22,7 +25,7 @@ import gc
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from finetune import rundir
 from finetune.core.config import Config
@@ -31,11 +34,12 @@ from finetune.core.markup import console_text
 from finetune.data.stage import load_prepared
 from finetune.evaluation import regression
 from finetune.evaluation import stage as eval_stage
-from finetune.export import merge, serve
+from finetune.export import gguf, hub, merge, modelcard, serve
 from finetune.modeling import outputs
 from finetune.modeling.models import load_tokenizer, model_source
 from finetune.modeling.variants import trained_dir
 from finetune.planner import Plan
+from finetune.rundir.layout import EXPORT_GGUF_DIR, MODEL_CARD_FILE, MODELFILE
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +64,7 @@ def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> 
     """Export per `cfg.export`; returns export.json's content. `eval_dataset` replaces the data stage's (tests)."""
     run_dir = Path(run_dir)
     x = cfg.export
+    hub.check_reachable(cfg)  # before anything is read, merged or written: nothing is half-uploaded
     source = trained_dir(cfg, run_dir)
     identity = outputs.identity_of(source)
     if identity is None:
@@ -69,13 +74,20 @@ def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> 
             eval_dataset = load_prepared(run_dir)[1]
         except Exception as exc:  # no data stage: the check falls back to the regression prompts
             log.warning("no held-out split for the merge check (%s); using the regression prompts", exc)
+    do_merge = x.merge or not cfg.method.uses_adapters
+    # The converter (fetched once) and the quantizer, before anything is merged or written.
+    converter = gguf.check_ready(cfg, do_merge)
     out = rundir.export_dir(run_dir)
     with outputs.staged(out, _export_bytes(cfg, plan, source)) as staging:
-        summary = _write_export(cfg, run_dir, plan, staging, identity, eval_dataset)
+        summary = _write_export(cfg, run_dir, plan, staging, identity, eval_dataset, converter)
     _print_summary(summary, out)
-    do_merge = x.merge or not cfg.method.uses_adapters
     if do_merge and x.evaluate_merged:
         summary["eval"] = eval_stage.run(cfg, run_dir, ["merged"], eval_dataset=eval_dataset)
+        # the card's evaluation table with the merged model's scores
+        card = modelcard.render(cfg, run_dir, summary, modelcard.base_license(cfg.model))
+        rundir.atomic_write_text(out / MODEL_CARD_FILE, card)
+    if x.push_to_hub:
+        summary["hub"] = hub.upload(cfg, out)
     return summary
 
 
@@ -88,7 +100,13 @@ def _export_bytes(cfg: Config, plan: Plan, source: Path) -> int:
 
 
 def _write_export(
-    cfg: Config, run_dir: Path, plan: Plan, out: Path, identity: outputs.Identity, eval_dataset: Any
+    cfg: Config,
+    run_dir: Path,
+    plan: Plan,
+    out: Path,
+    identity: outputs.Identity,
+    eval_dataset: Any,
+    converter: Optional[Path],
 ) -> dict[str, Any]:
     """Everything export/ holds, written into `out` (the staging folder); export.json's content."""
     x = cfg.export
@@ -134,6 +152,11 @@ def _write_export(
         gc.collect()
         # After the merged model it checks, in the same staging folder: both go into place together.
         rundir.write_json(out / rundir.MERGE_CHECK_FILE, check)
+        if converter is not None:
+            folder = out / EXPORT_GGUF_DIR
+            summary["gguf"] = gguf.convert(cfg, converter, out / rundir.MERGED_DIR, folder)
+            modelfile = gguf.modelfile(tokenizer, summary["gguf"]["path"])
+            rundir.atomic_write_text(folder / MODELFILE, modelfile)
 
     commands = serve.serve_commands(
         cfg,
@@ -150,6 +173,8 @@ def _write_export(
         if part in summary:
             summary[part]["path"] = str(final / Path(summary[part]["path"]).name)
     rundir.write_json(out / rundir.EXPORT_SUMMARY_FILE, summary)
+    card = modelcard.render(cfg, run_dir, summary, modelcard.base_license(cfg.model))
+    rundir.atomic_write_text(out / MODEL_CARD_FILE, card)
     outputs.write_made_from(out, identity)
     return summary
 
@@ -174,5 +199,12 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
         )
     if "adapter" in summary:
         console.print(f"adapter: {summary['adapter']['size_bytes'] / 1e6:,.2f} MB")
+    if "gguf" in summary:
+        gguf_file = out / EXPORT_GGUF_DIR / summary["gguf"]["path"]
+        console.print(
+            f"gguf: {console_text(str(gguf_file))} ({summary['gguf']['size_bytes'] / 1e6:,.1f} MB); Ollama: "
+            + console_text(rundir.command_line("ollama", "create", summary["gguf"]["path"].rsplit(".", 2)[0], "-f",
+                                               out / EXPORT_GGUF_DIR / MODELFILE))
+        )  # fmt: skip
     serve_line = rundir.command_line("bash", out / rundir.SERVE_FILE)
     console.print(f"serve: {console_text(serve_line)} {console_text('[' + '|'.join(summary['serve']) + ']')}")

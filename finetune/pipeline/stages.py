@@ -20,6 +20,7 @@ from finetune.core.errors import INTERRUPTED_EXIT_CODE, ConfigError, DataError, 
 from finetune.core.markup import terminal_text
 from finetune.core.noise import quiet_libraries
 from finetune.data import stage as data_stage
+from finetune.export import hub
 from finetune.launch import rollout
 from finetune.launch import stage as launch_stage
 from finetune.modeling import outputs
@@ -28,6 +29,7 @@ from finetune.pipeline import compare
 from finetune.pipeline.plan_report import print_plan
 from finetune.planner import Plan, make_plan
 from finetune.rundir import machine, preflight
+from finetune.train import tracking
 
 # What the pipeline is doing now, for the one line a signal leaves (`cli.main`).
 current_stage = "the set-up"
@@ -360,6 +362,10 @@ def run(cfg: Config) -> int:
         _enter("the plan stage")
         plan_stage(cfg, run_dir)
         return 0
+    if mode in ("train", "eval", "export", "all"):  # the trackers installed, before anything runs
+        tracking.check_installed(cfg)
+    if mode in ("export", "all"):  # export.push_to_hub: the Hub asked before hours of training, not after
+        hub.check_reachable(cfg)
     if mode in ("data", "all"):
         _enter("the data stage")
         data_stage.run(cfg, run_dir)
@@ -395,5 +401,7 @@ def run(cfg: Config) -> int:
             export_stage(cfg, run_dir, plan)
     if mode in ("eval", "export", "all"):
         show_evaluation(run_dir)
+        # the config, plan, scores and report to the run's MLflow run
+        tracking.log_results(cfg, run_dir)
     _print_summary(run_dir, before)
     return 0

@@ -24,6 +24,10 @@ ADAPTER_DIR = "adapter"  # the trained adapter (LoRA, QLoRA) with the tokenizer
 MODEL_DIR = "model"  # the trained model (full fine-tuning) with the tokenizer
 CHECKPOINT_DIR = "checkpoints"  # resumable checkpoints (finetune.rundir.checkpoints)
 TENSORBOARD_DIR = "tensorboard"
+TRACKING_FILE = "tracking.json"  # train.report_to: the MLflow run the training and evaluation log to
+MLFLOW_DB_FILE = "mlflow.db"  # MLflow's store when MLFLOW_TRACKING_URI is unset, with its artifacts:
+MLFLOW_ARTIFACTS_DIR = "mlartifacts"
+WANDB_DIR = "wandb"  # W&B's run files (offline runs under WANDB_MODE=offline)
 TRAIN_LOG_FILE = "train_log.jsonl"  # logged dicts a line, read by the loss curves when present
 PROFILE_FILE = "profile_ops.txt"  # train.profile: one step's operators
 EVAL_DIR = "eval"  # the evaluation stage: eval/metrics.json, samples.jsonl, report.md, loss_curves.png
@@ -37,6 +41,9 @@ EXPORT_ADAPTER_DIR = "adapter"
 MERGE_CHECK_FILE = "merge_check.json"
 SERVE_FILE = "serve.sh"
 EXPORT_SUMMARY_FILE = "export.json"
+EXPORT_GGUF_DIR = "gguf"  # export.gguf: MODEL.gguf and its Ollama Modelfile
+MODELFILE = "Modelfile"
+MODEL_CARD_FILE = "README.md"  # the Hub model card of export/
 LAUNCH_SCRIPT = "launch.sh"  # mode=launch: the command that starts the ranks
 LAUNCH_LOG = "launch.log"  # launch.detach=true: the detached run's output
 LAUNCH_PID_FILE = "launch.pid"  # launch.detach=true under nohup

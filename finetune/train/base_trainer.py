@@ -31,7 +31,7 @@ from finetune.core.errors import LaunchError
 from finetune.modeling.loading import ATTN_IMPLEMENTATIONS
 from finetune.planner import Plan
 from finetune.rundir import checkpoints
-from finetune.train import quantized, throughput
+from finetune.train import quantized, throughput, tracking
 from finetune.train.callbacks import RunMonitor
 
 log = logging.getLogger(__name__)
@@ -379,6 +379,8 @@ def run_callbacks(cfg: Config, run_dir: Path, args: Any, callbacks: list[Any]) -
     from transformers.integrations import TensorBoardCallback
 
     callbacks = list(callbacks)
+    # MLflow, W&B and Trackio log through transformers' own callbacks (report_to): where they write
+    tracking.prepare(cfg, run_dir, main_process=args.process_index == 0)
     if "tensorboard" in cfg.train.report_to and args.process_index == 0:
         from torch.utils.tensorboard import SummaryWriter
 

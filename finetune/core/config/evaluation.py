@@ -66,6 +66,13 @@ class EvalConfig:
     # Samples shown in report.md (all of them are in samples.jsonl).
     report_examples: int = 8
     progress: bool = True
+    # EleutherAI's lm-evaluation-harness on every model compared (finetune[lm_eval], docs/export.md): task names
+    # (mmlu, gsm8k, ifeval: the Hub must be reachable) or a task YAML file of the harness's format; [] for none.
+    lm_eval_tasks: list[str] = field(default_factory=list)
+    lm_eval_limit: Optional[int] = None  # examples a task (None: all)
+    lm_eval_chat_template: bool = (
+        True  # prompts through the tokenizer's chat template, as the model was trained
+    )
 
     def __post_init__(self) -> None:
         if not self.metrics:
@@ -81,6 +88,7 @@ class EvalConfig:
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"eval.top_p={self.top_p} must be in (0, 1]")
         check_positive("eval.report_examples", self.report_examples, allow_zero=True)
+        check_positive("eval.lm_eval_limit", self.lm_eval_limit, allow_none=True)
         try:
             re.compile(self.refusal_pattern)
         except re.error as exc:

@@ -1,7 +1,9 @@
-"""Schema of the `export` config group: merging the adapter, checking the merge, serving with vLLM."""
+"""Schema of the `export` config group: merging the adapter, checking the merge, serving with vLLM, GGUF for
+llama.cpp and Ollama, the model card and the Hub."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -9,6 +11,9 @@ from finetune.core.config.checks import check_choices, check_positive, choice
 from finetune.core.errors import ConfigError
 
 QLORA_MERGE_BASES = ("original", "dequantized")
+# export.gguf: llama.cpp's file types. f16, bf16 and q8_0 are written by its converter; q4_k_m by its quantizer
+# (llama-cpp-python's llama_model_quantize) from the f16 file.
+GGUF_TYPES = ("f16", "bf16", "q8_0", "q4_k_m")
 
 # The merge check's default tolerance on logits, by the dtype the merge ran in: fp32 merges are
 # exact to rounding; a bf16 merge rounds W + BA to 8 mantissa bits once, the adapter model does not.
@@ -46,9 +51,22 @@ class ExportConfig:
     fp8: bool = True  # also write the FP8 variant (--quantization fp8: a merged 70B on one H200)
     serve_dtype: str = choice("bfloat16", ("auto", "bfloat16", "float16"))
     port: int = 8000
+    # GGUF of the merged model through llama.cpp's own converter (export/gguf/NAME.TYPE.gguf and an Ollama
+    # Modelfile); None: no GGUF.
+    gguf: Optional[str] = choice(None, GGUF_TYPES)
+    # A llama.cpp checkout (the folder holding convert_hf_to_gguf.py); None: llama.cpp as llama-cpp-python's
+    # source release on PyPI ships it, fetched once into $FINETUNE_CACHE/llama.cpp.
+    gguf_converter: Optional[str] = None
+    # Upload export/ (the merged model, its card and GGUF) to this Hub repository (org/name); None: no upload.
+    push_to_hub: Optional[str] = None
+    hub_private: bool = True
 
     def __post_init__(self) -> None:
         check_choices(self, "export")
+        if self.push_to_hub is not None and not re.fullmatch(r"[\w.-]+/[\w.-]+", self.push_to_hub):
+            raise ConfigError(
+                f"export.push_to_hub={self.push_to_hub!r} must be a Hub repository id (org/name)"
+            )
         if self.tolerance is not None and self.tolerance <= 0:
             raise ConfigError(
                 f"export.tolerance={self.tolerance} must be > 0 (or null for the dtype default)"

@@ -16,6 +16,8 @@ from finetune.core.errors import ConfigError
 from finetune.core.parallelism import ENGINES, SEQUENCE_SPLITS, SHARDED_ENGINES
 
 SHARDINGS = tuple(ENGINES)
+# train.report_to: the trackers whose runs are tested (docs/tracking.md), as transformers' report_to names them.
+TRACKERS = ("tensorboard", "mlflow", "wandb", "trackio")
 # train.attention: transformers' attention implementations (finetune/train/throughput.py maps the names).
 ATTENTIONS = ("sdpa", "flex", "eager", "flash")
 
@@ -126,11 +128,17 @@ class TrainIntervals:
     save_total_limit: int = 2
     """Complete checkpoints kept (the newest)."""
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
-    """Where the logs go, as transformers' report_to names them (tensorboard, wandb, ...)."""
+    """Where the logs go (TRACKERS): tensorboard (RUN_DIR/tensorboard), mlflow (MLFLOW_TRACKING_URI), wandb
+    (WANDB_MODE=offline works without network), trackio; [] for none (docs/tracking.md)."""
 
     def _check_intervals(self) -> None:
         for key in ("logging_steps", "eval_steps", "save_steps", "save_total_limit"):
             check_positive(f"train.{key}", getattr(self, key))
+        unknown = [name for name in self.report_to if name not in TRACKERS]
+        if unknown:
+            raise ConfigError(
+                f"train.report_to: unknown tracker {unknown[0]!r} (choose from {', '.join(TRACKERS)}, or [] for none)"
+            )
 
 
 @dataclass
