@@ -46,6 +46,13 @@ def main(argv: list[str] | None = None) -> int:
         name = getattr(exc, "signal_name", None) or (str(exc.args[0]) if exc.args else "SIGINT")
         print(f"finetune.train: {interrupted_message(name, args[0])}", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
+    except SystemExit as exc:  # sys.exit from library or user code inside training: never a success
+        print(
+            f"finetune.train: training was ended by sys.exit({exc.code!r}) from inside it, before it finished; "
+            "nothing after the last checkpoint was saved",
+            file=sys.stderr,
+        )
+        return 2
     except Exception as exc:  # OSError, torch's RuntimeError, safetensors' SafetensorError (no OSError)
         full = disk_full(exc, args[0])
         if full is None:

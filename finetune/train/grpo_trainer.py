@@ -166,7 +166,9 @@ def build_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dt
     kwargs.update(
         grpo_arguments(
             cfg.grpo,
-            reward_fns.resolve(cfg.grpo.rewards, cfg.grpo.reward_weights),
+            reward_fns.resolve(
+                cfg.grpo.rewards, cfg.grpo.reward_weights, timeout_s=cfg.grpo.reward_timeout_s
+            ),
             generation_mode(cfg, run_dir),
         )
     )
@@ -234,7 +236,9 @@ def build_trainer(
 ) -> FinetuneGRPOTrainer:
     """The GRPO trainer for `model` (already wrapped with its adapter by the stage)."""
     args = args or build_config(cfg, plan, run_dir, compute_dtype)
-    rewards = reward_fns.resolve(cfg.grpo.rewards, cfg.grpo.reward_weights)
+    rewards = reward_fns.resolve(
+        cfg.grpo.rewards, cfg.grpo.reward_weights, timeout_s=cfg.grpo.reward_timeout_s
+    )
     trainer = FinetuneGRPOTrainer(
         model=model,
         reward_funcs=[trl_reward_function(r) for r in rewards],

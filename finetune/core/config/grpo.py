@@ -41,6 +41,9 @@ class GrpoConfig:
     """exact_match | contains | regex:<pattern> | format:<pattern> | package.module.function (one value a completion)."""
     reward_weights: Optional[list[float]] = None
     """One weight per reward in the sum GRPO ranks by; None: all 1."""
+    reward_timeout_s: float = 60.0
+    """How long one call of a reward function may take (a batch of completions); past it the run stops with
+    one line naming the reward (exit 2) instead of hanging."""
     num_generations: int = 8
     """Completions sampled per prompt; their rewards are compared within the group."""
     max_completion_length: int = 64
@@ -83,6 +86,7 @@ class GrpoConfig:
                 f"grpo.num_generations={self.num_generations}: GRPO compares at least 2 completions of a prompt"
             )
         check_positive("grpo.max_completion_length", self.max_completion_length)
+        check_positive("grpo.reward_timeout_s", self.reward_timeout_s)
         if not self.temperature > 0:
             raise ConfigError(f"grpo.temperature={self.temperature} must be > 0 (the rollout samples)")
         if self.beta < 0:
