@@ -10,7 +10,8 @@
   (their space is reused), plus the final adapter or model (counted as one
   checkpoint), plus the merged export when the export stage follows in the same
   command (mode=all);
-- resume: `resume=PATH` names a complete checkpoint;
+- resume: `resume=PATH` names a complete checkpoint, and the checkpoints there were trained under these
+  settings (`state.check_resume_facts`: a mode=plan under other ones may have rewritten config.yaml);
 - host memory: the plan's host RAM (offloaded optimizer or parameters, data
   loading, the per-rank baseline) against this machine's total RAM (a refusal)
   and its available RAM (a warning: other processes hold it now).
@@ -42,7 +43,7 @@ from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.errors import LaunchError, format_bytes
 from finetune.planner import Plan
-from finetune.rundir import checkpoints, machine
+from finetune.rundir import checkpoints, machine, state
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ def check(
     """Raise LaunchError when the run cannot finish on this machine (ConfigError for a bad `resume=PATH`)."""
     run_dir = Path(run_dir)
     check_outputs(cfg, run_dir)
+    state.check_resume_facts(cfg, run_dir)
     if isinstance(cfg.resume, str):  # resume=true/false cannot be wrong; a path can
         checkpoints.resume_checkpoint(cfg.resume, rundir.checkpoint_dir(run_dir))
     folder = checkpoint_dir or rundir.checkpoint_dir(run_dir)
