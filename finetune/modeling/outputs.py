@@ -315,7 +315,8 @@ def _check_weights(weights: Path) -> None:
 
     try:
         with safe_open(str(weights), framework="pt") as f:
-            for key in f.keys():
+            names = f.keys()  # (a safetensors handle is not iterable)
+            for key in names:
                 tensor = f.get_tensor(key)
                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                     raise LaunchError(
