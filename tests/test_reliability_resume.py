@@ -192,3 +192,57 @@ def test_an_adapter_of_another_base_or_shape_is_refused(adapter_run, tiny_model_
         (folder / name).write_bytes((other / name).read_bytes())
     with pytest.raises(LaunchError, match=r"does not fit this model \(RuntimeError: size mismatch for"):
         _trained(cfg, run)
+
+
+# ---------------------------------------------------------------- the last step is the last step
+
+LAST_STEP = (
+    "train.max_steps=4",
+    "train.save_steps=2",
+    "train.save_total_limit=4",
+    "train.batch_size=2",
+    "data.eval_fraction=0.05",
+)
+OBJECTIVES = {
+    "sft": (),
+    "dpo": ("objective=dpo",),
+    "grpo": (
+        "objective=grpo",
+        "train.batch_size=4",
+        "grpo.num_generations=4",
+        "grpo.max_completion_length=6",
+        "method.precision=bf16",
+    ),
+}
+
+
+@pytest.mark.slow  # two short runs a case, in this process
+@pytest.mark.parametrize("objective", ["sft", "dpo", pytest.param("grpo", marks=pytest.mark.extended)])
+def test_a_run_stopped_after_its_final_checkpoint_trains_no_step_more(tmp_path, tiny_cache, objective):
+    """Stopped once checkpoint-4 of a 4-step run exists, before the output was saved (what SIGTERM during the
+    last step leaves): the same command again trains nothing and saves the uninterrupted run's adapter."""
+    from helpers import prepare_run
+
+    from finetune.pipeline.stages import plan_stage, resolve
+    from finetune.train import stage
+
+    cfg = resolve(tiny_cfg(*LAST_STEP, *OBJECTIVES[objective], f"data.cache_dir={tmp_path / 'cache'}",
+                           run_dir=tmp_path / "run"))  # fmt: skip
+    run = prepare_run(cfg)
+    plan = plan_stage(cfg, run, quiet=True)
+    first = stage.run(cfg, run, plan, max_generate=1)
+    assert first["train"]["steps"] == 4
+    weights = (run / "adapter" / "adapter_model.safetensors").read_bytes()
+    # what a stop after checkpoint-4 was saved leaves: no output, no metrics
+    import shutil
+
+    shutil.rmtree(run / "adapter")
+    (run / "metrics.json").unlink()
+    again = stage.run(cfg, run, plan, max_generate=1)
+    assert again["train"]["steps"] == 4 and again["train"]["step_seconds"] == []  # no step trained
+    assert again["train"]["resumed_from"] == str((run / "checkpoints" / "checkpoint-4").resolve())
+    assert (run / "adapter" / "adapter_model.safetensors").read_bytes() == weights
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-2",
+        "checkpoint-4",
+    ]
