@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from finetune.core.config.checks import check_positive
+from finetune.core.config.checks import DATA_KEY, check_positive
 from finetune.core.config.evaluation import check_metric_name
 from finetune.core.errors import ConfigError
 
@@ -46,7 +46,7 @@ class GrpoConfig:
     one line naming the reward (exit 2) instead of hanging."""
     num_generations: int = 8
     """Completions sampled per prompt; their rewards are compared within the group."""
-    max_completion_length: int = 64
+    max_completion_length: int = field(default=64, metadata=DATA_KEY)
     """Tokens generated per completion at most."""
     temperature: float = 1.0
     """Sampling temperature of the rollout (and of the evaluation's pass rate)."""
