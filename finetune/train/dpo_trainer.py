@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from transformers.trainer_utils import IntervalStrategy
 from trl import DPOConfig, DPOTrainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
@@ -89,12 +90,15 @@ def build_trainer(
 ) -> FinetuneDPOTrainer:
     """The DPO trainer for `model`; `args` when built before loading the model (ZeRO-3: see load_for_training)."""
     args = args or build_config(cfg, plan, run_dir, compute_dtype)
+    held_out = eval_dataset if eval_dataset is not None and len(eval_dataset) else None
+    if held_out is None:  # data.eval_fraction=0, or no pair left to hold out: no evaluation during training
+        args.eval_strategy = IntervalStrategy.NO
     trainer = FinetuneDPOTrainer(
         model=model,
         args=args,
         data_collator=DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id),
         train_dataset=train_dataset,
-        eval_dataset=eval_dataset if eval_dataset is not None and len(eval_dataset) else None,
+        eval_dataset=held_out,
         processing_class=tokenizer,
         callbacks=run_callbacks(cfg, run_dir, args, callbacks),
         monitor=monitor,
