@@ -246,3 +246,19 @@ def test_a_run_stopped_after_its_final_checkpoint_trains_no_step_more(tmp_path, 
         "checkpoint-2",
         "checkpoint-4",
     ]
+
+
+def test_export_refuses_a_damaged_adapter_before_copying_it(adapter_run):
+    from finetune.export import stage as export_stage
+
+    cfg, run, folder = adapter_run
+    weights = folder / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    (folder / "identity.json").unlink()
+    out = run / "export" / "adapter"
+    with pytest.raises(LaunchError, match=r"adapter_model.safetensors: cannot be read .* truncated or damaged"):
+        export_stage.copy_adapter(cfg, run, out)
+    assert not out.exists()
+    weights.unlink()
+    with pytest.raises(LaunchError, match=r"adapter_model.safetensors: missing"):
+        export_stage.copy_adapter(cfg, run, out)
