@@ -247,3 +247,43 @@ def test_the_command_line_says_one_line_before_converting(tmp_path, case):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr[-2000:]
     assert not (tmp_path / "cache" / "gguf").exists() or not any((tmp_path / "cache" / "gguf").iterdir())
+
+
+# ---------------------------------------------------------------- before training, not after it
+
+
+@pytest.mark.parametrize("target", ["fifo", "/dev/zero"])
+def test_regression_prompts_are_checked_before_any_rank_starts(tmp_path, fifo, target):
+    from helpers import planned_run_dir
+
+    from finetune.rundir import preflight
+
+    path = fifo if target == "fifo" else Path(target)
+    cfg, plan, run = planned_run_dir(tmp_path, f"eval.regression_prompts={path}")
+    with pytest.raises(DataError, match=rf"^eval.regression_prompts={path}: is a"):
+        preflight.check(cfg, run, plan)
+    # without the regression set the file is not read, so not checked
+    (tmp_path / "off").mkdir()
+    cfg, plan, run = planned_run_dir(
+        tmp_path / "off", f"eval.regression_prompts={path}", "eval.regression=false"
+    )
+    preflight.check(cfg, run, plan)
+
+
+# ---------------------------------------------------------------- preference pairs
+
+
+@pytest.mark.parametrize(
+    "chosen,rejected",
+    [("Paris.", "Paris. "), ("Paris is\nthe capital", "Paris  is the\tcapital"), (" a", "a\n")],
+)
+def test_answers_that_differ_only_by_whitespace_are_no_pair(chosen, rejected):
+    from finetune.core.config.data import DataConfig
+    from finetune.data import pairs
+    from finetune.data.formats import RecordError
+
+    with pytest.raises(RecordError) as err:
+        pairs.to_pair({"prompt": "Capital of France?", "chosen": chosen, "rejected": rejected}, DataConfig())
+    assert err.value.reason == "identical_pair" and "(up to whitespace)" in str(err.value)
+    # a real difference stays a pair
+    assert pairs.to_pair({"prompt": "q", "chosen": "Paris.", "rejected": "Lyon."}, DataConfig()) is not None

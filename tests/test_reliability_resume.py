@@ -256,7 +256,9 @@ def test_export_refuses_a_damaged_adapter_before_copying_it(adapter_run):
     weights.write_bytes(weights.read_bytes()[:100])
     (folder / "identity.json").unlink()
     out = run / "export" / "adapter"
-    with pytest.raises(LaunchError, match=r"adapter_model.safetensors: cannot be read .* truncated or damaged"):
+    with pytest.raises(
+        LaunchError, match=r"adapter_model.safetensors: cannot be read .* truncated or damaged"
+    ):
         export_stage.copy_adapter(cfg, run, out)
     assert not out.exists()
     weights.unlink()
