@@ -240,3 +240,55 @@ def test_the_pipeline_does_not_call_a_run_without_output_a_success(tmp_path, mon
         stages.train_stage(cfg, Path(tmp_path / "run"), plan_for(cfg))
     (tmp_path / "run" / "adapter").mkdir(parents=True)
     assert stages.train_stage(cfg, Path(tmp_path / "run"), plan_for(cfg)) == 0
+
+
+# ---------------------------------------------------------------- inside TRL's GRPO step
+
+
+def _grpo_trainer(tiny_model_cfg, out: Path, reward: rewards.Reward):
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from finetune.core import tasks
+    from finetune.core.config.grpo import GrpoConfig
+    from finetune.modeling import tiny
+    from finetune.train.grpo_trainer import build_grpo_config, build_grpo_trainer, prompt_rows
+
+    torch.manual_seed(0)
+    tokenizer = tiny.load_tokenizer(tiny_model_cfg)
+    model = tiny.load_model(tiny_model_cfg, dtype=torch.bfloat16)
+    dataset = Dataset.from_list(prompt_rows(tasks.generate(8, 0)))
+    grpo = GrpoConfig(rewards=["exact_match"], num_generations=4, max_completion_length=4)
+    args = build_grpo_config(
+        grpo, [reward], out, generation="transformers", per_device_train_batch_size=4,
+        gradient_accumulation_steps=1, max_steps=1, logging_steps=1, report_to=[], bf16=True, use_cpu=True,
+        save_strategy="no", seed=0,
+    )  # fmt: skip
+    lora = LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    return build_grpo_trainer(model, tokenizer, dataset, [reward], args, lora)
+
+
+@pytest.mark.parametrize("case", ["exits", "interrupts", "hangs"])
+def test_a_reward_inside_a_grpo_step_is_fenced(tiny_cache, tiny_model_cfg, tmp_path, case):
+    def exits(prompts, completions, references):
+        sys.exit(0)
+
+    def interrupts(prompts, completions, references):
+        raise KeyboardInterrupt
+
+    def hangs(prompts, completions, references):
+        time.sleep(60)
+
+    fn = {"exits": exits, "interrupts": interrupts, "hangs": hangs}[case]
+    trainer = _grpo_trainer(tiny_model_cfg, tmp_path / "out", rewards.Reward(f"my.{case}", 1.0, fn, 1.0))
+    with pytest.raises(RewardError) as err:
+        trainer.train()
+    assert (
+        str(err.value)
+        == {
+            "exits": "reward 'my.exits' called sys.exit(0); user code must return a value, not end the run",
+            "interrupts": "reward 'my.interrupts' raised KeyboardInterrupt",
+            "hangs": "reward 'my.hangs' did not return within 1 s (grpo.reward_timeout_s); fix it, or raise "
+            "grpo.reward_timeout_s if it is only slow",
+        }[case]
+    )
