@@ -34,11 +34,12 @@ def call_fenced(
     fn: Callable[[], Any],
     what: str,
     timeout_s: Optional[float],
-    setting: str,
+    setting: Optional[str] = None,
     error: type[FinetuneError] = ConfigError,
 ) -> Any:
     """`fn()` run in a daemon thread and waited for at most `timeout_s` seconds (None: no limit); anything it
-    raises, or its not returning in time (`setting` names the limit), becomes `error` naming `what`.
+    raises, or its not returning in time (`setting`: the setting that sets the limit), becomes `error` naming
+    `what`.
 
     A thread, not a signal alarm: it works in any thread and stops code that never returns to the interpreter
     as surely as a sleeping one (the thread is abandoned; the run ends with exit 2). The main thread's wait
@@ -56,9 +57,11 @@ def call_fenced(
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
+        slow = f"fix it, or raise {setting} if it is only slow" if setting else "fix it"
         raise error(
-            f"{what} did not return within {timeout_s:g} s ({setting}); fix it, or raise {setting} if it is "
-            "only slow"
+            f"{what} did not return within {timeout_s:g} s"
+            + (f" ({setting})" if setting else "")
+            + f"; {slow}"
         )
     exc = outcome.get("error")
     if exc is None:
@@ -117,7 +120,9 @@ def regex_metric(pattern: str, name: str) -> Metric:
     return metric
 
 
-def import_function(path: str, key: str, timeout_s: Optional[float] = METRIC_TIMEOUT_S) -> Callable[..., Any]:
+def import_function(
+    path: str, key: str, timeout_s: Optional[float] = METRIC_TIMEOUT_S, limit: Optional[str] = None
+) -> Callable[..., Any]:
     """The function at a dotted path (`package.module.function`), or a one-line error naming `key`. The
     module's own code runs fenced (`call_fenced`): an import that exits, raises or hangs is one line."""
     module_name, _, attr = path.rpartition(".")
@@ -128,7 +133,7 @@ def import_function(path: str, key: str, timeout_s: Optional[float] = METRIC_TIM
         except ImportError as exc:  # not there: said as such, not as the module's failure
             return exc
 
-    module = call_fenced(load, f"importing {module_name!r} ({key})", timeout_s, key)
+    module = call_fenced(load, f"importing {module_name!r} ({key})", timeout_s, limit)
     fn = getattr(module, attr, None) if not isinstance(module, ImportError) else None
     if fn is None:
         why = (
@@ -149,7 +154,7 @@ def _user_function(path: str, timeout_s: Optional[float]) -> Metric:
         prompts: Sequence[str], predictions: Sequence[str], references: Sequence[str]
     ) -> dict[str, float]:
         value: Any = call_fenced(
-            lambda: fn(list(prompts), list(predictions), list(references)), what, timeout_s, "eval.metrics"
+            lambda: fn(list(prompts), list(predictions), list(references)), what, timeout_s
         )
         named = value if isinstance(value, dict) else {attr: value}
         out = {}

@@ -127,7 +127,7 @@ def _reward_fn(name: str, key: str, timeout_s: Optional[float]) -> Score:
         return _regex(name[len(REGEX_PREFIX) :])
     if name.startswith(FORMAT_PREFIX):
         return _format(name[len(FORMAT_PREFIX) :])
-    return import_function(name, key, timeout_s)
+    return import_function(name, key, timeout_s, "grpo.reward_timeout_s")
 
 
 def resolve(

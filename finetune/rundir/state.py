@@ -45,7 +45,7 @@ def save_config(cfg: Config, run_dir: Path) -> Path:
     path = run_dir / CONFIG_FILE
     atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.structured(scrub(asdict(cfg)))))
     if cfg.mode != "plan":  # planning trains nothing: the checkpoints' facts stay theirs
-        atomic_write_text(run_dir / RESUME_FILE, json.dumps(resume_facts(cfg), indent=1, default=str) + "\n")
+        atomic_write_text(run_dir / RESUME_FILE, json.dumps(resume_facts(cfg), indent=1) + "\n")
     return path
 
 
@@ -74,7 +74,9 @@ def resume_facts(cfg: Config) -> dict[str, Any]:
     """The settings a run's checkpoints belong to: the model, method and data sections, the objective and its
     own settings section, the training keys that change what a step computes, and `init_from` by the identity
     of what it starts from (a run there trained again is another start)."""
-    return _facts(scrub(asdict(cfg)), init_from_identity(cfg.init_from))
+    facts = _facts(scrub(asdict(cfg)), init_from_identity(cfg.init_from))
+    # as they read back from resume.json (tuples as lists), so a comparison sees values, not types
+    return json.loads(json.dumps(facts, default=str))
 
 
 def _facts(d: dict, init_identity: Optional[str]) -> dict[str, Any]:
