@@ -268,6 +268,7 @@ def _grpo_trainer(tiny_model_cfg, out: Path, reward: rewards.Reward):
     return build_grpo_trainer(model, tokenizer, dataset, [reward], args, lora)
 
 
+@pytest.mark.slow  # TRL's GRPO trainer built three times on the tiny model (about 40 s in all)
 @pytest.mark.parametrize("case", ["exits", "interrupts", "hangs"])
 def test_a_reward_inside_a_grpo_step_is_fenced(tiny_cache, tiny_model_cfg, tmp_path, case):
     def exits(prompts, completions, references):
