@@ -238,6 +238,9 @@ def test_the_pipeline_does_not_call_a_run_without_output_a_success(tmp_path, mon
     monkeypatch.setattr(stages, "launch_ranks", lambda *a, **k: 0)
     with pytest.raises(LaunchError, match=r"training exited with code 0 but saved no adapter/"):
         stages.train_stage(cfg, Path(tmp_path / "run"), plan_for(cfg))
+    # started elsewhere (a dry run, detached, SLURM): nothing to find yet
+    dry = tiny_cfg(f"run_dir={tmp_path / 'run'}", "launch.dry_run=true")
+    assert stages.train_stage(dry, Path(tmp_path / "run"), plan_for(dry)) == 0
     (tmp_path / "run" / "adapter").mkdir(parents=True)
     assert stages.train_stage(cfg, Path(tmp_path / "run"), plan_for(cfg)) == 0
 
