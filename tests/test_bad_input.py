@@ -131,8 +131,8 @@ CONFIG_CASES = [
     ("bad_value_on_existing_run", ["run_dir=" + OLD, "train.seq_len=0"], "train.seq_len=0"),
     (
         "existing_run_with_another_config",
-        ["run_dir=" + OLD, "method.lora_rank=8"],
-        "has checkpoints trained with method.lora_rank=32, not 8",
+        ["run_dir=" + OLD, "method.lora_rank=8", "mode=train"],
+        "has checkpoints trained with method.lora_rank=32, not 8 (and 1 more change(s)): to keep both, give",
     ),
 ]
 

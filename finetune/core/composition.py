@@ -408,7 +408,7 @@ def _one_line(exc: BaseException) -> str:
         key = full_key.group(1)
         if "not in" in first:
             return f"{key}: unknown key; valid keys: {', '.join(_valid_keys(key, text))}"
-        return f"{key}: {first}"
+        return secrets.redact_echo(key, f"{key}: {first}")
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 

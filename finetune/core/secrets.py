@@ -94,15 +94,30 @@ def scrub_text(text: str, environ: Optional[Mapping[str, str]] = None, shell: bo
     return text
 
 
+def redact_echo(key: str, line: str) -> str:
+    """An error line about setting `key` with the value it quotes left out where `key` is named like a secret
+    (`+launch.env.HF_TOKEN=[hf_...]`: "Cannot convert 'list' to string: '[...]'"), and secret values scrubbed
+    from it in any case."""
+    name = key.rsplit(".", 1)[-1]
+    if is_secret_name(name):
+        # the libraries quote the offending value after the last ": '"
+        line = re.sub(r": '.*$", f": <redacted:{name}>", line, flags=re.DOTALL)
+    return scrub_text(line)
+
+
 def scrub(obj: Any, environ: Optional[Mapping[str, str]] = None) -> Any:
-    """A copy of `obj` (dicts, lists, strings) with secret values and secret-named keys' values redacted."""
+    """A copy of `obj` (dicts, lists, strings) with secret values and secret-named keys' values redacted (a
+    list or mapping given under such a key whole)."""
     if isinstance(obj, str):
         return scrub_text(obj, environ)
     if isinstance(obj, Mapping):
         return {
             k: (
                 f"<redacted:{k}>"
-                if isinstance(k, str) and is_secret_name(k) and isinstance(v, str) and v
+                if isinstance(k, str)
+                and is_secret_name(k)
+                and isinstance(v, (str, list, tuple, Mapping))
+                and v
                 else scrub(v, environ)
             )
             for k, v in obj.items()

@@ -17,6 +17,7 @@ one core here (2.71 against 0.98 GB/s; scripts/bench_data_memory.py, BENCHMARKS.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -31,6 +32,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
 from finetune import rundir
+from finetune.core import userfiles
+from finetune.core.config.checks import AFFECTS_DATA
 from finetune.core.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -68,7 +71,38 @@ def default_root() -> Path:
 
 
 def root(cache_dir: Optional[str]) -> Path:
-    return Path(cache_dir).expanduser() if cache_dir else default_root()
+    """The cache's folder: data.cache_dir, or the default; refused in one line where something other than a
+    folder (a file, a device) stands there."""
+    path = Path(cache_dir).expanduser() if cache_dir else default_root()
+    key = "data.cache_dir" if cache_dir else "the data cache (FINETUNE_CACHE)"
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return path
+    except OSError as exc:
+        raise DataError(f"{key}={path}: cannot use it ({exc.strerror})") from None
+    if not stat.S_ISDIR(mode):
+        raise DataError(
+            f"{key}={path}: is {userfiles.kind_of(mode)}, not a folder; name a folder for the cache"
+        )
+    return path
+
+
+def config_key(cfg: Any) -> dict[str, Any]:
+    """Every setting that changes what the data stage prepares, read from the schema: the fields whose
+    metadata says `affects_data` (finetune/core/config/checks.py), and every field of a section whose root
+    field says so (`data`) unless its own says otherwise. A new setting the preparation reads is marked
+    where it is declared; tests/test_reliability_data_key.py finds any the preparation reads unmarked."""
+    key: dict[str, Any] = {}
+    for section in dataclasses.fields(cfg):
+        node = getattr(cfg, section.name)
+        if not dataclasses.is_dataclass(node):
+            continue
+        whole = bool(section.metadata.get(AFFECTS_DATA))
+        for f in dataclasses.fields(node):
+            if f.metadata.get(AFFECTS_DATA, whole):
+                key[f"{section.name}.{f.name}"] = getattr(node, f.name)
+    return key
 
 
 def fingerprint(parts: dict[str, Any]) -> str:

@@ -70,8 +70,19 @@ def to_pair(record: dict, cfg: DataConfig) -> Pair:
             raise RecordError("empty_side", f"'{what}' holds no answer beyond the prompt")
         if any(m["role"] != "assistant" for m in side):
             raise RecordError("bad_answer", f"'{what}' must hold assistant turns only after the prompt")
-    if chosen == rejected:
+    if same_answer(chosen, rejected):
         raise RecordError(
-            "identical_pair", f"'{cfg.chosen_field}' and '{cfg.rejected_field}' are the same answer"
+            "identical_pair",
+            f"'{cfg.chosen_field}' and '{cfg.rejected_field}' are the same answer (up to whitespace)",
         )
     return Pair(prompt, chosen, rejected)
+
+
+def same_answer(a: list[dict], b: list[dict]) -> bool:
+    """The same turns but for whitespace: no preference to learn between them (the model would be taught
+    a spacing, or the difference of tokenizations of the same text)."""
+
+    def words(side: list[dict]) -> list[tuple[object, str]]:
+        return [(m.get("role"), " ".join(str(m.get("content", "")).split())) for m in side]
+
+    return words(a) == words(b)

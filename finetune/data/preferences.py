@@ -105,7 +105,7 @@ def _clean_pair(
             return None
         sides.append(cleaned)
     chosen, rejected = sides
-    if chosen[n:] == rejected[n:]:  # scrubbing or escaping made them one
+    if pairs.same_answer(chosen[n:], rejected[n:]):  # scrubbing or escaping made them one
         tally.dropped["identical_pair"] += 1
         return None
     return pairs.Pair(chosen[:n], chosen[n:], rejected[n:])

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import uuid
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
@@ -164,8 +163,8 @@ def _build(
 
 
 def _fingerprint(cfg: Config, input_fp: str, tokenizer: Any) -> str:
-    """The cache key: everything the preparation reads, less what cannot change its result."""
-    data = {k: v for k, v in asdict(cfg.data).items() if k not in ("name", "path", "num_proc", "cache_dir")}
+    """The cache key: everything the preparation reads (the settings: `cache.config_key`, from the schema),
+    less what cannot change its result."""
     return cache.fingerprint(
         {
             "version": PREPARED_VERSION,
@@ -173,9 +172,7 @@ def _fingerprint(cfg: Config, input_fp: str, tokenizer: Any) -> str:
             "input": input_fp,
             "tokenizer": _tokenizer_fingerprint(tokenizer),
             "template": tokenizer.chat_template,
-            "data": data,
-            "seq_len": cfg.train.seq_len,
-            "max_position_embeddings": cfg.model.max_position_embeddings,
+            "config": cache.config_key(cfg),
         }
     )
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+from finetune.core import userfiles
 from finetune.core.errors import DataError
 from finetune.core.package import PACKAGE_DIR
 
@@ -29,10 +30,7 @@ def bundled_path() -> Path:
 def load(path: Optional[str] = None) -> list[dict]:
     """Rows {id, category, messages, check?} from `path` (None: the bundled set), validated."""
     file = Path(path) if path else bundled_path()
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise DataError(f"eval.regression_prompts={file}: cannot read ({exc.strerror})") from None
+    lines = userfiles.read_text(file, "eval.regression_prompts", error=DataError).splitlines()
     rows, seen = [], set()
     for n, line in enumerate(lines, 1):
         if not line.strip():

@@ -5,10 +5,13 @@ function by dotted path, imported by the same loader), plus `format:<pattern>` (
 matches the pattern: a format reward). A metric averages over the rows; a reward keeps one value per
 completion, so GRPO can rank the generations of one prompt against each other.
 
-A user reward is `fn(prompts, completions, references) -> sequence of numbers`, one per completion.
-One that raises, or returns anything but one finite number per completion, stops the run with a
-`RewardError` naming it: TRL would otherwise turn a `None` into NaN and train on it, or fail with a
-traceback in the middle of a step.
+A user reward is `fn(prompts, completions, references) -> sequence of numbers`, one per completion
+(Python, numpy or 0-d torch numbers). It runs fenced (`metrics.call_fenced`): under `objective.reward_timeout_s`
+a call, and one that raises (`SystemExit` and `KeyboardInterrupt` included), hangs, or returns anything
+but one finite number per completion stops the run with a `RewardError` naming it (exit 2): TRL would
+otherwise turn a `None` into NaN and train on it, or fail with a traceback in the middle of a step. A
+weighted value beyond `WEIGHTED_LIMIT` is refused too: TRL sums and standardizes the rewards in float32,
+where such values overflow to inf or lose every difference between completions.
 """
 
 from __future__ import annotations
@@ -24,9 +27,13 @@ from finetune.core.config import Config
 from finetune.core.config.evaluation import REGEX_PREFIX
 from finetune.core.config.grpo import FORMAT_PREFIX, check_reward_name
 from finetune.core.errors import ConfigError, RewardError
-from finetune.evaluation.metrics import import_function
+from finetune.evaluation.metrics import as_number, call_fenced, import_function
 
 Score = Callable[[Sequence[str], Sequence[str], Sequence[str]], Sequence[Any]]
+
+# The largest |weight x value| of one reward: the weighted sum, its group mean and spread stay finite and
+# distinct in float32 (whose integers are exact only to 2^24), for any number of rewards a run names.
+WEIGHTED_LIMIT = 1e6
 
 
 def _exact_match(
@@ -71,37 +78,47 @@ class Reward:
     name: str
     weight: float
     fn: Score
+    timeout_s: Optional[float] = None  # one call at most (objective.reward_timeout_s); None: no limit
 
     def score(
         self, prompts: Sequence[str], completions: Sequence[str], references: Sequence[str]
     ) -> list[float]:
         """One finite float per completion, or a `RewardError` naming this reward."""
-        try:
+        what = f"reward {self.name!r}"
+
+        def call() -> Any:
             values = self.fn(list(prompts), list(completions), list(references))
-        except Exception as exc:  # a user function's own failure, reported as one line naming it
-            raise RewardError(f"reward {self.name!r} raised {type(exc).__name__}: {exc}") from None
-        try:
-            values = list(values)
-        except TypeError:
-            raise RewardError(
-                f"reward {self.name!r} returned {type(values).__name__}, not one number per completion"
-            ) from None
+            # a generator or other lazy sequence runs its code here, inside the fence
+            return values if isinstance(values, (str, bytes, dict)) else _listed(values)
+
+        values = call_fenced(call, what, self.timeout_s, "objective.reward_timeout_s", RewardError)
+        if not isinstance(values, list):
+            raise RewardError(f"{what} returned {type(values).__name__}, not one number per completion")
         if len(values) != len(completions):
-            raise RewardError(
-                f"reward {self.name!r} returned {len(values)} values for {len(completions)} completions"
-            )
+            raise RewardError(f"{what} returned {len(values)} values for {len(completions)} completions")
         out = []
         for i, value in enumerate(values):
             # bool is an int: True/False are the natural pass/fail of a verifiable reward
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
+            number = as_number(value)
+            if number is None or not math.isfinite(number):
+                raise RewardError(f"{what} returned {value!r:.80} for completion {i}, not a finite number")
+            if abs(self.weight * number) > WEIGHTED_LIMIT:
                 raise RewardError(
-                    f"reward {self.name!r} returned {value!r} for completion {i}, not a finite number"
+                    f"{what} returned {number:g} for completion {i}, x weight {self.weight:g} beyond "
+                    f"+-{WEIGHTED_LIMIT:g}: GRPO sums and standardizes rewards in float32; scale the reward down"
                 )
-            out.append(float(value))
+            out.append(number)
         return out
 
 
-def _reward_fn(name: str, key: str) -> Score:
+def _listed(values: Any) -> Any:
+    try:
+        return list(values)
+    except TypeError:
+        return values
+
+
+def _reward_fn(name: str, key: str, timeout_s: Optional[float]) -> Score:
     if name == "exact_match":
         return _exact_match
     if name == "contains":
@@ -110,11 +127,14 @@ def _reward_fn(name: str, key: str) -> Score:
         return _regex(name[len(REGEX_PREFIX) :])
     if name.startswith(FORMAT_PREFIX):
         return _format(name[len(FORMAT_PREFIX) :])
-    return import_function(name, key)
+    return import_function(name, key, timeout_s, "objective.reward_timeout_s")
 
 
 def resolve(
-    names: Sequence[str], weights: Optional[Sequence[float]] = None, key: str = "objective.rewards"
+    names: Sequence[str],
+    weights: Optional[Sequence[float]] = None,
+    key: str = "objective.rewards",
+    timeout_s: Optional[float] = None,
 ) -> list[Reward]:
     """The configured rewards as callables, user functions imported here (fail before a model loads)."""
     if not names:
@@ -129,7 +149,11 @@ def resolve(
     for i, name in enumerate(names):
         check_reward_name(name, key)
         weight = 1.0 if weights is None else float(weights[i])
-        rewards.append(Reward(name, weight, _reward_fn(name, key)))
+        if not math.isfinite(weight) or abs(weight) > WEIGHTED_LIMIT:
+            raise ConfigError(
+                f"{key}: the weight of {name!r} is {weight:g}; weights lie within +-{WEIGHTED_LIMIT:g}"
+            )
+        rewards.append(Reward(name, weight, _reward_fn(name, key, timeout_s), timeout_s))
     return rewards
 
 
@@ -157,7 +181,12 @@ def for_objective(cfg: Config) -> Optional[list[Reward]]:
     names = getattr(cfg.objective, "rewards", None)
     if not names:
         return None
-    return resolve(names, getattr(cfg.objective, "reward_weights", None), key="objective.rewards")
+    return resolve(
+        names,
+        getattr(cfg.objective, "reward_weights", None),
+        key="objective.rewards",
+        timeout_s=getattr(cfg.objective, "reward_timeout_s", None),
+    )
 
 
 def scores(

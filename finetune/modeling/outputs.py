@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune import rundir
-from finetune.core.errors import WRITE_FAILED, DiskFullError, is_disk_full
+from finetune.core.errors import WRITE_FAILED, DiskFullError, LaunchError, is_disk_full
 from finetune.rundir.checkpoints import SUPERSEDED_PREFIX
 
 log = logging.getLogger(__name__)
 
-IDENTITY_FILE = "identity.json"  # inside adapter/ or model/ (and so in export/adapter/): what the folder is
+# inside adapter/ or model/ (and so in export/adapter/): what the folder is
+IDENTITY_FILE = rundir.IDENTITY_FILE
 MADE_FROM_FILE = "made_from.json"  # inside export/ and eval/: the trained output they were made from
 # The files whose bytes decide what the model computes; the tokenizer is the base model's, saved alongside.
 DEFINING = ("*.safetensors", "*.safetensors.index.json", "config.json", "adapter_config.json")
@@ -256,3 +257,74 @@ def staged(final: Path, needed_bytes: Optional[int] = None, *, writer: bool = Tr
             raise full from None
         raise
     _remove(old)
+
+
+# ---------------------------------------------------------------- an adapter checked before it is loaded
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def check_adapter(folder: Path, base: Optional[str] = None) -> None:
+    """Refuse, in one line (`LaunchError`), an adapter that cannot be what it claims before any of it is
+    loaded into a model: its config or weights missing, files that no longer match the SHA-256s its
+    identity.json records, weights that cannot be read (truncated) or hold NaN or inf, or a config naming
+    another base model than `base` (the one it is about to be put on)."""
+    folder = Path(folder)
+    config, weights = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
+    for path in (config, weights):
+        if not path.is_file():
+            raise LaunchError(
+                f"{path}: missing, so {folder} is not a complete adapter; train it again (mode=train)"
+            )
+    try:
+        doc = json.loads((folder / IDENTITY_FILE).read_text())
+        recorded = doc["files"] if isinstance(doc, dict) and isinstance(doc.get("files"), dict) else {}
+    except (OSError, ValueError):
+        recorded = {}
+    for name, sha in recorded.items():
+        path = folder / name
+        now = _sha256(path) if path.is_file() else None
+        if now != sha:
+            raise LaunchError(
+                f"{path}: does not match the SHA-256 its {IDENTITY_FILE} records ({str(sha)[:12]}, now "
+                f"{(now or 'missing')[:12]}): changed or damaged since training saved it; train it again"
+            )
+    try:
+        settings = json.loads(config.read_text())
+        claimed = settings.get("base_model_name_or_path") if isinstance(settings, dict) else None
+    except (OSError, ValueError) as exc:
+        raise LaunchError(f"{config}: cannot be read ({exc})") from None
+    if base and isinstance(claimed, str) and claimed and not _same_base(claimed, base):
+        raise LaunchError(
+            f"{folder}: an adapter of {claimed}, not of {base}, the base it would be put on; point it at an "
+            "adapter trained on this model"
+        )
+    _check_weights(weights)
+
+
+def _same_base(claimed: str, base: str) -> bool:
+    """The same model: equal names (a hub id), or folders of the same name (the cache moves between machines)."""
+    return claimed == base or Path(claimed).name == Path(base).name
+
+
+def _check_weights(weights: Path) -> None:
+    """Every tensor readable and finite (a truncated file, or an adapter trained into NaN, refused)."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            names = f.keys()  # (a safetensors handle is not iterable)
+            for key in names:
+                tensor = f.get_tensor(key)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise LaunchError(
+                        f"{weights}: tensor {key} holds NaN or inf values; the adapter is unusable (train it again, "
+                        "with a lower method.learning_rate)"
+                    )
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise LaunchError(
+            f"{weights}: cannot be read ({first}): truncated or damaged; train it again"
+        ) from None

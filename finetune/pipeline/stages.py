@@ -225,6 +225,14 @@ def train_stage(cfg: Config, run_dir: Path, plan: Plan) -> int:
         raise LaunchError(
             f"training exited with code {code}; its log is above (resume: run the same command again)"
         )
+    launch = cfg.launch
+    waited = not launch.dry_run and not launch.detach and launch.scheduler == "none"  # ranks ran here
+    trained = rundir.trained_dir(run_dir, cfg.method.uses_adapters)
+    if waited and not trained.is_dir():  # a run that trained nothing never ends as a success
+        raise LaunchError(
+            f"training exited with code 0 but saved no {trained.name}/; its log is above (resume: run the same "
+            "command again)"
+        )
     return 0
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 CONFIG_FILE = "config.yaml"  # the resolved config every stage and rank reads
+# What the run's checkpoints were trained under (rundir/state.py): the resume check compares with it.
+RESUME_FILE = "resume.json"
+IDENTITY_FILE = "identity.json"  # inside adapter/ or model/: what the folder is (modeling/outputs.py)
 VLLM_SERVER_LOG = (
     "vllm_server.log"  # GRPO: the output of the `trl vllm-serve` launch.sh starts beside the trainer
 )

@@ -10,7 +10,10 @@
   (their space is reused), plus the final adapter or model (counted as one
   checkpoint), plus the merged export when the export stage follows in the same
   command (mode=all);
-- resume: `resume=PATH` names a complete checkpoint;
+- user files: the files a setting names for later stages (regression prompts) are regular files of a
+  sensible size (`check_user_files`), so a FIFO or /dev/zero is refused before training, not after it;
+- resume: `resume=PATH` names a complete checkpoint, and the checkpoints there were trained under these
+  settings (`state.check_resume_facts`: a mode=plan under other ones may have rewritten config.yaml);
 - host memory: the plan's host RAM (offloaded optimizer or parameters, data
   loading, the per-rank baseline) against this machine's total RAM (a refusal)
   and its available RAM (a warning: other processes hold it now).
@@ -39,10 +42,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune import rundir
+from finetune.core import userfiles
 from finetune.core.config import Config
-from finetune.core.errors import LaunchError, format_bytes
+from finetune.core.errors import DataError, LaunchError, format_bytes
 from finetune.planner import Plan
-from finetune.rundir import checkpoints, machine
+from finetune.rundir import checkpoints, machine, state
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,8 @@ def check(
     """Raise LaunchError when the run cannot finish on this machine (ConfigError for a bad `resume=PATH`)."""
     run_dir = Path(run_dir)
     check_outputs(cfg, run_dir)
+    check_user_files(cfg)
+    state.check_resume_facts(cfg, run_dir)
     if isinstance(cfg.resume, str):  # resume=true/false cannot be wrong; a path can
         checkpoints.resume_checkpoint(cfg.resume, rundir.checkpoint_dir(run_dir))
     folder = checkpoint_dir or rundir.checkpoint_dir(run_dir)
@@ -110,6 +116,15 @@ def check(
             host_need,
             available,
         )
+
+
+def check_user_files(cfg: Config) -> None:
+    """The files later stages read that a setting names (the regression prompts), refused now where they are
+    not regular files or too large, rather than after training (`core/userfiles.py`)."""
+    if cfg.eval.regression and cfg.eval.regression_prompts:
+        key, path = "eval.regression_prompts", cfg.eval.regression_prompts
+        size = userfiles.check_regular(path, key, DataError)
+        userfiles.check_size(size, userfiles.TEXT_LIMIT, key, path, DataError)
 
 
 def check_outputs(cfg: Config, run_dir: Path) -> None:

@@ -4,6 +4,7 @@ refuses to write a config over checkpoints trained under another one."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 from dataclasses import asdict
@@ -12,16 +13,30 @@ from typing import Any, Optional
 
 from finetune.core.config import Config
 from finetune.core.errors import ConfigError, FinetuneError, LaunchError
+from finetune.core.objectives import OBJECTIVES
 from finetune.core.secrets import scrub
 from finetune.planner import Plan
 from finetune.rundir import checkpoints
 from finetune.rundir.files import atomic_write_text, read_own_text
-from finetune.rundir.layout import CONFIG_FILE, ENGINE_FILE, PLAN_FILE, ROLLOUT_FILE, checkpoint_dir
+from finetune.rundir.layout import (
+    ADAPTER_DIR,
+    CONFIG_FILE,
+    ENGINE_FILE,
+    EXPORT_DIR,
+    IDENTITY_FILE,
+    MERGED_DIR,
+    MODEL_DIR,
+    PLAN_FILE,
+    RESUME_FILE,
+    ROLLOUT_FILE,
+    checkpoint_dir,
+)
 from finetune.rundir.shell import command_line
 
 
 def save_config(cfg: Config, run_dir: Path) -> Path:
-    """The resolved config that every rank and later stage reads (no command-line parsing there).
+    """The resolved config that every rank and later stage reads (no command-line parsing there), and, in
+    every mode but `plan`, the facts its checkpoints will be trained under (`resume.json`).
 
     The pipeline checks `check_resumable` first: a config is never written over checkpoints it does not fit.
     """
@@ -29,49 +44,140 @@ def save_config(cfg: Config, run_dir: Path) -> Path:
 
     path = run_dir / CONFIG_FILE
     atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.structured(scrub(asdict(cfg)))))
+    if cfg.mode != "plan":  # planning trains nothing: the checkpoints' facts stay theirs
+        atomic_write_text(run_dir / RESUME_FILE, json.dumps(resume_facts(cfg), indent=1) + "\n")
     return path
 
 
-# What the checkpoints of a run depend on: resuming them under other values would be a different run.
-_IGNORED = {"model": {"trust_remote_code", "allow_pickle_weights"}, "data": {"cache_dir", "num_proc"}}
-_TRAIN_KEYS = ("seq_len", "batch_size", "seed")
+# What the checkpoints of a run depend on: resuming them under other values would be a different run. Every
+# key of these sections counts, less those that cannot change what training computes.
+_SECTIONS = ("model", "method", "data")
+_IGNORED = {
+    "model": {"trust_remote_code", "allow_pickle_weights"},
+    "data": {"cache_dir", "num_proc"},
+    # where generation runs and how long a reward may take: not what is trained
+    "grpo": {
+        "reward_timeout_s",
+        "generation",
+        "vllm_gpu_memory_utilization",
+        "vllm_server_host",
+        "vllm_server_port",
+        "vllm_server_timeout_s",
+    },
+}
+# train.max_steps and epochs may grow (a longer run continues the same one); micro-batch and accumulation
+# are a layout of the same batch.
+_TRAIN_KEYS = ("seq_len", "batch_size", "seed", "lr_scheduler", "warmup_ratio", "max_grad_norm")
 
 
-def _resume_facts(d: dict) -> dict[str, Any]:
-    facts = {}
-    for section in ("model", "method", "data"):
+def resume_facts(cfg: Config) -> dict[str, Any]:
+    """The settings a run's checkpoints belong to: the model, method and data sections, the objective and its
+    own settings section, the training keys that change what a step computes, and `init_from` by the identity
+    of what it starts from (a run there trained again is another start)."""
+    facts = _facts(scrub(asdict(cfg)), init_from_identity(cfg.init_from))
+    # as they read back from resume.json (tuples as lists), so a comparison sees values, not types
+    return json.loads(json.dumps(facts, default=str))
+
+
+def _facts(d: dict, init_identity: Optional[str]) -> dict[str, Any]:
+    facts: dict[str, Any] = {}
+    objective = (d.get("objective") or {}).get("name")
+    if objective is not None:  # (a config written before objectives existed trained SFT, as the default)
+        facts["objective"] = objective
+    spec = OBJECTIVES.get(objective) if isinstance(objective, str) else None
+    sections = (*_SECTIONS, *([spec.settings] if spec is not None and spec.settings else []))
+    for section in sections:
         for key, value in (d.get(section) or {}).items():
             if key not in _IGNORED.get(section, ()):
                 facts[f"{section}.{key}"] = value
     for key in _TRAIN_KEYS:
         facts[f"train.{key}"] = (d.get("train") or {}).get(key)
+    facts["init_from"] = init_identity
     return facts
 
 
-def check_resumable(cfg: Config, run_dir: Path) -> None:
-    """Refuse to overwrite the config of a run that has checkpoints with one its checkpoints do not belong to.
+def init_from_identity(init_from: Optional[str]) -> Optional[str]:
+    """What `init_from=RUN_DIR` starts from, as an identity: the SHA-256 its output's identity.json records
+    (adapter/, model/ or export/merged/, as loading picks them), else its files' names, sizes and times."""
+    if not init_from:
+        return None
+    run = Path(init_from)
+    for folder in (run / ADAPTER_DIR, run / MODEL_DIR, run / EXPORT_DIR / MERGED_DIR):
+        if not folder.is_dir():
+            continue
+        try:
+            doc = json.loads((folder / IDENTITY_FILE).read_text())
+            return f"sha256:{doc['identity']['sha256']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        files = sorted(p for p in folder.iterdir() if p.is_file())
+        stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+        return "files:" + hashlib.sha256(repr(stats).encode()).hexdigest()
+    return f"path:{run.resolve()}"
 
-    Only when resuming (resume=true or a path): resume=false discards the checkpoints anyway.
-    """
+
+def _recorded_facts(run_dir: Path) -> Optional[dict[str, Any]]:
+    """The facts the checkpoints were trained under: resume.json, or (a run directory written before it
+    existed) those of config.yaml; None when neither can be read."""
     import yaml
 
-    path = Path(run_dir) / CONFIG_FILE
-    if cfg.resume is False or not path.is_file() or not checkpoints.listing(checkpoint_dir(run_dir)):
-        return
     try:
-        old = yaml.safe_load(read_own_text(path)) or {}
+        doc = json.loads(read_own_text(run_dir / RESUME_FILE))
+        if isinstance(doc, dict):
+            return doc
+    except (OSError, ValueError):
+        pass
+    try:
+        old = yaml.safe_load(read_own_text(run_dir / CONFIG_FILE)) or {}
     except (OSError, ValueError, yaml.YAMLError):
-        return
+        return None
     if not isinstance(old, dict):
+        return None
+    return _facts(old, init_from_identity(old.get("init_from")))
+
+
+def check_init_from(cfg: Config, run_dir: Path) -> None:
+    """`init_from` naming this run's own directory would start training from the output it replaces."""
+    if cfg.init_from and Path(cfg.init_from).resolve() == Path(run_dir).resolve():
+        raise ConfigError(
+            f"init_from={cfg.init_from} is this run's own directory: start from an earlier run, and give this "
+            "one its own (name=NEW_NAME or run_dir=PATH)"
+        )
+
+
+def check_resumable(cfg: Config, run_dir: Path) -> None:
+    """Refuse to overwrite the facts of a run that has checkpoints with ones its checkpoints do not belong to.
+
+    Only when resuming (resume=true or a path): resume=false discards the checkpoints anyway. Never for
+    mode=plan, which trains nothing and leaves the checkpoints' facts as they are.
+    """
+    check_init_from(cfg, run_dir)
+    if cfg.mode != "plan":
+        check_resume_facts(cfg, run_dir)
+
+
+def check_resume_facts(cfg: Config, run_dir: Path) -> None:
+    """`check_resumable` whatever the mode: what each launch checks before training (rundir/preflight.py), so
+    ranks started by hand after a mode=plan under other settings do not resume checkpoints they do not fit."""
+    if cfg.resume is False or not checkpoints.listing(checkpoint_dir(run_dir)):
         return
-    before, after = _resume_facts(old), _resume_facts(scrub(asdict(cfg)))
+    before = _recorded_facts(Path(run_dir))
+    if before is None:
+        return
+    after = resume_facts(cfg)
     changed = [k for k in after if k in before and before[k] != after[k]]
     if changed:
         key = changed[0]
+        what = (
+            f"{key}={before[key]!r}, not {after[key]!r}"
+            if key != "init_from"
+            else f"init_from starting from {before[key] or 'the base'}, not {after[key] or 'the base'}"
+        )
         raise ConfigError(
-            f"run_dir={run_dir} has checkpoints trained with {key}={before[key]!r}, not {after[key]!r}"
+            f"run_dir={run_dir} has checkpoints trained with {what}"
             + (f" (and {len(changed) - 1} more change(s))" if len(changed) > 1 else "")
-            + ": resume=false starts over (discarding them), or choose another run_dir"
+            + ": to keep both, give this experiment its own run directory (name=NEW_NAME or run_dir=PATH); "
+            "resume=false here starts this one over (its checkpoints are discarded)"
         )
 
 

@@ -49,6 +49,13 @@ def main(argv: list[str] | None = None) -> int:
         during = getattr(exc, "during", "starting")  # what `stage.run` was doing
         print(f"finetune.train: {interrupted_message(name, args[0], during)}", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
+    except SystemExit as exc:  # sys.exit from library or user code inside training: never a success
+        print(
+            f"finetune.train: training was ended by sys.exit({exc.code!r}) from inside it, before it finished; "
+            "nothing after the last checkpoint was saved",
+            file=sys.stderr,
+        )
+        return 2
     except Exception as exc:  # OSError, torch's RuntimeError, safetensors' SafetensorError (no OSError)
         full = disk_full(exc, args[0])
         if full is None:

@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 from accelerate.parallelism_config import ParallelismConfig
 from accelerate.utils import DeepSpeedSequenceParallelConfig
+from transformers.trainer_utils import IntervalStrategy
 
 from finetune import rundir
 from finetune.core.config import Config
@@ -434,6 +435,11 @@ def build_trainer(
     before loading the model (ZeRO-3: see load_for_training)."""
     module = cfg.objective.spec.trainer_module()
     args = args or module.build_config(cfg, plan, run_dir, compute_dtype)
+    own = module.trainer_kwargs(cfg, plan, tokenizer, eval_dataset)
+    if (
+        own.get("eval_dataset") is None
+    ):  # data.eval_fraction=0, or no row left to hold out: no evaluation in training
+        args.eval_strategy = IntervalStrategy.NO
     trainer = module.Trainer(
         model=model,
         args=args,
@@ -441,6 +447,6 @@ def build_trainer(
         processing_class=tokenizer,
         callbacks=run_callbacks(cfg, run_dir, args, callbacks),
         monitor=monitor,
-        **module.trainer_kwargs(cfg, plan, tokenizer, eval_dataset),
+        **own,
     )
     return finish_trainer(trainer, cfg)

@@ -357,3 +357,44 @@ class RichProgress(TrainerCallback):
             self._refresh(state, force=True)
             self.progress.stop()
             self.progress = None
+
+
+# ---------------------------------------------------------------- the last step is the last step
+
+
+def schedule_target(trainer: Any) -> int:
+    """The optimizer steps the schedule runs: train.max_steps, or the trainer's own count by epochs."""
+    args = trainer.args
+    if args.max_steps > 0:
+        return int(args.max_steps)
+    return int(trainer.set_initial_training_values(args, trainer.get_train_dataloader())[-1])
+
+
+def finish_from_final_checkpoint(trainer: Any, checkpoint: Optional[str]) -> bool:
+    """Where `checkpoint` already holds the schedule's last step (a stop came after it was saved, before the
+    output was), load it into the model and the trainer's state without training; True when it did.
+
+    transformers resumed there would train one step past the schedule before it checks the step count, and
+    the output would then differ from the uninterrupted run's. Loading the checkpoint's weights instead gives
+    that run's output bit for bit (the final output is saved from the same weights). Engines that load a
+    checkpoint only once the model is wrapped (DeepSpeed, FSDP) are left to the trainer: False.
+    """
+    import json
+    from pathlib import Path
+
+    from transformers import TrainerState
+
+    if not checkpoint or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        return False
+    state_file = Path(checkpoint) / checkpoints.TRAINER_STATE_FILE
+    step = json.loads(state_file.read_text()).get("global_step", 0)
+    if step < schedule_target(trainer):
+        return False
+    log.info(
+        "%s holds the schedule's last step (%d): its weights are the output; nothing to train",
+        checkpoint,
+        step,
+    )
+    trainer._load_from_checkpoint(checkpoint)
+    trainer.state = TrainerState.load_from_json(str(state_file))
+    return True

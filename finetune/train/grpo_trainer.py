@@ -166,7 +166,9 @@ def build_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dt
     kwargs.update(
         grpo_arguments(
             cfg.objective,
-            reward_fns.resolve(cfg.objective.rewards, cfg.objective.reward_weights),
+            reward_fns.resolve(
+                cfg.objective.rewards, cfg.objective.reward_weights, timeout_s=cfg.objective.reward_timeout_s
+            ),
             generation_mode(cfg, run_dir),
         )
     )
@@ -225,7 +227,9 @@ Trainer = FinetuneGRPOTrainer
 def trainer_kwargs(cfg: Config, plan: Plan, tokenizer: Any, eval_dataset: Any) -> dict[str, Any]:
     """GRPO's own arguments of the trainer: the rewards in TRL's calling convention (no held-out rows: the
     evaluation scores the held-out prompts)."""
-    rewards = reward_fns.resolve(cfg.objective.rewards, cfg.objective.reward_weights)
+    rewards = reward_fns.resolve(
+        cfg.objective.rewards, cfg.objective.reward_weights, timeout_s=cfg.objective.reward_timeout_s
+    )
     return dict(reward_funcs=[trl_reward_function(r) for r in rewards])
 
 

@@ -249,6 +249,8 @@ def _train(session: _Session, resumed_from: Optional[str], run_dir: Path) -> flo
         session.early.restore(resumed_from)
     session.preemption.install()
     trainer = session.trainer
+    if cb.finish_from_final_checkpoint(trainer, resumed_from):  # never a step past the schedule's last
+        return time.perf_counter() - t_train
     try:
         trainer.train(resume_from_checkpoint=resumed_from)
     except Exception as exc:

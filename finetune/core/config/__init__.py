@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from finetune.core.config.chat import ChatConfig
-from finetune.core.config.checks import check_all_finite, check_choices, choice
+from finetune.core.config.checks import DATA_KEY, check_all_finite, check_choices, choice
 from finetune.core.config.data import DataConfig
 from finetune.core.config.dpo import DPOObjective
 from finetune.core.config.evaluation import EvalConfig
@@ -74,7 +74,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataConfig = field(default_factory=DataConfig, metadata=DATA_KEY)  # every field, unless marked
     train: TrainConfig = field(default_factory=TrainConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     smoke: SmokeConfig = field(default_factory=SmokeConfig)

@@ -14,6 +14,13 @@ from typing import Any, Optional, TypeVar
 
 from finetune.core.errors import ConfigError
 
+# A field's metadata: whether the setting changes what the data stage prepares, so it is part of the data
+# cache's key (finetune/data/cache.py, `config_key`). On a root section (`data`) it marks every field of it,
+# less those whose own metadata says False.
+AFFECTS_DATA = "affects_data"
+DATA_KEY = {AFFECTS_DATA: True}
+NOT_DATA_KEY = {AFFECTS_DATA: False}
+
 T = TypeVar("T")
 
 _CHOICES = "choices"

@@ -5,16 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from finetune.core.config.checks import check_choices, check_positive, choice
+from finetune.core.config.checks import NOT_DATA_KEY, check_choices, check_positive, choice
 from finetune.core.errors import ConfigError
 
 
 @dataclass
 class DataConfig:
-    name: str = "bundled"
+    name: str = field(default="bundled", metadata=NOT_DATA_KEY)
     # A file (JSONL, JSON, Parquet, CSV), a folder of them, a `save_to_disk`
     # folder or a hub data set name. None: the data set bundled with finetune.
-    path: Optional[str] = None
+    path: Optional[str] = field(default=None, metadata=NOT_DATA_KEY)  # the key holds its content
     # A hub data set's split (or a save_to_disk folder's), its configuration (`load_dataset`'s name: the
     # subset), and the revision read (a branch, tag or commit; None: the default branch).
     split: str = "train"
@@ -57,8 +57,8 @@ class DataConfig:
     # train.seq_len=auto takes this percentile of kept lengths (100: the longest).
     seq_len_percentile: float = 100.0
     packing: bool = True
-    num_proc: int = 1
-    cache_dir: Optional[str] = None  # None: ~/.cache/finetune/data
+    num_proc: int = field(default=1, metadata=NOT_DATA_KEY)  # the same rows with more processes
+    cache_dir: Optional[str] = field(default=None, metadata=NOT_DATA_KEY)  # None: ~/.cache/finetune/data
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from finetune.core.config.checks import check_positive, choice
+from finetune.core.config.checks import DATA_KEY, check_positive, choice
 from finetune.core.config.evaluation import check_metric_name
 from finetune.core.config.objective import ObjectiveConfig
 from finetune.core.errors import ConfigError
@@ -46,9 +46,12 @@ class GRPOObjective(ObjectiveConfig):
     """exact_match | contains | regex:<pattern> | format:<pattern> | package.module.function (one value a completion)."""
     reward_weights: Optional[list[float]] = None
     """One weight per reward in the sum GRPO ranks by; None: all 1."""
+    reward_timeout_s: float = 60.0
+    """How long one call of a reward function may take (a batch of completions); past it the run stops with
+    one line naming the reward (exit 2) instead of hanging."""
     num_generations: int = 8
     """Completions sampled per prompt; their rewards are compared within the group."""
-    max_completion_length: int = 64
+    max_completion_length: int = field(default=64, metadata=DATA_KEY)
     """Tokens generated per completion at most."""
     temperature: float = 1.0
     """Sampling temperature of the rollout (and of the evaluation's pass rate)."""
@@ -89,6 +92,7 @@ class GRPOObjective(ObjectiveConfig):
                 f"objective.num_generations={self.num_generations}: GRPO compares at least 2 completions of a prompt"
             )
         check_positive("objective.max_completion_length", self.max_completion_length)
+        check_positive("objective.reward_timeout_s", self.reward_timeout_s)
         if not self.temperature > 0:
             raise ConfigError(f"objective.temperature={self.temperature} must be > 0 (the rollout samples)")
         if self.beta < 0:

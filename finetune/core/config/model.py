@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from finetune.core.architectures import ARCHITECTURES
-from finetune.core.config.checks import check_choices, check_positive, choice
+from finetune.core.config.checks import DATA_KEY, check_choices, check_positive, choice
 from finetune.core.errors import ConfigError
 
 # `model.gguf_file=package:NAME/FILE`: FILE inside the installed package NAME (found without importing it).
@@ -65,7 +65,7 @@ class ModelConfig:
     vocab_size: int = 512
     tie_embeddings: bool = False
     attention_bias: bool = False
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = field(default=2048, metadata=DATA_KEY)
     rope_theta: float = 500000.0
     rms_norm_eps: float = 1e-5
     # Mixture of experts (0: dense): experts per layer, how many run per token, each expert's MLP width.

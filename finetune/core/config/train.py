@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from finetune.core.config.checks import check_choices, check_positive, choice
+from finetune.core.config.checks import DATA_KEY, check_choices, check_positive, choice
 from finetune.core.errors import ConfigError
 from finetune.core.parallelism import ENGINES, SEQUENCE_SPLITS, SHARDED_ENGINES
 
@@ -26,7 +26,7 @@ ATTENTIONS = ("sdpa", "flex", "eager", "flash")
 class TrainBatch:
     """Batch shape: the tokens of one optimizer step and how they are split."""
 
-    seq_len: Union[int, str] = 2048
+    seq_len: Union[int, str] = field(default=2048, metadata=DATA_KEY)
     """Tokens per sequence; `auto` takes the longest kept sequence from the data stage."""
     batch_size: int = 16
     """Sequences per optimizer step, all GPUs: micro_batch_size x grad_accum_steps x data-parallel ranks."""
