@@ -191,6 +191,7 @@ def _section(key: str, cls: type) -> list[str]:
 def render() -> str:
     sys.path.insert(0, str(ROOT))
     from finetune.core.config import Config
+    from finetune.core.objectives import OBJECTIVES
 
     fields = dataclasses.fields(Config)
     sections = [f for f in fields if dataclasses.is_dataclass(f.default_factory)]
@@ -198,10 +199,22 @@ def render() -> str:
     top = [top_rows[0], top_rows[1]] + [
         r for r in top_rows[2:] if r.split("`")[1] not in {s.name for s in sections}
     ]
-    out = [HEADER, "Sections: " + ", ".join(f"[`{s.name}`](#{s.name})" for s in sections) + ".", ""]
+    objectives = [f"[`objective` ({name})](#objective-objective{name})" for name in sorted(OBJECTIVES)]
+    links = [f"[`{s.name}`](#{s.name})" for s in sections] + objectives
+    out = [HEADER, "Sections: " + ", ".join(links) + ".", ""]
     out += ["## Top-level keys", ""] + top + [""]
     for f in sections:
         out += _section(f.name, f.default_factory)  # type: ignore[arg-type]
+    # `objective` is typed by the objective chosen (`objective=NAME`): one section for each, its own fields
+    for name, spec in sorted(OBJECTIVES.items()):
+        cls = spec.settings_class()
+        out += [
+            f"## `objective` (objective={name})",
+            "",
+            " ".join(inspect.cleandoc(cls.__doc__ or "").split()),
+            "",
+        ]
+        out += _rows("objective.", cls, {f.name: f for f in dataclasses.fields(cls)}) + [""]
     return "\n".join(out).rstrip() + "\n"
 
 
