@@ -23,8 +23,10 @@ def test_the_key_holds_the_marked_settings_and_no_others():
     data_fields = {f"data.{f.name}" for f in dataclasses.fields(tiny_cfg().data)}
     ignored = {"data.name", "data.path", "data.num_proc", "data.cache_dir"}
     assert data_fields - ignored <= key.keys() and not ignored & key.keys()
-    assert {"train.seq_len", "model.max_position_embeddings", "grpo.max_completion_length"} <= key.keys()
-    assert "method.learning_rate" not in key and "train.seed" not in key and "grpo.beta" not in key
+    assert {"train.seq_len", "model.max_position_embeddings"} <= key.keys()
+    assert "method.learning_rate" not in key and "train.seed" not in key
+    grpo = cache.config_key(tiny_cfg("objective=grpo", "objective.num_generations=4"))
+    assert "objective.max_completion_length" in grpo and "objective.beta" not in grpo
 
 
 def _cfg_reads(source: str) -> set[tuple[str, str]]:
@@ -63,8 +65,8 @@ def _cfg_reads(source: str) -> set[tuple[str, str]]:
 
 def test_every_setting_the_data_stage_reads_is_in_the_key():
     """A setting the preparation reads but the key leaves out gives a stale cache hit (a changed
-    grpo.max_completion_length once kept the old prompts)."""
-    cfg = tiny_cfg("objective=grpo", "grpo.num_generations=4")
+    objective.max_completion_length once kept the old prompts)."""
+    cfg = tiny_cfg("objective=grpo", "objective.num_generations=4")
     sections = {f.name for f in dataclasses.fields(Config)}
     key = cache.config_key(cfg)
     # marked as not changing the prepared rows, on purpose (where the input is, the cache's place, processes)
@@ -88,11 +90,11 @@ def test_every_setting_the_data_stage_reads_is_in_the_key():
 
 def test_a_changed_completion_length_is_another_entry(tiny_tokenizer):
     def key(*overrides: str) -> str:
-        cfg = tiny_cfg("objective=grpo", "grpo.num_generations=4", *overrides)
+        cfg = tiny_cfg("objective=grpo", "objective.num_generations=4", *overrides)
         return data_stage._fingerprint(cfg, "input", tiny_tokenizer)
 
-    assert key() == key("grpo.beta=0.1") == key("data.num_proc=2")
-    assert key() != key("grpo.max_completion_length=100000")
+    assert key() == key("objective.beta=0.1") == key("data.num_proc=2")
+    assert key() != key("objective.max_completion_length=100000")
     assert key() != key("train.seq_len=64") != key("data.dedup=false")
 
 

@@ -14,7 +14,7 @@ from helpers import make_adapter_run, tiny_cfg
 
 from finetune import rundir
 from finetune.core.errors import ConfigError, LaunchError
-from finetune.modeling import models, outputs
+from finetune.modeling import outputs, variants
 
 
 def _run_with_checkpoints(tmp_path: Path, *overrides: str) -> Path:
@@ -49,15 +49,14 @@ def test_settings_that_change_what_training_computes_are_refused(tmp_path, chang
 
 def test_an_objectives_own_settings_count_and_where_it_runs_does_not(tmp_path):
     run = _run_with_checkpoints(tmp_path, "objective=dpo")
-    with pytest.raises(ConfigError, match=r"trained with dpo.beta=0.1, not 0.5"):
-        rundir.check_resumable(tiny_cfg(f"run_dir={run}", "objective=dpo", "dpo.beta=0.5"), run)
-    # the settings of another objective, and where generation runs, are not this run's
-    rundir.check_resumable(tiny_cfg(f"run_dir={run}", "objective=dpo", "grpo.max_completion_length=9"), run)
-    g = _run_with_checkpoints(tmp_path / "g", "objective=grpo", "grpo.num_generations=4")
-    same = ("objective=grpo", "grpo.num_generations=4")
-    rundir.check_resumable(tiny_cfg(f"run_dir={g}", *same, "grpo.reward_timeout_s=5"), g)
-    with pytest.raises(ConfigError, match=r"trained with grpo.max_completion_length=64, not 32"):
-        rundir.check_resumable(tiny_cfg(f"run_dir={g}", *same, "grpo.max_completion_length=32"), g)
+    with pytest.raises(ConfigError, match=r"trained with objective.beta=0.1, not 0.5"):
+        rundir.check_resumable(tiny_cfg(f"run_dir={run}", "objective=dpo", "objective.beta=0.5"), run)
+    # where generation runs, and how long a reward may take, are not what the run trains
+    g = _run_with_checkpoints(tmp_path / "g", "objective=grpo", "objective.num_generations=4")
+    same = ("objective=grpo", "objective.num_generations=4")
+    rundir.check_resumable(tiny_cfg(f"run_dir={g}", *same, "objective.reward_timeout_s=5"), g)
+    with pytest.raises(ConfigError, match=r"trained with objective.max_completion_length=64, not 32"):
+        rundir.check_resumable(tiny_cfg(f"run_dir={g}", *same, "objective.max_completion_length=32"), g)
 
 
 def test_init_from_counts_by_what_it_starts_from(tmp_path, tiny_cache, tiny_model_cfg):
@@ -128,7 +127,7 @@ def adapter_run(tmp_path, tiny_cache, tiny_model_cfg):
 
 
 def _trained(cfg, run):
-    return models.load_variant(cfg, run, "trained")
+    return variants.load_variant(cfg, run, "trained")
 
 
 def test_an_intact_adapter_loads(adapter_run):
@@ -209,8 +208,8 @@ OBJECTIVES = {
     "grpo": (
         "objective=grpo",
         "train.batch_size=4",
-        "grpo.num_generations=4",
-        "grpo.max_completion_length=6",
+        "objective.num_generations=4",
+        "objective.max_completion_length=6",
         "method.precision=bf16",
     ),
 }

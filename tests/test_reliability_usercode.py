@@ -118,8 +118,8 @@ def test_a_reward_that_never_returns_times_out(user, fn):
         score(f"{user}.{fn}", timeout_s=0.5)
     assert time.monotonic() - start < 5
     assert str(err.value) == (
-        f"reward '{user}.{fn}' did not return within 0.5 s (grpo.reward_timeout_s); fix it, or raise "
-        "grpo.reward_timeout_s if it is only slow"
+        f"reward '{user}.{fn}' did not return within 0.5 s (objective.reward_timeout_s); fix it, or raise "
+        "objective.reward_timeout_s if it is only slow"
     )
 
 
@@ -148,12 +148,12 @@ def test_weighted_rewards_that_would_overflow_are_refused(user):
 
 
 def test_the_reward_timeout_is_a_grpo_setting():
-    cfg = tiny_cfg("objective=grpo", "grpo.num_generations=4", "grpo.reward_timeout_s=7.5")
+    cfg = tiny_cfg("objective=grpo", "objective.num_generations=4", "objective.reward_timeout_s=7.5")
     (reward,) = rewards.for_objective(cfg) or []
     assert reward.timeout_s == 7.5
-    assert tiny_cfg("objective=grpo", "grpo.num_generations=4").grpo.reward_timeout_s == 60.0
-    with pytest.raises(ConfigError, match=r"grpo.reward_timeout_s=0.0 must be > 0"):
-        tiny_cfg("objective=grpo", "grpo.num_generations=4", "grpo.reward_timeout_s=0")
+    assert tiny_cfg("objective=grpo", "objective.num_generations=4").objective.reward_timeout_s == 60.0
+    with pytest.raises(ConfigError, match=r"objective.reward_timeout_s=0.0 must be > 0"):
+        tiny_cfg("objective=grpo", "objective.num_generations=4", "objective.reward_timeout_s=0")
 
 
 @pytest.mark.parametrize(
@@ -189,7 +189,7 @@ def test_a_module_that_exits_or_fails_on_import_is_one_line(tmp_path, monkeypatc
     with pytest.raises(ConfigError) as err:
         rewards.resolve(["exits_on_import.fn"])
     assert str(err.value) == (
-        "importing 'exits_on_import' (grpo.rewards) called sys.exit(0); user code must return a value, not "
+        "importing 'exits_on_import' (objective.rewards) called sys.exit(0); user code must return a value, not "
         "end the run"
     )
     with pytest.raises(ConfigError) as err:
@@ -253,7 +253,7 @@ def _grpo_trainer(tiny_model_cfg, out: Path, reward: rewards.Reward):
     from peft import LoraConfig
 
     from finetune.core import tasks
-    from finetune.core.config.grpo import GrpoConfig
+    from finetune.core.config.grpo import GRPOObjective
     from finetune.modeling import tiny
     from finetune.train.grpo_trainer import build_grpo_config, build_grpo_trainer, prompt_rows
 
@@ -261,7 +261,7 @@ def _grpo_trainer(tiny_model_cfg, out: Path, reward: rewards.Reward):
     tokenizer = tiny.load_tokenizer(tiny_model_cfg)
     model = tiny.load_model(tiny_model_cfg, dtype=torch.bfloat16)
     dataset = Dataset.from_list(prompt_rows(tasks.generate(8, 0)))
-    grpo = GrpoConfig(rewards=["exact_match"], num_generations=4, max_completion_length=4)
+    grpo = GRPOObjective(rewards=["exact_match"], num_generations=4, max_completion_length=4)
     args = build_grpo_config(
         grpo, [reward], out, generation="transformers", per_device_train_batch_size=4,
         gradient_accumulation_steps=1, max_steps=1, logging_steps=1, report_to=[], bf16=True, use_cpu=True,
@@ -292,7 +292,7 @@ def test_a_reward_inside_a_grpo_step_is_fenced(tiny_cache, tiny_model_cfg, tmp_p
         == {
             "exits": "reward 'my.exits' called sys.exit(0); user code must return a value, not end the run",
             "interrupts": "reward 'my.interrupts' raised KeyboardInterrupt",
-            "hangs": "reward 'my.hangs' did not return within 1 s (grpo.reward_timeout_s); fix it, or raise "
-            "grpo.reward_timeout_s if it is only slow",
+            "hangs": "reward 'my.hangs' did not return within 1 s (objective.reward_timeout_s); fix it, or raise "
+            "objective.reward_timeout_s if it is only slow",
         }[case]
     )

@@ -13,7 +13,6 @@ from typing import Any, Optional
 
 from finetune.core.config import Config
 from finetune.core.errors import ConfigError, FinetuneError, LaunchError
-from finetune.core.objectives import OBJECTIVES
 from finetune.core.secrets import scrub
 from finetune.planner import Plan
 from finetune.rundir import checkpoints
@@ -55,8 +54,9 @@ _SECTIONS = ("model", "method", "data")
 _IGNORED = {
     "model": {"trust_remote_code", "allow_pickle_weights"},
     "data": {"cache_dir", "num_proc"},
-    # where generation runs and how long a reward may take: not what is trained
-    "grpo": {
+    # the name is `objective` above; where generation runs and how long a reward may take: not what is trained
+    "objective": {
+        "name",
         "reward_timeout_s",
         "generation",
         "vllm_gpu_memory_utilization",
@@ -84,9 +84,8 @@ def _facts(d: dict, init_identity: Optional[str]) -> dict[str, Any]:
     objective = (d.get("objective") or {}).get("name")
     if objective is not None:  # (a config written before objectives existed trained SFT, as the default)
         facts["objective"] = objective
-    spec = OBJECTIVES.get(objective) if isinstance(objective, str) else None
-    sections = (*_SECTIONS, *([spec.settings] if spec is not None and spec.settings else []))
-    for section in sections:
+    # the objective's section holds that objective's own settings (objective.beta, objective.num_generations)
+    for section in (*_SECTIONS, "objective"):
         for key, value in (d.get(section) or {}).items():
             if key not in _IGNORED.get(section, ()):
                 facts[f"{section}.{key}"] = value
