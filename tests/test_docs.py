@@ -10,6 +10,7 @@ downloads. The demo's training itself is covered by tests/test_train.py's slow t
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import shlex
@@ -24,22 +25,7 @@ README = REPO / "README.md"
 DOCS = REPO / "docs"
 MARKER = "<!-- test: commands -->"
 # Pages the index links to that are not written yet: remove each name as its page lands.
-PAGES_TO_COME = {
-    "docs/models.md",
-    "docs/data.md",
-    "docs/hardware.md",
-    "docs/chat.md",
-    "docs/evaluation.md",
-    "docs/recovery.md",
-    "docs/security.md",
-    "docs/tracking.md",
-    "docs/export.md",
-    "docs/ui.md",
-    "docs/objectives",
-    "docs/objectives/sft.md",
-    "docs/objectives/dpo.md",
-    "docs/objectives/grpo.md",
-}
+PAGES_TO_COME: set[str] = set()
 
 
 # ---------------------------------------------------------------- reading the documents
@@ -134,29 +120,77 @@ def example_lines() -> list[dict]:
 
 
 def example_records(argv: list[str]) -> list[dict]:
-    """The README's example lines a command's objective reads: the preference pair for DPO, else the rest."""
-    pairs = "objective=dpo" in argv
-    return [r for r in example_lines() if ("chosen" in r) == pairs]
+    """The README's example lines a command reads: the preference pair for DPO, the text line under
+    `data.format=text`, else the SFT lines; a CSV file holds the conversations as the columns it names."""
+    lines = example_lines()
+    if "objective=dpo" in argv:
+        return [r for r in lines if "chosen" in r]
+    if "data.format=text" in argv:
+        return [r for r in lines if "text" in r]
+    records = [r for r in lines if "chosen" not in r]
+    if not any(a.startswith("data.path=") and a.endswith(".csv") for a in argv):
+        return records
+    from finetune.core.config import DataConfig
+    from finetune.data.formats import to_messages
+
+    fields = dict(
+        a.split("=", 1) for a in argv if a.startswith(("data.prompt_field=", "data.completion_field="))
+    )
+    prompt, completion = (
+        fields.get("data.prompt_field", "prompt"),
+        fields.get("data.completion_field", "completion"),
+    )
+    turns = [to_messages(r, DataConfig()) for r in records if "text" not in r]
+    return [{prompt: m[0]["content"], completion: m[-1]["content"]} for m in turns]
+
+
+def duplicates_among(records: list[dict]) -> int:
+    """How many of the records repeat an earlier one's conversation (the data stage keeps one)."""
+    from finetune.core.config import DataConfig
+    from finetune.data.formats import to_messages
+
+    if any("chosen" in r for r in records):
+        return 0
+    fields = {k for r in records for k in r}
+    cfg = DataConfig()
+    if fields == {"question", "answer"}:
+        cfg = DataConfig(prompt_field="question", completion_field="answer")
+    seen = [json.dumps(to_messages(r, cfg)) for r in records]
+    return len(seen) - len(set(seen))
 
 
 def stage_inputs(cwd: Path, argv: list[str]) -> None:
     """The files and folders a shown command names, made in `cwd` as a user would have them: the data
-    file from the README's example lines, a model folder's config.json, an earlier run's directory."""
+    file from the README's example lines, a model folder's config.json, an earlier run's directory, a
+    config file as `init` writes it."""
+    if argv and argv[0].endswith((".yaml", ".yml")) and not (cwd / argv[0]).exists():
+        from finetune.pipeline import starter
+
+        assert starter.write([argv[0]]) == 0
     for arg in argv:
         key, _, value = arg.partition("=")
-        if key == "data.path" and not (cwd / value).exists():
+        if key == "data.path" and value.endswith(".csv") and not (cwd / value).exists():
+            records = example_records(argv)
+            with open(cwd / value, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(records[0]))
+                writer.writeheader()
+                writer.writerows(records)
+        elif key == "data.path" and not (cwd / value).exists():
             (cwd / value).write_text("".join(json.dumps(r) + "\n" for r in example_records(argv)))
-        elif key == "model.config_path":
-            (cwd / value).parent.mkdir(parents=True, exist_ok=True)
-            (cwd / value).write_text(json.dumps(TINY_CONFIG))
+        elif key == "model.config_path" or (key == "model" and value.startswith(("./", "/", "../"))):
+            config = cwd / value if key == "model.config_path" else cwd / value / "config.json"
+            config.parent.mkdir(parents=True, exist_ok=True)
+            config.write_text(json.dumps(TINY_CONFIG))
         elif key == "init_from":
             (cwd / value).mkdir(parents=True, exist_ok=True)
 
 
 def as_planned(argv: list[str]) -> list[str]:
     """The command as this test runs it: plan-only and dry-run commands, and the data stage on the tiny
-    model's tokenizer (built locally), run as they are; a command that would train, download or start
+    model's tokenizer (built locally), and `init FILE`, run as they are; a command that would train, download or start
     ranks is planned instead (without `train.seq_len=auto`, which needs the data stage)."""
+    if argv[:1] == ["init"]:
+        return argv
     modes = [a.split("=", 1)[1] for a in argv if a.startswith("mode=")]
     local_data = modes == ["data"] and not any(a.startswith(("model=", "model.", "+recipe=")) for a in argv)
     if modes == ["plan"] or "launch.dry_run=true" in argv or local_data:
@@ -219,12 +253,13 @@ def test_finetune_command_composes_and_plans(
     printed = _normalized(out + err)
     for line in quoted:
         assert _normalized(line) in printed, f"{page}: {command!r} no longer prints {line!r}"
-    if "mode=data" in run:
-        # The README's example lines, all read; of the SFT ones the first two are the same conversation.
+    if "mode=data" in run and any(a.startswith("data.path=") for a in run):
+        # The README's example lines, all read; a repeated conversation is kept once.
         (stats,) = tmp_path.glob("runs/*/data_stats.json")
         counts = json.loads(stats.read_text())
-        records = len(example_records(argv))
-        duplicates = {} if "objective=dpo" in argv else {"duplicate": 1}
+        written = example_records(argv)
+        records = len(written)
+        duplicates = {"duplicate": n} if (n := duplicates_among(written)) else {}
         kept = records - sum(duplicates.values())
         assert (counts["num_input"], counts["dropped"], counts["num_train"] + counts["num_eval"]) == (
             records,
@@ -240,11 +275,12 @@ def test_example_data_lines_are_the_formats_they_claim():
 
     cfg = DataConfig()
     rows = example_lines()
-    assert [detect_format(r, cfg) for r in rows[:3]] == ["messages", "prompt_completion", "alpaca"]
+    assert [detect_format(r, cfg) for r in rows[:4]] == ["messages", "prompt_completion", "alpaca", "text"]
     for row in rows[:3]:
         msgs = to_messages(row, cfg)
         assert [m["role"] for m in msgs] == ["user", "assistant"] and msgs[-1]["content"] == "odd"
-    pair = to_pair(rows[3], cfg)
+    assert detect_format(rows[3], DataConfig(format="text")) == "text"
+    pair = to_pair(rows[4], cfg)
     assert [m["role"] for m in pair.prompt] == ["user"]
     assert (pair.chosen[-1]["content"], pair.rejected[-1]["content"]) == ("odd", "even")
 
