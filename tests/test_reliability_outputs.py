@@ -1,4 +1,4 @@
-"""Outputs know what they were made from, and are written whole (issue 28, findings 3 and 4).
+"""Outputs know what they were made from, and are written whole.
 
 The trained output records its identity; export/ and eval/ record the one they were made from; an export
 made from another model is never scored as `merged`; a retrain moves the old export and evaluation aside;
