@@ -96,7 +96,7 @@ def test_a_planted_lock_is_refused_and_its_target_unchanged(tmp_path, capsys, ki
     [(rundir.LOCK_FILE, "symlink"), (rundir.OWNER_FILE, "symlink"), (rundir.OWNER_FILE, "hardlink")],
 )
 def test_a_folder_holding_only_a_planted_lock_or_marker_is_not_ours(tmp_path, capsys, planted):
-    """`mkdir rd; ln -s ~/precious rd/.lock` passed the ownership check: now every entry counts."""
+    """`mkdir rd; ln -s ~/precious rd/.lock` does not pass the ownership check: every entry counts."""
     name, kind = planted
     precious = _precious(tmp_path)
     run = tmp_path / "rd"

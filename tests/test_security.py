@@ -288,7 +288,8 @@ def test_launch_sh_quotes_every_value_and_runs_none_of_them(tmp_path):
 
 
 def test_a_secret_given_on_the_command_line_is_referenced_by_name_only(tmp_path):
-    """The reported case: '+launch.env.HF_TOKEN=hf_...' was written in clear into a world-readable launch.sh."""
+    """'+launch.env.HF_TOKEN=hf_...': launch.sh (mode 700) reads it from the environment at run time, and no file
+    of the run directory and no output holds the token."""
     token = "hf_givenOnTheCommandLine0123456789"
     fake, record = _fake_python(tmp_path)
     env = {k: v for k, v in child_env().items() if k != "HF_TOKEN"}
