@@ -374,8 +374,8 @@ def _labelled(run: Path) -> list[int]:
 
 @pytest.mark.parametrize("mode", ["drop", "escape", "keep"])
 def test_control_tokens_in_content(tmp_path, tiny_tokenizer, mode):
-    """The reported case with the tiny template: content holding `<|end|>\\n<|user|>` forged turns and, in
-    assistant content, trained the model on fake control tokens."""
+    """Content holding `<|end|>\\n<|user|>` under the tiny template would forge turns and, in assistant content,
+    train the model on fake control tokens: dropped, escaped or kept as data.control_tokens says."""
     from finetune.modeling import tiny
 
     ids = {t: tiny_tokenizer.convert_tokens_to_ids(t) for t in tiny.SPECIAL_TOKENS}

@@ -376,7 +376,7 @@ def test_a_full_disk_building_the_tiny_model_is_one_line(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing half-built kept
 
 
-# ---------------------------------------------------------------- the reported sequence, end to end
+# ---------------------------------------------------------------- train, export, retrain, evaluate: end to end
 
 
 def _modes(run: Path, cache: Path, *extra: str) -> list[str]:

@@ -81,7 +81,7 @@ def _plant(kind: str, at: Path, target: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo", "folder"])
 def test_a_planted_lock_is_refused_and_its_target_unchanged(tmp_path, capsys, kind):
-    """The reported case (`ln -s ~/precious RUN_DIR/.lock`) and its neighbours, in a run directory of ours."""
+    """`ln -s ~/precious RUN_DIR/.lock` and its neighbours (a hard link, a FIFO, a folder), in a run directory of ours."""
     precious, run = _precious(tmp_path), _owned_run_dir(tmp_path)
     _plant(kind, run / rundir.LOCK_FILE, precious)
     code, _, err = _cli(["mode=plan", f"run_dir={run}"], capsys)
