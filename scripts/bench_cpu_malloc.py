@@ -113,7 +113,7 @@ def plan_split(run_dir: Path, cal=None) -> dict[str, float]:
             return config_plan(cfg, seq_len=seq_len).gpu_memory.total
 
     zero = dict(fixed_gb=0.0, allocator_fraction=0.0, retained_adapter_outputs=0.0)
-    # the CPU section before it was fitted to these runs (2026-12-02): the process 0.6 GB, 5% of the fluctuating
+    # an unfitted CPU section, for comparison: the process 0.6 GB, 5% of the fluctuating
     before = dict(fixed_gb=0.6, allocator_fraction=0.05, retained_adapter_outputs=0.0)
     tensors = total(**zero)
     return {

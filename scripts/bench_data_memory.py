@@ -6,8 +6,8 @@
     python scripts/bench_data_memory.py --records 20000 50000 --words 150  # long samples: memory a token
     python scripts/bench_data_memory.py --records --parts 20000           # only the near-duplicate parts
 
-For each size: a JSONL file of N distinct one-turn records (about 50 bytes a line, like issue 28's
-probe of 10 million records in 504 MB), then `python -m finetune mode=data data.path=FILE` in a child
+For each size: a JSONL file of N distinct one-turn records (about 50 bytes a line, like a
+file of 10 million records in 504 MB), then `python -m finetune mode=data data.path=FILE` in a child
 process (its VmHWM, read as `finetune/rundir/machine.py` reads it, and its process tree's RSS sampled; the tiny model's tokenizer, the default data settings: deduplication, near-duplicate removal,
 PII scrubbing, a 10% held-out split), run twice: a cache miss, then a hit (the entry checked and copied
 into a second run directory). The child's process tree's resident memory is sampled every 0.1 s.

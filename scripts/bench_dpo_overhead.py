@@ -22,7 +22,7 @@ the wall clock measures them too, the CPU time mostly the process's own work), i
 garbage collector's seconds and the callbacks' on_step_end; and the whole `train()` call over the steps
 (set-up and the end-of-run evaluation and checkpoint included). `--off tensorboard,...` switches parts of
 finetune's worker off (ablations, to find what a step's extra time belongs to). The pairs run A B, B A, A B, ...
-Prints medians, the overhead of the medians and each pair's. Target (issue 22): within 3% per step.
+Prints medians, the overhead of the medians and each pair's. Target: within 3% per step.
 """
 
 from __future__ import annotations

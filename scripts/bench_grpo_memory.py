@@ -1,4 +1,4 @@
-"""GRPO's training-side memory on the CPU, term by term, against the plan (issue 23).
+"""GRPO's training-side memory on the CPU, term by term, against the plan.
 
     python scripts/bench_grpo_memory.py                 # 8, 16 and 32 completions a step, one process each
     python scripts/bench_grpo_memory.py --case 8        # one case (what a quick check runs)

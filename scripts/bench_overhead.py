@@ -15,7 +15,7 @@ over the steps: finetune's `loop_seconds` in metrics.json, the plain script's ow
 callback), which is the per-step overhead; and the whole `train()` call over the
 steps (finetune's `train_seconds`, the plain script's `train_runtime`), which adds
 set-up and the one end-of-run evaluation and checkpoint. Prints medians and the
-overhead ratios. Target (issue 8): at most 5% per step.
+overhead ratios. Target: at most 5% per step.
 """
 
 from __future__ import annotations

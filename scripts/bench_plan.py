@@ -3,7 +3,7 @@
     python scripts/bench_plan.py            # every recipe, 20 repeats each, plus 5 CLI runs
     python scripts/bench_plan.py --repeats 5 --cli-runs 2
 
-Prints a markdown table of medians. The target (issue 2): planning well under
+Prints a markdown table of medians. The target: planning well under
 a second after start-up; the CLI row shows what start-up (Hydra, imports) adds.
 """
 

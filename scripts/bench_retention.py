@@ -32,8 +32,8 @@ RECIPE = "+recipe=smollm2_135m_lora"
 NUM_SAMPLES = 96
 # name -> (task conversations mixed with the replay ones, overrides of the recipe). The task rows are
 # scripts/make_bundled_data.py --rows N --seed 1 (the recipe's finetune/data/smollm2/task.jsonl is N = 400); the
-# replay is finetune/data/smollm2/replay.jsonl as committed (checked answers since the third round; the first two
-# rounds' rows in BENCHMARKS.md replayed the base's raw answers, that file at commit eb82d68).
+# replay is finetune/data/smollm2/replay.jsonl as committed (the base's answers, checked by
+# scripts/make_replay_data.py).
 SETTINGS: dict[str, tuple[int, list[str]]] = {
     "task400-lr1e-3": (400, ["method.learning_rate=1e-3"]),
     "task400-lr1e-3-attn": (
@@ -43,7 +43,7 @@ SETTINGS: dict[str, tuple[int, list[str]]] = {
     "task400-lr5e-4": (400, ["method.learning_rate=5e-4"]),
     "task400-lr1e-3-steps20": (400, ["method.learning_rate=1e-3", "train.max_steps=20"]),
     "task400-lr1e-3-steps15": (400, ["method.learning_rate=1e-3", "train.max_steps=15"]),
-    # fourth round: more replay per task conversation, a lower rate, a lower rank
+    # more replay per task conversation, a lower rate, a lower rank
     "task200-lr1e-3": (200, ["method.learning_rate=1e-3"]),
     "task200-lr1e-3-steps15": (200, ["method.learning_rate=1e-3", "train.max_steps=15"]),
     "task200-lr3e-4": (200, ["method.learning_rate=3e-4"]),

@@ -3,7 +3,7 @@
     python scripts/calibrate.py RESULTS.json [MORE.json ...]          # update finetune/planner/calibration.json
     python scripts/calibrate.py RESULTS.json --dry-run                 # only show the before/after errors
     python scripts/calibrate.py RESULTS.json --calibration COPY.json
-    python scripts/calibrate.py scripts/gpu_results/h200-issue13.json  # the first CUDA data (issue 13)
+    python scripts/calibrate.py scripts/gpu_results/h200-issue13.json  # the stored H200 measurements
 
 RESULTS.json is what scripts/gpu_check.py writes (or the same shape: rows of
 {case, result}); every case describes what ran (method, shape, strategy, and

@@ -50,8 +50,8 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 # Each case: model config (and dims overridden), method, optimizer, seq_len, strategy, and est_s, the
 # expected wall time (process start, build, steps); a case is skipped when less than that is left.
-HARNESS = "gpu_check-v2"  # trainer paths; v1 (issue 13's rows) ran no autocast, no packing, plain loss
-# First: the case that decides what the allocator's reserved-but-unused share scales with (issue 25): a 65 GB
+HARNESS = "gpu_check-v2"  # trainer paths; v1 (the stored H200 rows) ran no autocast, no packing, plain loss
+# First: the case that decides what the allocator's reserved-but-unused share scales with: a 65 GB
 # frozen base with about 6 GB that a step allocates and frees. Scaled by every term the share would be ~3 GB,
 # by the fluctuating bytes ~1 GB (scripts/calibrate.py --residuals; calibration.json's cuda notes).
 GPU_CASES: list[dict[str, Any]] = [
@@ -62,7 +62,7 @@ GPU_CASES: list[dict[str, Any]] = [
     dict(name="8b-qlora-8k", model="llama3_1_8b", method="qlora", seq_len=8192, checkpointing=True, chunked_loss=True, est_s=60),
     dict(name="8b-full-8bit-2k", model="llama3_1_8b", method="full", optimizer="adamw_8bit", seq_len=2048, checkpointing=True, chunked_loss=True, est_s=75),
     dict(name="70b-4layers-lora-4k", model="llama3_1_70b", num_layers=4, method="lora", seq_len=4096, checkpointing=False, chunked_loss=True, est_s=50),
-    # issue 24: TRL's activation offloading at a long length (not yet run: no GPU was lent when it was added);
+    # TRL's activation offloading at a long length (no GPU measurement of it yet);
     # the plan moves all but 2 layers' checkpointed inputs to host memory, the check measures what stays
     dict(name="8b-lora-64k-offload", model="llama3_1_8b", method="lora", seq_len=65536, checkpointing=True, chunked_loss=True, activation_offloading=True, packed=False, est_s=150),
 ]  # fmt: skip

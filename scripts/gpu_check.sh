@@ -13,7 +13,7 @@
 #
 # Installs nothing: it uses the Python environment it finds ($PYTHON, else the active venv's
 # python, else python3) and stops if a package is missing (scripts/gpu_wheels.sh prepares wheels for
-# the device tool's machine). Exits non-zero when a pipeline case fails. Feed OUT_DIR/results.json
+# a GPU machine without PyPI access). Exits non-zero when a pipeline case fails. Feed OUT_DIR/results.json
 # to scripts/calibrate.py.
 set -euo pipefail
 

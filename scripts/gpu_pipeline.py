@@ -20,8 +20,8 @@ that would exceed the time budget are skipped and said so. Writes OUT_DIR/pipeli
 OUT_DIR/pipeline.json; exits 1 when a case failed.
 
 Two suites (`--suite memory`, the default, is what scripts/gpu_check.sh runs in its 8 minutes;
-`--suite throughput` is the second check, issue 16's; `--suite all` runs both, throughput first):
-- throughput (issue 16), most needed first: 8B LoRA at 8,192 tokens on generated data with several
+`--suite throughput` is the second check; `--suite all` runs both, throughput first):
+- throughput, most needed first: 8B LoRA at 8,192 tokens on generated data with several
   samples a row (about 30, as real SFT data packs) under SDPA and FlexAttention, one sequence a
   row, micro-batch 2 and 4, QLoRA and full fine-tuning on packed rows, then compiled decoder
   layers, flash-attn and Liger (these two only where installed);

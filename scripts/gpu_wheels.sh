@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Wheels for the GPU machine lent by the `device` tool, whose image has torch 2.11 + CUDA 13,
+# Wheels for a GPU machine without PyPI access whose image has torch 2.11 + CUDA 13,
 # transformers 5.17, accelerate and peft, but not trl, datasets, hydra-core or bitsandbytes.
 #
 #   bash scripts/gpu_wheels.sh            # here (PyPI reachable): fills .whl/ for Python 3.12 x86-64
 #
-# Then, on the device machine (the `device` tool's run, with carry=[".whl"]):
+# Then, on the GPU machine, with .whl/ copied into the checkout there:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:.whl/src || exit
 #   bash scripts/gpu_check.sh "$OUT"

@@ -17,7 +17,7 @@ else the answer is written from the known result in the base's own words ("13 + 
 sentences if they are on the topic, and are dropped otherwise. Prompts nearer the regression set's kinds (time
 units, sums asked with "+", doubling and small products, words into English, a sentence about an animal) are
 always answered from their known result (`NEAR`): a model trained on the replay's one-sentence form loses the
-checks whose base answer is right only after a wrong first sentence (BENCHMARKS.md, fourth round), so those
+checks whose base answer is right only after a wrong first sentence (BENCHMARKS.md), so those
 kinds need right first sentences to learn from. The prompts are built from templates; those
 that are prompts of the regression set (finetune/data/regression/prompts.jsonl) are left out, so the
 regression checks stay held out. Deterministic for a given model file.
@@ -86,8 +86,8 @@ FACTS = {  # question -> (a pattern a right answer matches, the answer written f
 }  # fmt: skip
 ACTIVITIES = ("studying", "running", "cooking rice", "saving money", "learning to draw", "writing an email")
 
-# Fifth round (BENCHMARKS.md): prompts nearer the regression set's kinds, answered right in one sentence from known
-# results. Trained on the replay's one-sentence form, the model lost checks whose base answer reaches the result
+# Prompts nearer the regression set's kinds (BENCHMARKS.md), answered right in one sentence from known
+# results. Trained on the replay's one-sentence form, the model loses checks whose base answer reaches the result
 # only after a wrong first sentence ("A day is approximately 86 minutes.", "7 + 7 = 12.", 'In Spanish, "dog" is
 # "caballo".'). The regression's own facts stay out in every wording: no day of 24 hours, no week of 7 days, no
 # 2 + 3, 7 + 7, 3 x 4, 2 x 5 or half of 10, and none of hello, dog and thank you translated.

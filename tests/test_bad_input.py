@@ -392,8 +392,8 @@ def test_full_disk_building_the_data_cache(world, capsys, monkeypatch):
 
 
 def test_full_disk_during_a_checkpoint_save_and_the_rerun(world, capsys, monkeypatch):
-    """The reported case: a full disk mid-checkpoint was `RuntimeError: basic_ios::clear: iostream error`,
-    then an OSError traceback on the rerun. Now both are one line naming the path and the bytes needed."""
+    """A full disk mid-checkpoint, and the rerun after it: each one line naming the path and the bytes needed,
+    not torch's `RuntimeError: basic_ios::clear: iostream error` or an OSError traceback."""
     import shutil
     from collections import namedtuple
 

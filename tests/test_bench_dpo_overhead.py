@@ -1,7 +1,7 @@
 """bench_dpo_overhead's like-for-like check: the two sides' DPOConfig compared field by field.
 
 TRL's DPOConfig turns activation checkpointing on by default; a plain script that kept it while the plan turned
-it off recomputed every forward and read as finetune being 21% faster (BENCHMARKS.md). The benchmark now stops on
+it off recomputes every forward and reads as finetune being 21% faster (BENCHMARKS.md). So the benchmark stops on
 any field that differs but where each side saves.
 """
 

@@ -110,7 +110,7 @@ def test_calibrate_updates_a_copy_and_shows_before_after(cpu_check: Path, tmp_pa
 
 
 def test_calibrate_reproduces_the_shipped_cuda_fit(tmp_path: Path):
-    """The CUDA section of calibration.json is what calibrate.py fits to the stored H200 rows (issue 13), and every
+    """The CUDA section of calibration.json is what calibrate.py fits to the stored H200 rows, and every
     plannable total then lies within +10% and -3% of its device peak."""
     original = ROOT / "finetune" / "planner" / "calibration.json"
     copy = tmp_path / "calibration.json"

@@ -2,8 +2,8 @@
 
 CPU autocast runs bf16 where the CPU has no native bf16 too (slowly), so the dtypes flow here as they
 do on an H100: accelerate's mixed-precision wrapper hands fp32 hidden states back while a LoRA or QLoRA
-base keeps its head in bf16, and full fine-tuning keeps fp32 weights under bf16 autocast. Before the
-fix these cases failed at the first step (chunked loss) or after training (the worker's evaluation):
+base keeps its head in bf16, and full fine-tuning keeps fp32 weights under bf16 autocast. A dtype mismatch
+fails at the first step (chunked loss) or after training (the worker's evaluation):
 `expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16`.
 """
 

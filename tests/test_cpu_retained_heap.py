@@ -1,7 +1,7 @@
 """The CPU plan's retained heap (memory.retained_heap): glibc keeps each adapted projection's freed heap-sized
 outputs resident, `retained_adapter_outputs` of them; full fine-tuning and CUDA plans carry none; the
-overhead is the fixed share, the working set above the loss and that term (BENCHMARKS.md, "The CPU plan's
-retained heap")."""
+overhead is the fixed share, the working set above the loss and that term (BENCHMARKS.md, "Whole CPU
+runs: the peak the process reaches")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The data stage holds a fixed size a kept sample (issue 28, finding 7), and prepares the same data as before.
+"""The data stage holds a fixed size a kept sample, and prepares the reference data byte for byte.
 
-- The prepared rows and data_stats.json are those the stage wrote before it was made compact (main at
-  409b751, the digests below), also with every batch cut to a few samples (dedup runs, signature blocks,
+- The prepared rows and data_stats.json are the reference ones (the digests below), also with every batch
+  cut to a few samples (dedup runs, signature blocks,
   tokenizer calls, row gathering), and with deduplication, near duplicates, eval leaks, truncation and
   packing each on and off.
 - The fixed-size parts answer as what they replace: the sorted digest runs as a Python set, the spilled
@@ -24,8 +24,8 @@ from finetune.core.config.data import DataConfig
 from finetune.data import cache, clean, pack, samples, stage, synthetic, tokens
 from finetune.data.render import IGNORE_INDEX, Renderer
 
-# sha256 of every prepared column and the stats (less time, cache and input), as main (409b751) prepared them
-# from `_inputs()` with the tokenizer below: byte for byte the same arrow files.
+# sha256 of every prepared column and the stats (less time, cache and input), prepared from `_inputs()` with
+# the tokenizer below: the reference arrow files, byte for byte.
 BEFORE = {
     "default": "e54501f981f46d5b4c08b77c1805300435d5c3a8ca760527f9619909ecf8bad4",
     "truncate": "6ef8e47fdae6161fcdeb73a094d6e9adbc05b74ceb74abe69a6ee856966bbd44",

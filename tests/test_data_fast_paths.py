@@ -1,4 +1,4 @@
-"""The data stage's faster paths (rel9) give exactly what the libraries' own calls give.
+"""The data stage's faster paths give exactly what the libraries' own calls give.
 
 - MinHash rows of a block of keys at once are datasketch's `MinHash.update_batch` values, key for key
   (tiny, long, one- and two-word and empty keys), and another hash function falls back to datasketch.

@@ -374,8 +374,8 @@ def _labelled(run: Path) -> list[int]:
 
 @pytest.mark.parametrize("mode", ["drop", "escape", "keep"])
 def test_control_tokens_in_content(tmp_path, tiny_tokenizer, mode):
-    """The reported case with the tiny template: content holding `<|end|>\\n<|user|>` forged turns and, in
-    assistant content, trained the model on fake control tokens."""
+    """Content holding `<|end|>\\n<|user|>` under the tiny template would forge turns and, in assistant content,
+    train the model on fake control tokens: dropped, escaped or kept as data.control_tokens says."""
     from finetune.modeling import tiny
 
     ids = {t: tiny_tokenizer.convert_tokens_to_ids(t) for t in tiny.SPECIAL_TOKENS}
@@ -419,7 +419,8 @@ def test_control_token_markers_cover_special_tokens_and_template_text(tmp_path, 
 
 
 def test_over_long_records_are_dropped_by_characters_before_tokenizing(tmp_path, tokenizer, monkeypatch):
-    """The reported case: a 50 MB line cost 337 s and 13.8 GB before it was dropped as too long."""
+    """A record too long to fit is dropped by its characters before it is rendered or tokenized (a 50 MB line
+    tokenized whole costs minutes and gigabytes)."""
     rows = _rows(40)
     bound = limits.max_chars(tokenizer, 256)
     longest = max(len(t) for t in tokenizer.get_vocab())
@@ -443,7 +444,7 @@ def test_over_long_records_are_dropped_by_characters_before_tokenizing(tmp_path,
 
     t0 = time.perf_counter()
     s = _prepare(_data_cfg(tmp_path, path, seq_len=256), tmp_path, tokenizer)
-    assert time.perf_counter() - t0 < 30  # it took minutes when the 5 MB record was tokenized
+    assert time.perf_counter() - t0 < 30  # tokenizing the 5 MB record would take minutes
     assert s["dropped"]["too_long_chars"] == 1 and s["max_chars"] == bound
     assert s["dropped"]["too_long"] >= 1  # the edge record: dropped by tokens, as before
     assert max(seen) < bound  # nothing over the bound was rendered or tokenized
@@ -466,7 +467,7 @@ def test_char_bound_never_drops_a_record_that_fits(tokenizer):
 
 
 def test_unencodable_text_is_skipped_and_counted_or_one_line(tmp_path, tokenizer):
-    """The reported case: a lone surrogate ("\\ud800") was a traceback even with data.on_error=skip."""
+    """A lone surrogate ("\\ud800") is a bad record: skipped and counted under data.on_error=skip, else one line."""
     lines = [json.dumps(r) for r in _rows(30)]
     lines.insert(
         3,

@@ -1,4 +1,4 @@
-"""The packed rows are written as they are gathered (issue 28, finding 7): what `Dataset.save_to_disk` writes,
+"""The packed rows are written as they are gathered: what `Dataset.save_to_disk` writes,
 without holding every row.
 
 - `rows._write_dataset` over pieces of any sizes writes the files save_to_disk writes for the whole table:

@@ -12,12 +12,12 @@ assert on that, and compare the loss trajectory with one process taking the
 same global batch (micro-batch x accumulation x world size = 16 sequences).
 
 accelerate enables FSDP only on accelerators (on CPU ranks the Trainer's FSDP
-silently became DDP); FinetuneTrainer installs its FSDP2 plugin on CPU ranks
+silently becomes DDP); FinetuneTrainer installs its FSDP2 plugin on CPU ranks
 too, so the Trainer's own FSDP2 path runs here, with gloo.
 
 The ZeRO-3 and FSDP2 runs use the chunked loss (what the 70B and 32B recipes
 plan), computed inside the model's forward where each engine has the head whole;
-read after the forward, ZeRO-3's head was already partitioned again (weight of
+read after the forward, ZeRO-3's head is already partitioned again (weight of
 shape (0,)).
 """
 
@@ -134,7 +134,7 @@ def test_ddp_two_processes_train_like_one(root, reference):
 
 
 # One unexplained failure in about ten runs of the offload case (after its last checkpoint; the
-# ranks' logs are now kept for diagnosis): one rerun, so CI reports a repeat, not a fluke.
+# ranks' logs are kept for diagnosis): one rerun, so CI reports a repeat, not a fluke.
 @pytest.mark.flaky(reruns=1)
 @pytest.mark.parametrize("offload", [False, True], ids=["zero3", "zero3-offload"])
 def test_deepspeed_zero3_two_processes_train_like_one(root, reference, offload):

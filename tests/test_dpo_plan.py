@@ -31,7 +31,7 @@ def test_cpu_tile_buffer_counts_the_pages_a_small_vocabulary_writes():
     assert trl_tile_buffer(job, rt, 4096) == 4096 * CPU_PAGE_BYTES == 16_777_216
     # the allocator's view (CUDA, or a count of allocated bytes): the whole [4096, 32768] buffer
     assert trl_tile_buffer(job, replace(rt, resident=False), 4096) == 4 * 4096 * TRL_TILE_VOCAB
-    # the plan's loss term carries the resident figure: 0.602 GB before, now the buffer's 17 MB, TRL's CPU tile
+    # the plan's loss term carries the resident figure (0.602 GB with the whole buffer): the buffer's 17 MB, TRL's CPU tile
     # folding (7.25 fp32 copies of [4096, 512]) and the accumulators
     assert plan.gpu_memory.logits == pytest.approx(0.082, abs=0.001)
 

@@ -7,10 +7,10 @@ GRPO (`+recipe=tiny_grpo init_from=SFT_RUN`: 100 steps of 2 prompts x 4 sampled 
 0.2 x a one-word format reward, lr 1e-4, truncated answers masked) trains on from that adapter. Both runs
 are scored by the evaluation stage on the same 256 held-out prompts with the same greedy generation.
 
-Measured by hand (2026-12-02, BENCHMARKS.md "GRPO from the 400-step tiny SFT"): 0.945 -> 0.969. The earlier
+Measured by hand (BENCHMARKS.md, "DPO and GRPO on the tiny model (CPU)"): 0.945 -> 0.969. Shorter
 starts (60 and 150 SFT steps) did not gain: their sentiment answers are at chance under GRPO's sampling,
-and the label bias each update moves sent every sentence to one label (BENCHMARKS.md, "Why GRPO turned the
-150-step tiny start's sentiment to one label"; tests/test_grpo_update.py checks the update's direction).
+and the label bias each update moves sent every sentence to one label (BENCHMARKS.md, the same section;
+tests/test_grpo_update.py checks the update's direction).
 """
 
 from __future__ import annotations

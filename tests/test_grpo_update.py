@@ -1,9 +1,9 @@
 """One hand-built GRPO group through the training stage's own path, from `init_from`'s adapter: the update
 goes the way the reward says.
 
-Why this exists: from a tiny SFT start GRPO drove every sentiment answer to one label while the training
-reward rose (BENCHMARKS.md, "GRPO from a tiny start that reads its input"). These are the checks that
-ruled a bug in our path out: the model is init_from's adapter, trainable, and the one generation uses; TRL's
+Why: from a tiny SFT start GRPO drives every sentiment answer to one label while the training
+reward rises (BENCHMARKS.md, "DPO and GRPO on the tiny model (CPU)"). These are the checks that
+rule a bug in our path out: the model is init_from's adapter, trainable, and the one generation uses; TRL's
 group advantages have the reward's signs; TRL's per-token log-probabilities (its fused LM head, left-padded
 prompts, no position ids) equal a plain forward of each row alone; one step of the run's own optimizer
 raises log p(rewarded answer) and lowers log p(the other); with `objective.beta > 0` the KL reference is a frozen

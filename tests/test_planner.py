@@ -306,7 +306,7 @@ def test_double_quant_off_costs_its_constants():
     assert (off.gpu_memory.weights - on.gpu_memory.weights) * GB == pytest.approx(
         linear * (0.5 - 0.126953125) / 8
     )
-    assert off.gpu_memory.weights - on.gpu_memory.weights > 3.1  # the audit's "70B QLoRA 3.2 GB low"
+    assert off.gpu_memory.weights - on.gpu_memory.weights > 3.1  # the 70B's 3.2 GB of constants
 
 
 def test_fp32_precision_doubles_the_16_bit_activations():

@@ -237,8 +237,8 @@ def _fake_python(tmp_path: Path, module: str, name: str, flag: Path) -> Path:
 
 
 def test_two_sigterms_to_the_pipeline_half_a_second_apart_exit_75(tmp_path, tiny_cache):
-    """The reported case: SIGTERM twice (0.5 s apart) to `python -m finetune mode=train` during model load
-    exited 2 (reserved for bad input)."""
+    """SIGTERM twice (0.5 s apart) to `python -m finetune mode=train` during model load exits 75 (interrupted),
+    not 2 (reserved for bad input), in one line and no traceback."""
     run = prepare_worker_run(tmp_path / "run", tmp_path / "cache", "train.max_steps=4")
     flag = tmp_path / "flag"
     fake = _fake_python(tmp_path, "finetune.modeling.loading", "load_for_training", flag)

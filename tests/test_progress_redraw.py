@@ -1,8 +1,8 @@
 """The training progress bar is redrawn by the loop, at most every `redraw_s`, with no thread of its own.
 
 rich's default refresh thread redraws 10 times a second and takes the GIL from the training step; on the loaded
-2-core machine it was the one thread besides the main one that used CPU during a DPO run (BENCHMARKS.md,
-"Framework overhead per DPO step")."""
+2-core machine it is the one thread besides the main one that uses CPU during a DPO run (BENCHMARKS.md,
+"Framework overhead per step (CPU)")."""
 
 from __future__ import annotations
 

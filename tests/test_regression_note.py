@@ -3,7 +3,7 @@
     python -m pytest tests/test_regression_note.py
 
 The embedded default (`tiny`, random init) fails every check of the bundled regression set before and
-after training; its report used to print `regression_checks_passed 0.0000` for base, trained and merged as
+after training; a report of `regression_checks_passed 0.0000` for base, trained and merged would read as
 if that were a result.
 """
 

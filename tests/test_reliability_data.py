@@ -1,4 +1,4 @@
-"""The data stage against a hostile or unlucky user (issue 28, findings 2, 5, 6, 7 and their neighbours).
+"""The data stage against a hostile or unlucky user: a damaged cache, deep JSON, inputs that are not files.
 
 - A damaged cache entry (64 KiB zeroed, a file truncated or deleted, in train, eval or the stats; its
   manifest lost) is found when used and rebuilt with a warning; the run directory's rows are those of a
@@ -96,7 +96,7 @@ def _deadline(seconds: int) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-# ---------------------------------------------------------------- finding 2: the cache, checked when used
+# ---------------------------------------------------------------- the cache, checked when used
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +219,7 @@ def test_killed_builders_leftovers_are_removed_on_the_next_run(clean, tmp_path, 
     )
     proc = subprocess.run([sys.executable, "-c", killed, str(cache_root)], env=child_env(), cwd=REPO)
     assert proc.returncode == -signal.SIGKILL
-    (cache_root / f"{cache._TMP}old-1234abcd").mkdir()  # what a finetune before the lock files left
+    (cache_root / f"{cache._TMP}old-1234abcd").mkdir()  # what a builder killed mid-write leaves
     (cache_root / f"{cache._STALE}{'d' * 32}-0000").mkdir()  # a damaged entry half removed
     left = sorted(p.name for p in cache_root.iterdir() if p.name.startswith("."))
     assert sum(n.startswith(".tmp-kkkk") for n in left) == 2  # the folder and its lock
@@ -242,7 +242,7 @@ def _cli(args: list[str], capsys) -> tuple[int, str]:
 
 
 def test_mode_data_and_mode_train_agree_on_damage(tmp_path, tiny_tokenizer, capsys, caplog):
-    """The issue's case, both ways: a damaged cache file no longer reaches the run directory (mode=train
+    """A damaged cache file, both ways: it never reaches the run directory (mode=train
     trains on the checked copy) and mode=data rebuilds it; RUN_DIR/data damaged is one line for
     mode=train, and mode=data copies it again."""
     data = _write_jsonl(tmp_path / "chats.jsonl", [{"messages": c} for c in _convs(120, seed=3)])
@@ -284,7 +284,7 @@ def test_damaged_data_stats_is_one_line_for_the_plan(tmp_path, capsys, tiny_toke
     assert code == 2 and len(err.strip().splitlines()) == 1 and "data_stats.json: unreadable" in err, err
 
 
-# ---------------------------------------------------------------- finding 5: JSON nested 10,000 levels
+# ---------------------------------------------------------------- JSON nested 10,000 levels
 
 
 def _deep_text() -> str:
@@ -392,7 +392,7 @@ def test_deep_nesting_through_the_command_line_is_one_line(deep_inputs, tmp_path
             assert code == 2 and len(lines) == 1 and "Traceback" not in err and "line 3" in lines[0], err
 
 
-# ---------------------------------------------------------------- finding 6: inputs that are not files
+# ---------------------------------------------------------------- inputs that are not files
 
 
 def _special(tmp_path: Path, kind: str) -> tuple[Path, str]:
@@ -473,7 +473,7 @@ def test_the_command_line_refuses_them_too(tmp_path, kind, tiny_tokenizer):
     assert proc.returncode == 2 and len(lines) == 1 and words in lines[0] and "Traceback" not in proc.stderr
 
 
-# ---------------------------------------------------------------- finding 7: streamed, bounded by what is kept
+# ---------------------------------------------------------------- streamed, bounded by what is kept
 
 
 def _read(path: Path) -> tuple[list, sources.Loaded]:

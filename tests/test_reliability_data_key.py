@@ -65,7 +65,7 @@ def _cfg_reads(source: str) -> set[tuple[str, str]]:
 
 def test_every_setting_the_data_stage_reads_is_in_the_key():
     """A setting the preparation reads but the key leaves out gives a stale cache hit (a changed
-    objective.max_completion_length once kept the old prompts)."""
+    objective.max_completion_length would keep the old prompts)."""
     cfg = tiny_cfg("objective=grpo", "objective.num_generations=4")
     sections = {f.name for f in dataclasses.fields(Config)}
     key = cache.config_key(cfg)

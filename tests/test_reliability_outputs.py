@@ -1,4 +1,4 @@
-"""Outputs know what they were made from, and are written whole (issue 28, findings 3 and 4).
+"""Outputs know what they were made from, and are written whole.
 
 The trained output records its identity; export/ and eval/ record the one they were made from; an export
 made from another model is never scored as `merged`; a retrain moves the old export and evaluation aside;
@@ -188,8 +188,8 @@ def _cli(args: list[str], capsys) -> tuple[int, str, str]:
 def test_export_records_its_source_and_a_full_disk_mid_save_keeps_the_previous_export(
     tmp_path, tiny_cache, capsys, monkeypatch
 ):
-    """The reported case: a full disk while export saved merged/ was exit 1 and a SafetensorError traceback,
-    with `.merged.tmp` left half-written and merge_check.json already rewritten beside the old model."""
+    """export/ records the trained output it was made from; a full disk while export saves merged/ is one line,
+    exit 2, no traceback, no `.merged.tmp` left, and the previous export whole, merge_check.json included."""
     import transformers.modeling_utils
 
     run = tmp_path / "run"
@@ -323,7 +323,7 @@ def test_a_full_disk_while_evaluation_writes_keeps_the_previous_evaluation(
 def test_a_full_disk_saving_the_trained_adapter_keeps_the_previous_one(
     tmp_path, tiny_cache, capsys, monkeypatch
 ):
-    """One line and exit 2 from the worker (safetensors' error is no OSError: it was a traceback), the
+    """One line and exit 2 from the worker (safetensors' error is no OSError, yet no traceback), the
     previous adapter and the export made from it untouched, no temporary folder."""
     import peft.peft_model
 
@@ -376,7 +376,7 @@ def test_a_full_disk_building_the_tiny_model_is_one_line(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing half-built kept
 
 
-# ---------------------------------------------------------------- the reported sequence, end to end
+# ---------------------------------------------------------------- train, export, retrain, evaluate: end to end
 
 
 def _modes(run: Path, cache: Path, *extra: str) -> list[str]:

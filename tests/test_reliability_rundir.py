@@ -1,4 +1,4 @@
-"""Issue 28, part A: the run directory, its scripts, checkpoints and reports against a hostile or unlucky user.
+"""The run directory, its scripts, checkpoints and reports against a hostile or unlucky user.
 
 - no write follows a link finetune did not make: a planted symlink, hard link, FIFO or folder at any file
   the project writes, or a symlinked folder on the way inside the run directory, is refused in one line
@@ -76,12 +76,12 @@ def _plant(kind: str, at: Path, target: Path) -> None:
         raise AssertionError(kind)
 
 
-# ---------------------------------------------------------------- 1. no write follows a planted link
+# ---------------------------------------------------------------- no write follows a planted link
 
 
 @pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo", "folder"])
 def test_a_planted_lock_is_refused_and_its_target_unchanged(tmp_path, capsys, kind):
-    """The reported case (`ln -s ~/precious RUN_DIR/.lock`) and its neighbours, in a run directory of ours."""
+    """`ln -s ~/precious RUN_DIR/.lock` and its neighbours (a hard link, a FIFO, a folder), in a run directory of ours."""
     precious, run = _precious(tmp_path), _owned_run_dir(tmp_path)
     _plant(kind, run / rundir.LOCK_FILE, precious)
     code, _, err = _cli(["mode=plan", f"run_dir={run}"], capsys)
@@ -96,7 +96,7 @@ def test_a_planted_lock_is_refused_and_its_target_unchanged(tmp_path, capsys, ki
     [(rundir.LOCK_FILE, "symlink"), (rundir.OWNER_FILE, "symlink"), (rundir.OWNER_FILE, "hardlink")],
 )
 def test_a_folder_holding_only_a_planted_lock_or_marker_is_not_ours(tmp_path, capsys, planted):
-    """`mkdir rd; ln -s ~/precious rd/.lock` passed the ownership check: now every entry counts."""
+    """`mkdir rd; ln -s ~/precious rd/.lock` does not pass the ownership check: every entry counts."""
     name, kind = planted
     precious = _precious(tmp_path)
     run = tmp_path / "rd"
@@ -288,7 +288,7 @@ def test_detach_refuses_a_planted_log_or_pid_file_before_starting(tmp_path):
         (run / name).unlink()
 
 
-# ---------------------------------------------------------------- 8. user text escaped wherever it is rendered
+# ---------------------------------------------------------------- user text escaped wherever it is rendered
 
 
 def test_markdown_escaping_keeps_the_text_and_none_of_its_markup():
@@ -383,7 +383,7 @@ def test_a_refusal_naming_a_value_with_a_newline_stays_one_line(tmp_path, capsys
     assert code == 2 and "model.config_path=/no such.json: no such file" in _one_line(err)
 
 
-# ---------------------------------------------------------------- 9. shown commands are quoted
+# ---------------------------------------------------------------- shown commands are quoted
 
 
 def _words(line: str, cwd: Path) -> list[str]:
@@ -458,7 +458,7 @@ def test_resume_hints_in_messages_run_only_themselves(tmp_path):
     assert not (tmp_path / "PWNED").exists()
 
 
-# ---------------------------------------------------------------- 10. damaged checkpoints: one line, a fallback
+# ---------------------------------------------------------------- damaged checkpoints: one line, a fallback
 
 
 class _Payload:

@@ -43,7 +43,7 @@ def _chats(path: Path, n: int = 40) -> Path:
 
 
 def test_data_stage_keeps_a_users_data_folder_inside_run_dir(tmp_path, tiny_cache, capsys):
-    """The reported case: run_dir=proj with proj/data/chats.jsonl; the file (and its folder) survive."""
+    """run_dir=proj with proj/data/chats.jsonl: the file (and its folder) survive."""
     proj = tmp_path / "proj"
     (proj / "data").mkdir(parents=True)
     chats = _chats(proj / "data" / "chats.jsonl")
@@ -280,7 +280,7 @@ def test_a_worker_that_outlives_its_parent_still_holds_the_lock(tmp_path):
 
 @pytest.mark.slow
 def test_kill_9_of_mode_train_leaves_no_orphan_and_the_rerun_resumes(tmp_path, tiny_cache):
-    """The reported case end to end: kill -9 the pipeline of a running mode=train; the worker saves and
+    """End to end: kill -9 the pipeline of a running mode=train; the worker saves and
     ends (no orphan writing on), the same command resumes from its checkpoint and finishes."""
     run = tmp_path / "run"
     args = [

@@ -243,7 +243,8 @@ def _launch(tmp_path: Path, *overrides: str, env: dict | None = None) -> subproc
 
 
 def test_a_name_that_would_inject_a_command_is_refused_and_nothing_runs(tmp_path):
-    """The reported case: name='a<newline>touch FILE<newline>#' wrote a command line into launch.sh."""
+    """name='a<newline>touch FILE<newline>#' would put a command line into launch.sh: refused in one line, nothing
+    written and nothing run."""
     target = tmp_path / "pwned"
     r = _launch(tmp_path, f"name='a\ntouch {target}\n#'")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "name=" in r.stderr, r.stderr
@@ -288,7 +289,8 @@ def test_launch_sh_quotes_every_value_and_runs_none_of_them(tmp_path):
 
 
 def test_a_secret_given_on_the_command_line_is_referenced_by_name_only(tmp_path):
-    """The reported case: '+launch.env.HF_TOKEN=hf_...' was written in clear into a world-readable launch.sh."""
+    """'+launch.env.HF_TOKEN=hf_...': launch.sh (mode 700) reads it from the environment at run time, and no file
+    of the run directory and no output holds the token."""
     token = "hf_givenOnTheCommandLine0123456789"
     fake, record = _fake_python(tmp_path)
     env = {k: v for k, v in child_env().items() if k != "HF_TOKEN"}
@@ -379,7 +381,8 @@ def test_serve_sh_keeps_names_on_their_comment_lines(tmp_path):
      "+launch.env.DB=pre-${oc.env:DATABASE_URL}", "export.served_model_name=${oc.decode:${oc.env:DATABASE_URL}}"],
 )  # fmt: skip
 def test_env_interpolation_outside_launch_env_is_refused(tmp_path, override):
-    """The reported case: 'name=${oc.env:DATABASE_URL}' copied any variable into config.yaml in clear."""
+    """'name=${oc.env:DATABASE_URL}' would copy any variable into config.yaml in clear: refused in one line, the
+    value never printed."""
     value = "postgres://user:pw0123456789@db/prod"
     r = run_cli(
         "mode=plan", f"run_dir={tmp_path / 'run'}", override, env=child_env(DATABASE_URL=value), cwd=tmp_path

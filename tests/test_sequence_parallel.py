@@ -1,4 +1,4 @@
-"""Issue 24: long context. A sequence split (DeepSpeed's Ulysses, torch's ring) and activation offloading,
+"""Long context. A sequence split (DeepSpeed's Ulysses, torch's ring) and activation offloading,
 planned term by term, refused where the libraries cannot combine them, written into engine.json and
 SFTConfig, and, for Ulysses on two CPU ranks, the same loss and gradients as one rank on the whole sequence
 with about half the activations each."""

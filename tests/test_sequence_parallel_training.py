@@ -1,4 +1,4 @@
-"""Issue 24: training through the pipeline with a Ulysses sequence split (DeepSpeed's ALST via accelerate's
+"""Training through the pipeline with a Ulysses sequence split (DeepSpeed's ALST via accelerate's
 `ParallelismConfig(sp_size)`), the chunked loss reading each shard's pre-shifted labels.
 
 The default run checks the pieces in one process: a shard's chunked loss over the whole batch's token
@@ -129,7 +129,7 @@ def test_a_rank_refuses_to_train_a_ring_split_in_one_line(tmp_path, monkeypatch)
 # ---------------------------------------------------------------- two CPU ranks through the pipeline
 
 STEPS = 3
-# Measured on 2 CPU cores (2026-12-01), ZeRO-3 on two ranks with and without the split, the same 4 sequences
+# Measured on 2 CPU cores, ZeRO-3 on two ranks with and without the split, the same 4 sequences
 # a step, 3 steps, the largest relative difference of a step's loss / gradient norm: fp32 9e-8 / 1.2e-7
 # (TRL's loss: 4.5e-7 / 1.2e-6); bf16 7.0e-4 / 7.9e-4 (DeepSpeed's bf16 weights, the all-to-alls' order).
 TOLERANCE = {"fp32": 1e-5, "bf16": 5e-3}

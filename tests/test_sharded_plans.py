@@ -1,4 +1,4 @@
-"""Issue 25's planner half: sharded QLoRA planned byte by byte, the engine sought across FSDP2 and ZeRO-3,
+"""Sharded QLoRA planned byte by byte, the engine sought across FSDP2 and ZeRO-3,
 the allocator's share of what a step allocates and frees, and the suggestions that shard a job across GPUs."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_sharded_qlora_loads_the_whole_4bit_model_on_every_rank_in_host_ram():
     whole_4bit = LINEAR_70B * (4 + NF4_BITS) / 8 + 2 * KEPT_70B
     assert plan.host_memory_gb == pytest.approx(4 * (whole_4bit + 5e9) / GB + 4 * CAL.host_gb_per_rank)
     assert plan.host_memory_gb < plan.hardware.host_memory_gb  # g5.12xlarge's 206 GB
-    _, one = plan_for("+recipe=llama70b_qlora")  # one GPU: straight onto it through a device map, as before
+    _, one = plan_for("+recipe=llama70b_qlora")  # one GPU: quantized straight onto it through a device map
     assert one.host_memory_gb == pytest.approx(5 + CAL.host_gb_per_rank)
 
 
@@ -114,7 +114,7 @@ def test_405b_qlora_on_eight_h100s():
 
 
 def test_engine_unset_seeks_the_fastest_across_both_engines():
-    """Issue 25: 70B full fine-tuning on 8 x B200 planned FSDP2 with everything offloaded; ZeRO-3 runs 8-bit
+    """70B full fine-tuning on 8 x B200 planned FSDP2 with everything offloaded; ZeRO-3 runs 8-bit
     AdamW with no offload."""
     _, plan = plan_for("model=llama3_1_70b", "method=full", "hardware=b200x8", "train.seq_len=8192")
     s = plan.strategy
@@ -132,7 +132,7 @@ def test_engine_unset_seeks_the_fastest_across_both_engines():
     _, fixed = plan_for("model=llama3_1_70b", "method=full", "hardware=b200x8", "train.seq_len=8192",
                         "train.engine=fsdp")  # fmt: skip
     f = fixed.strategy
-    assert (f.sharding, f.offload_optimizer, f.offload_params) == ("fsdp", True, True)  # honoured as before
+    assert (f.sharding, f.offload_optimizer, f.offload_params) == ("fsdp", True, True)  # honoured as given
     assert not any(r.startswith("engine: ") for r in fixed.reasons)
     assert plan.estimate.tokens_per_second > 1.4 * fixed.estimate.tokens_per_second
 
@@ -171,7 +171,7 @@ def test_allocator_share_scales_with_what_a_step_allocates_not_the_frozen_base()
     assert mem.overhead + mem.attention == pytest.approx(
         CAL.cuda.fixed_gb + above + CAL.cuda.allocator_fraction * fluctuating
     )
-    # the 141 GB frozen base adds nothing to the overhead (issue 25: 17.2 GB of it before the refit)
+    # the 141 GB frozen base adds nothing to the overhead: the allocator's share is of what a step allocates and frees
     assert mem.overhead < 8.0 and mem.weights > 141
     # 163.1 GB: 16.9 GB of the 180 GB free, but above the 162 GB usable with plan.headroom's 10%
     assert mem.total == pytest.approx(163.1, abs=0.1) and not plan.fits

@@ -48,7 +48,7 @@ def _replay() -> list[tuple[str, str]]:
 
 
 def test_the_replay_near_the_regression_kinds_is_right_and_keeps_their_facts_out():
-    """The fifth round's kinds (time units, sums asked with "+", doubling and small products, words into English)
+    """The replay's kinds nearest the regression set (time units, sums asked with "+", doubling and small products, words into English)
     are answered right in one sentence, and none trains a regression check's own fact in another wording."""
     replay = _replay()
     sums = [

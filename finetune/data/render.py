@@ -146,7 +146,7 @@ class Renderer:
             # The same compiled template and variables transformers uses, without its per-call copying of
             # every message into plain data (ours are plain: {"role": str, "content": str}, from
             # formats.to_messages); with the markers, through its own helper that tracks their spans. That
-            # copying was a third of the rendering's time on tiny records (BENCHMARKS.md, rel9).
+            # copying is a third of the rendering's time on tiny records (BENCHMARKS.md, "Data preparation (CPU)").
             if not markers:
                 return [
                     self._compiled.render(
@@ -347,7 +347,7 @@ class Renderer:
     def _tokenize(self, texts: list[str]) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
         """Each text's token ids and character offsets, without special tokens: the Rust tokenizer's batch
         call read directly where the transformers tokenizer has one, since turning each of its encodings
-        into a dict of lists (`_convert_encoding`) took as long as tokenizing (BENCHMARKS.md, rel9). The
+        into a dict of lists (`_convert_encoding`) takes as long as tokenizing (BENCHMARKS.md, "Data preparation (CPU)"). The
         first text goes through the transformers call too, which sets the backend's truncation, padding
         and special-token handling as it would for the whole batch, and must agree."""
         tok = self.tokenizer

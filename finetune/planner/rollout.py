@@ -27,7 +27,7 @@ from finetune.core.config import ModelConfig
 from finetune.core.config.grpo import GRPOObjective
 from finetune.planner.params import count_params
 
-# Not measured here (no vLLM on the development machines or the lent GPU): vLLM's own working memory
+# Not measured (no vLLM measurement on a GPU yet): vLLM's own working memory
 # beside weights and KV cache (its profiling run's activations, CUDA graphs, the sampler), taken as
 # 2 GB per GPU, and decoding reaching 60% of HBM bandwidth. Measure both on a GPU with vLLM.
 VLLM_OVERHEAD_BYTES = 2e9

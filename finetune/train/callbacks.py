@@ -281,7 +281,7 @@ class RichProgress(TrainerCallback):
 
     Redrawn by the training loop itself, at most every `redraw_s` seconds, not by rich's refresh thread (10 a
     second): that thread took the GIL from the step and, on a loaded 2-core machine, 43-59 ms of CPU a DPO step
-    (BENCHMARKS.md, "Framework overhead per DPO step").
+    (BENCHMARKS.md, "Framework overhead per step (CPU)").
     """
 
     redraw_s = 0.5
