@@ -25,7 +25,7 @@ def test_piped_lines_get_the_evaluations_answers_with_the_history(adapter_run) -
 
     from finetune.evaluation import chat
     from finetune.evaluation.generate import generate
-    from finetune.modeling import models
+    from finetune.modeling import models, variants
     from finetune.pipeline.stages import resolve
 
     cfg = resolve(adapter_run)
@@ -36,7 +36,7 @@ def test_piped_lines_get_the_evaluations_answers_with_the_history(adapter_run) -
     answers = [line.removeprefix(chat.ANSWER) for line in out.getvalue().splitlines()]
     assert len(answers) == 3 and all(line.startswith(chat.ANSWER) for line in out.getvalue().splitlines())
     # the same model and settings the evaluation uses, the conversation carried over until /reset
-    model = models.load_variant(cfg, run_dir, "trained")
+    model = variants.load_variant(cfg, run_dir, "trained")
     tokenizer = models.load_tokenizer(cfg.model)
     settings = replace(cfg.eval, batch_size=1, progress=False)
     first = [{"role": "user", "content": "what is 2+2?"}]

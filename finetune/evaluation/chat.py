@@ -22,7 +22,7 @@ from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.errors import LaunchError
 from finetune.evaluation.generate import generate
-from finetune.modeling import models
+from finetune.modeling import models, variants
 
 PROMPT = "you> "
 ANSWER = "assistant> "
@@ -40,14 +40,14 @@ def _run_config(cfg: Config, run_dir: Path) -> Config:
 def load(cfg: Config, run_dir: Path) -> tuple[Any, Any]:
     """(model, tokenizer) of `chat.model`, or a one-line LaunchError saying which stage makes it."""
     variant = cfg.chat.model
-    available = models.available_variants(cfg, run_dir)
+    available = variants.available_variants(cfg, run_dir)
     if variant not in available:
         stage = "mode=train" if variant == "trained" else "mode=export"
         raise LaunchError(
             f"chat.model={variant}: {run_dir} has no {variant} model yet (it has: {', '.join(available)}); run "
             f"{stage} first, or chat.model=base"
         )
-    model = models.load_variant(cfg, run_dir, variant)
+    model = variants.load_variant(cfg, run_dir, variant)
     model.eval()
     return model, models.load_tokenizer(cfg.model)
 
