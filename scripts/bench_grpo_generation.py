@@ -52,7 +52,7 @@ def run_case(completion: int, generations: int, prompts: int, steps: int, out: P
     from finetune.core import tasks
     from finetune.core.config import ModelConfig
     from finetune.core.config.grpo import GRPOObjective
-    from finetune.evaluation.rewards import resolve
+    from finetune.core.rewards import resolve
     from finetune.modeling import tiny
     from finetune.train.grpo_trainer import build_grpo_config, build_grpo_trainer, prompt_rows
 

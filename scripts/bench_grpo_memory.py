@@ -61,7 +61,7 @@ def measure(completions: int, out: Path) -> dict[str, Any]:
     from finetune.core import tasks
     from finetune.core.config import ModelConfig
     from finetune.core.config.grpo import GRPOObjective
-    from finetune.evaluation.rewards import resolve
+    from finetune.core.rewards import resolve
     from finetune.modeling import tiny
     from finetune.train.grpo_trainer import build_grpo_config, build_grpo_trainer, prompt_rows
 

@@ -5,7 +5,7 @@ the model it trained (CPU).
     python scripts/bench_grpo_pass_rate.py RUN_DIR --prompts 64 --samples 2 --json out.json
 
 The pass rate is the share of answers earning every reward the run trained on its full value (the evaluation's
-`pass_rate`, `finetune/evaluation/rewards.py`); exact match is printed beside it. Greedy: one answer per prompt,
+`pass_rate`, `finetune/core/rewards.py`); exact match is printed beside it. Greedy: one answer per prompt,
 the evaluation's `max_new_tokens` (what mode=eval scores). Sampled: the usual RL metric, the mean pass rate
 over `--samples` answers per prompt drawn at the run's `objective.temperature`
 (top-p 1) with at most `objective.max_completion_length` tokens, the training's own sampling; each sample a
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 def score(model: Any, tokenizer: Any, items: list[dict], cfg: Any, run_rewards: Any) -> dict[str, Any]:
     """Exact match and the pass rate under the run's rewards, of one answer per prompt; the pass rate per
     reference answer (a model that answers one word whatever the input passes on one class only)."""
-    from finetune.evaluation import metrics, rewards
+    from finetune.core import metrics, rewards
     from finetune.evaluation.generate import generate
 
     answers = generate(model, tokenizer, [it["messages"] for it in items], cfg)
@@ -51,8 +51,8 @@ def score(model: Any, tokenizer: Any, items: list[dict], cfg: Any, run_rewards: 
 def measure(run_dir: Path, prompts: int, samples: int) -> dict[str, Any]:
     import torch
 
+    from finetune.core import rewards
     from finetune.data.stage import load_prepared
-    from finetune.evaluation import rewards
     from finetune.evaluation.stage import task_items
     from finetune.modeling.models import load_tokenizer
     from finetune.modeling.variants import load_variant

@@ -71,8 +71,9 @@ def _cli(args: list[str], log: Path) -> None:
 
 
 def _score(cfg, run_dir: Path, variant: str, model=None) -> dict:
+    from finetune.core import metrics
     from finetune.data.stage import load_prepared
-    from finetune.evaluation import metrics, regression
+    from finetune.evaluation import regression
     from finetune.evaluation.stage import evaluate_model, task_items
     from finetune.modeling.models import load_tokenizer
     from finetune.modeling.variants import load_variant

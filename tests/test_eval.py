@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from helpers import fast_eval, make_adapter_run, plan_for, tiny_cfg, write_log_history
 
-from finetune.core import tasks
+from finetune.core import metrics, tasks
 from finetune.core.config.evaluation import EvalConfig
 from finetune.core.errors import ConfigError, DataError
-from finetune.evaluation import curves, metrics, regression
+from finetune.evaluation import curves, regression
 
 
 def answer_length(prompts, predictions, references):

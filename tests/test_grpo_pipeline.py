@@ -94,7 +94,7 @@ def test_training_stage_runs_grpo_and_records_the_rewards(tiny_cache: Path, tmp_
     assert on_disk["train"]["grpo"] == grpo
     # the evaluation stage scores the held-out answers with the same rewards, weights included: recomputed
     # here from samples.jsonl
-    from finetune.evaluation import rewards
+    from finetune.core import rewards
     from finetune.evaluation import stage as eval_stage
 
     evaluated = eval_stage.run(replace(cfg, eval=replace(cfg.eval, num_samples=4, regression=False)), run)

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
+from finetune.core import rewards
 from finetune.core.config.grpo import GRPOObjective
 from finetune.core.errors import ConfigError, RewardError
-from finetune.evaluation import rewards
 
 PROMPTS = ["Even or odd: 12", "Even or odd: 7", "Sentiment: The movie was great.", "Parity of 3"]
 COMPLETIONS = ["Even.", "even", "The answer is positive", "odd"]

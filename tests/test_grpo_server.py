@@ -23,9 +23,9 @@ import pytest
 from helpers import REPO, Capture
 
 from finetune import rundir
+from finetune.core import rewards as reward_fns
 from finetune.core.composition import compose
 from finetune.core.errors import LaunchError
-from finetune.evaluation import rewards as reward_fns
 from finetune.launch import stage as launch_stage
 from finetune.launch import vllm_server
 from finetune.launch.vllm_server import ServerSpec, split_gpus, vllm_serve_argv

@@ -9,7 +9,7 @@ import pytest
 from helpers import tiny_cfg
 
 from finetune.core.errors import ConfigError
-from finetune.evaluation.rewards import resolve
+from finetune.core.rewards import resolve
 from finetune.train.grpo_trainer import build_grpo_config
 
 GROUPS = ("objective=grpo", "train.batch_size=8", "objective.num_generations=4")

@@ -16,7 +16,7 @@ import torch
 from finetune.core import tasks
 from finetune.core.config.grpo import GRPOObjective
 from finetune.core.errors import RewardError
-from finetune.evaluation.rewards import Reward, resolve
+from finetune.core.rewards import Reward, resolve
 
 
 def _trainer(tiny_model_cfg: Any, out: Path, extra: list[Reward], max_steps: int = 2) -> Any:

@@ -16,8 +16,8 @@ import pytest
 import torch
 from helpers import REPO, child_env, tiny_cfg
 
+from finetune.core import metrics, rewards
 from finetune.core.errors import ConfigError, LaunchError, RewardError
-from finetune.evaluation import metrics, rewards
 
 PROMPTS, COMPLETIONS, REFERENCES = ["p1", "p2"], ["a", "b"], ["a", "c"]
 

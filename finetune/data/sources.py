@@ -24,26 +24,23 @@ import hashlib
 import io
 import json
 import os
-import re
 import stat
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Optional, Union
 
 from finetune.core.config.data import DataConfig
 from finetune.core.errors import DataError
+from finetune.data.jsontext import CHUNK, Advance, JsonText
 
 EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
 _SAVE_TO_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 # Bad records located by place: the first in the error, these many in data_stats.json.
 EXAMPLES = 5
-_CHUNK = 1 << 20  # bytes read at a time, and between two progress updates
 _PARQUET_BATCH = 4096  # rows converted to Python at a time
 TOO_DEEP = "nested too deeply for Python's JSON reader (RecursionError near 1,000 levels)"
-
-Advance = Callable[[int], None]  # progress: bytes (files) or rows (a data set) just read
 
 
 @dataclass
@@ -192,7 +189,7 @@ def content_fingerprint(path: Path) -> str:
     for p in files_under(path):
         h.update(str(p.relative_to(path) if path.is_dir() else p.name).encode() + b"\0")
         with _open_regular(p) as f:
-            for chunk in iter(lambda: f.read(_CHUNK), b""):
+            for chunk in iter(lambda: f.read(CHUNK), b""):
                 h.update(chunk)
         h.update(b"\0")
     return h.hexdigest()
@@ -213,7 +210,7 @@ def _read_jsonl(path: Path, name: str, advance: Advance) -> Iterator[Item]:
         unreported = 0
         for lineno, raw in enumerate(f, start=1):
             unreported += len(raw)
-            if unreported >= _CHUNK:
+            if unreported >= CHUNK:
                 advance(unreported)
                 unreported = 0
             if not raw.strip():
@@ -247,7 +244,7 @@ def _invalid_utf8(f: BinaryIO, name: str) -> Optional[BadRecord]:
     offset, lines = 0, 0
     try:
         while True:
-            chunk = f.read(_CHUNK)
+            chunk = f.read(CHUNK)
             try:
                 decoder.decode(chunk, final=not chunk)
             except UnicodeDecodeError as exc:
@@ -261,110 +258,6 @@ def _invalid_utf8(f: BinaryIO, name: str) -> Optional[BadRecord]:
             lines += chunk.count(b"\n")
     finally:
         f.seek(0)
-
-
-_NOT_SPACE = re.compile(r"[^ \t\n\r]")
-_STRUCTURE = re.compile(r'["\[\]{}]')
-_STRING_END = re.compile(r'["\\]')
-_SCALAR_END = re.compile(r"[,\]}\s]")
-_DECODER = json.JSONDecoder()
-
-
-class _JsonText:
-    """A (UTF-8 checked) JSON file's text read in chunks: `buf[pos:]` is unread, `line` the line at `pos`.
-    What is consumed is dropped at the next read, so memory holds about one item and one chunk."""
-
-    def __init__(self, f: BinaryIO, advance: Advance):
-        self._f, self._advance = f, advance
-        self._decoder = codecs.getincrementaldecoder("utf-8-sig")()
-        self.buf, self.pos, self.line, self.eof = "", 0, 1, False
-
-    def _fill(self) -> bool:
-        """One more chunk into the buffer (the consumed part dropped); False at the end of the file."""
-        if self.eof:
-            return False
-        data = self._f.read(_CHUNK)
-        self._advance(len(data))
-        self.buf = self.buf[self.pos :] + self._decoder.decode(data, final=not data)
-        self.pos = 0
-        self.eof = not data
-        return True
-
-    def peek(self) -> str:
-        """The next character that is not white space ('' at the end), `pos` moved to it."""
-        while True:
-            m = _NOT_SPACE.search(self.buf, self.pos)
-            end = m.start() if m else len(self.buf)
-            self.line += self.buf.count("\n", self.pos, end)
-            self.pos = end
-            if m:
-                return m.group(0)
-            if not self._fill():
-                return ""
-
-    def value(self) -> Optional[str]:
-        """The text of the JSON value at `pos`, which moves past it; None when the file ends inside it.
-
-        Found by its brackets and quotes alone (an integer for the depth, no recursion), so a value nested
-        10,000 levels deep costs a scan, not a parse."""
-        start, i, depth = self.pos, self.pos, 0
-        if self.buf[start] not in '"[{':  # a number, true, false or null
-            while True:
-                m = _SCALAR_END.search(self.buf, i)
-                if m or self.eof:
-                    return self._take(m.start() if m else len(self.buf))
-                i = len(self.buf) - self.pos
-                self._fill()
-                i += self.pos
-        in_string = False
-        while True:
-            m = (_STRING_END if in_string else _STRUCTURE).search(self.buf, i)
-            if m is None or m.end() > len(self.buf) - (m.group(0) == "\\"):
-                # Not in this chunk (or an escape at its very end): read on, keeping the value's start.
-                i = (m.start() if m else len(self.buf)) - self.pos
-                if not self._fill():
-                    return None
-                i += self.pos
-                continue
-            ch, i = m.group(0), m.end()
-            if in_string:
-                if ch == "\\":
-                    i += 1  # the escaped character
-                    continue
-                in_string = False
-                if depth == 0:
-                    return self._take(i)
-            elif ch == '"':
-                in_string = True
-            elif ch in "[{":
-                depth += 1
-            else:
-                depth -= 1
-                if depth == 0:
-                    return self._take(i)
-
-    def parsed(self) -> Optional[tuple[Any]]:
-        """(the JSON value at `pos`,) parsed in place by the C decoder, `pos` moved past it; None (`pos` kept)
-        when it does not parse within the buffer, or ends at its end (a number may go on in the next chunk)."""
-        try:
-            obj, end = _DECODER.raw_decode(self.buf, self.pos)
-        except (json.JSONDecodeError, RecursionError):
-            return None
-        if end == len(self.buf) and not self.eof:
-            return None
-        self._take(end)
-        return (obj,)
-
-    def _take(self, end: int) -> str:
-        text = self.buf[self.pos : end]
-        self.line += text.count("\n")
-        self.pos = end
-        return text
-
-    def rest(self) -> str:
-        while self._fill():
-            pass
-        return self._take(len(self.buf))
 
 
 def _item(name: str, line: int, index: int, text: str) -> Item:
@@ -389,7 +282,7 @@ def _read_json(path: Path, name: str, advance: Advance) -> Iterator[Item]:
         if bad is not None:
             yield bad
             return
-        text = _JsonText(f, advance)
+        text = JsonText(f, advance)
         first = text.peek()
         if not first:
             return
@@ -400,7 +293,7 @@ def _read_json(path: Path, name: str, advance: Advance) -> Iterator[Item]:
             yield from _whole(text.rest(), name)
 
 
-def _array_items(text: _JsonText, name: str) -> Iterator[Item]:
+def _array_items(text: JsonText, name: str) -> Iterator[Item]:
     """The items of a top-level JSON array, one at a time; a malformed item is one bad record (the next
     one is still read), an array that breaks off ends the file with one."""
     index = 0

@@ -36,11 +36,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune import rundir
+from finetune.core import metrics, rewards
 from finetune.core.config import Config
 from finetune.core.config.evaluation import EvalConfig
 from finetune.core.markup import console_text, terminal_text
 from finetune.data.stage import load_prepared
-from finetune.evaluation import curves, lm_eval, metrics, preference, regression, rewards
+from finetune.evaluation import curves, lm_eval, preference, regression
 from finetune.evaluation.generate import generate, sampling_kwargs
 from finetune.evaluation.heldout import answered, heldout_loss
 from finetune.evaluation.report import metric_names, write_report

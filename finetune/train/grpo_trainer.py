@@ -1,7 +1,7 @@
 """GRPO through TRL's `GRPOTrainer`: the project's rewards, its settings, generation where the plan says.
 
 TRL samples `num_generations` completions per prompt, scores each with the reward functions, and
-trains on the advantages within each group. What is ours: the rewards (`finetune/evaluation/rewards.py`,
+trains on the advantages within each group. What is ours: the rewards (`finetune/core/rewards.py`,
 one finite number per completion or a one-line `RewardError`), the mapping of `GRPOObjective` onto
 `GRPOConfig`, and the generation mode (`transformers` inside the trainer on the CPU and wherever vLLM is
 absent; vLLM `colocate` or `server` on CUDA).
@@ -21,11 +21,11 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from finetune import rundir
+from finetune.core import rewards as reward_fns
 from finetune.core.config import Config
 from finetune.core.config.grpo import GRPOObjective
 from finetune.core.errors import ConfigError
-from finetune.evaluation import rewards as reward_fns
-from finetune.evaluation.rewards import Reward
+from finetune.core.rewards import Reward
 from finetune.planner import Plan
 from finetune.train.base_trainer import RunTrainerMixin, common_kwargs
 from finetune.train.callbacks import RunMonitor

@@ -27,7 +27,7 @@ from finetune.core.config import Config
 from finetune.core.config.evaluation import REGEX_PREFIX
 from finetune.core.config.grpo import FORMAT_PREFIX, check_reward_name
 from finetune.core.errors import ConfigError, RewardError
-from finetune.evaluation.metrics import as_number, call_fenced, import_function
+from finetune.core.metrics import as_number, call_fenced, import_function
 
 Score = Callable[[Sequence[str], Sequence[str], Sequence[str]], Sequence[Any]]
 
