@@ -26,9 +26,14 @@ print("bars off:", os.environ.get("HF_DATASETS_DISABLE_PROGRESS_BARS"), os.envir
 """
 
 
+# what an earlier quiet_libraries() in this test process may have set: the child starts without them
+BARS = ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS")
+
+
 def _run(verbose: str) -> list[str]:
+    env = {k: v for k, v in child_env().items() if k not in BARS}
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, verbose], cwd=REPO, env=child_env(), capture_output=True, text=True
+        [sys.executable, "-c", CHILD, verbose], cwd=REPO, env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()

@@ -77,7 +77,8 @@ def test_harness_scores_base_and_trained_in_metrics_and_report(tmp_path, tiny_ca
     import torch
 
     from finetune.evaluation import stage as eval_stage
-    from finetune.modeling.models import load_tokenizer, load_variant
+    from finetune.modeling.models import load_tokenizer
+    from finetune.modeling.variants import load_variant
 
     task = parity_task(tmp_path / "task")
     run = tmp_path / "run"

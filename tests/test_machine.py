@@ -290,7 +290,7 @@ def test_the_command_line_refuses_gpu_plans_on_this_cpu_machine(tmp_path):
         assert "this machine has no CUDA GPU" in lines[0] and "hardware=local" in lines[0]
     for run in (tmp_path / "one", tmp_path / "eight"):
         left = {p.name for p in run.iterdir()}
-        assert left <= {"config.yaml", "plan.json", ".lock", rundir.OWNER_FILE}, (
+        assert left <= {"config.yaml", "plan.json", ".lock", rundir.OWNER_FILE, rundir.RESUME_FILE}, (
             left
         )  # no launch.sh, checkpoints, metrics
     dry = run_cli(

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
-from helpers import plan_for, planned, prepare_run, tiny_cfg, write_engine
+from helpers import evaluate, plan_for, planned, prepare_run, tiny_cfg, write_engine
 from trl import DPOConfig, DPOTrainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
@@ -150,13 +150,13 @@ def test_a_registered_objective_prepares_and_trains_the_tiny_model(rpo, tmp_path
     cfg = resolve(cfg)
     plan = plan_for(cfg, micro_batch_size=2, grad_accum_steps=1)
     write_engine(cfg, plan, run)
-    metrics = stage.run(
-        cfg, run, plan, datasets=(train.select(range(6)), evals.select(range(4))), max_generate=2
-    )
+    held_out = evals.select(range(4))
+    metrics = stage.run(cfg, run, plan, datasets=(train.select(range(6)), held_out))
+    scores = evaluate(cfg, run, held_out, 2)
 
     (args,) = BUILT
     assert args.loss_type == ["sigmoid", "sft"] and args.loss_weights == [1.0, 0.5] and args.beta == 0.1
     assert metrics["train"]["steps"] == 3 and math.isfinite(metrics["train"]["final_loss"])
     assert metrics["train"]["rpo"] == {"logged_steps": 3}  # its own summary of what TRL logged
-    trained = metrics["eval"]["trained"]
+    trained = scores["trained"]
     assert 0.0 <= trained["preference_accuracy"] <= 1.0 and math.isfinite(trained["reward_margin"])

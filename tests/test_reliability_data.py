@@ -362,7 +362,11 @@ def test_deeply_nested_parquet_schema_is_one_line(tmp_path, tokenizer):
     for _ in range(200):
         value = [value]
     pq.write_table(pa.table({"messages": pa.array([value])}), tmp_path / "schema.parquet")
-    with pytest.raises(DataError, match=r"schema\.parquet: not a readable Parquet file .*too deeply nested"):
+    # pyarrow's own reason: "too deeply nested" (26), "Invalid flatbuffers message" (25, what mlflow pins)
+    with pytest.raises(
+        DataError,
+        match=r"schema\.parquet: not a readable Parquet file .*(too deeply nested|Invalid flatbuffers message)",
+    ):
         stage.run(
             _cfg(tmp_path / "schema.parquet", tmp_path / "cache", on_error="skip"),
             tmp_path / "r",

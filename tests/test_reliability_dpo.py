@@ -31,7 +31,7 @@ def test_dpo_with_no_held_out_pairs_trains(tmp_path, tiny_cache):
     )
     run = prepare_run(cfg)
     assert len(load_from_disk(str(run / "data" / "eval"))) == 0
-    metrics = stage.run(cfg, run, plan_stage(cfg, run, quiet=True), max_generate=1)
+    metrics = stage.run(cfg, run, plan_stage(cfg, run, quiet=True))
     assert metrics["train"]["steps"] == 2
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
     last = checkpoints.last_complete(run / "checkpoints")

@@ -229,7 +229,7 @@ def test_a_run_stopped_after_its_final_checkpoint_trains_no_step_more(tmp_path, 
                            run_dir=tmp_path / "run"))  # fmt: skip
     run = prepare_run(cfg)
     plan = plan_stage(cfg, run, quiet=True)
-    first = stage.run(cfg, run, plan, max_generate=1)
+    first = stage.run(cfg, run, plan)
     assert first["train"]["steps"] == 4
     weights = (run / "adapter" / "adapter_model.safetensors").read_bytes()
     # what a stop after checkpoint-4 was saved leaves: no output, no metrics
@@ -237,7 +237,7 @@ def test_a_run_stopped_after_its_final_checkpoint_trains_no_step_more(tmp_path, 
 
     shutil.rmtree(run / "adapter")
     (run / "metrics.json").unlink()
-    again = stage.run(cfg, run, plan, max_generate=1)
+    again = stage.run(cfg, run, plan)
     assert again["train"]["steps"] == 4 and again["train"]["step_seconds"] == []  # no step trained
     assert again["train"]["resumed_from"] == str((run / "checkpoints" / "checkpoint-4").resolve())
     assert (run / "adapter" / "adapter_model.safetensors").read_bytes() == weights

@@ -348,10 +348,10 @@ def test_compare_md_and_console_show_hostile_names_and_values_as_text(tmp_path):
     assert "x[/]y" in text and "[red]z[/red]" in text
 
 
-def test_plan_and_eval_consoles_print_brackets_and_escapes_literally(capsys):
+def test_plan_and_eval_consoles_print_brackets_and_escapes_literally(capsys, tmp_path):
     from rich.console import Console
 
-    from finetune.evaluation.stage import _print_table
+    from finetune.evaluation.stage import show
     from finetune.pipeline.plan_report import print_plan
 
     _, plan = planned(SEQ_LEN)
@@ -361,7 +361,9 @@ def test_plan_and_eval_consoles_print_brackets_and_escapes_literally(capsys):
     text = console.export_text()
     assert "run x[/] [bold]y" in text and "model.config_path=/x/[/]y ?[2J" in text and "\x1b[2J" not in text
     capsys.readouterr()
-    _print_table({"base": {"regex:[a-z]+": 0.5, "x[/]": 1.0}})  # eaten as a style, or MarkupError
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "metrics.json").write_text(json.dumps({"base": {"regex:[a-z]+": 0.5, "x[/]": 1.0}}))
+    show(tmp_path)  # eaten as a style, or MarkupError
     err = capsys.readouterr().err
     assert "regex:[a-z]+" in err and "x[/]" in err
 

@@ -364,9 +364,10 @@ def test_fused_optimizer_trains_like_the_unfused_one(tmp_path, tiny_data, baseli
     assert baseline["train"]["engine"]["fused_optimizer"] is False
     assert fused["train"]["engine"]["optimizer_kind"] == "adamw"
     assert _losses(fused) == pytest.approx(_losses(baseline), rel=1e-5)
-    # The trained adapters: within 1e-4 of their largest weight (about 2% of one step's update at lr 5e-3;
-    # Adam's normalised step carries the kernels' last-bit differences into the weights).
-    _assert_grads_close(_adapter(fused), _adapter(baseline), 1e-4)
+    # The trained adapters: within 2e-4 of their largest weight (about 4% of one step's update at lr 5e-3;
+    # Adam's normalised step carries the kernels' last-bit differences into the weights, and how many bits
+    # differ depends on the processor's vector width: 1.4e-4 was seen on an AVX-512 machine).
+    _assert_grads_close(_adapter(fused), _adapter(baseline), 2e-4)
 
 
 def test_bf16_adapters_train_like_fp32_adapters_within_bf16_rounding(tmp_path, tiny_data):

@@ -28,6 +28,7 @@ from helpers import HOSTILE, REPO, command_line_plan, fake_run_dir
 
 from finetune.core.config import UiConfig
 from finetune.ui import server
+from finetune.ui.pages import TERMS
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -79,9 +80,7 @@ def assert_shows(shown: dict[str, Any], payload: dict[str, Any]) -> None:
     )
     assert int(shown["seq_len"]) == payload["seq_len"]
     assert {k: number(v) for k, v in shown["terms"].items()} == {
-        **{
-            k: memory[k] for k in ("weights", "trainable_state", "activations", "logits", "overhead", "total")
-        },
+        **{k: memory[k] for k in (*(term for term, _ in TERMS), "total")},
         "usable": payload["usable_gpu_memory_gb"],
     }
     assert {k: v for k, v in shown["strategy"].items() if k != "layout"} == {
