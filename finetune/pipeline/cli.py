@@ -30,6 +30,7 @@ from finetune.core.errors import (
     is_disk_full,
 )
 from finetune.core.markup import terminal_line
+from finetune.core.noise import quiet_libraries
 from finetune.core.secrets import install_log_filter
 from finetune.pipeline import smoke, stages, starter
 from finetune.rundir import free_bytes
@@ -45,6 +46,7 @@ def run(cfg: Config) -> int:
 def chat(cfg: Config) -> int:
     """`mode=chat`: the run's model in the terminal. The chat module loads torch and transformers on import,
     so it is imported here, when it runs (as the pipeline imports the evaluation stage)."""
+    quiet_libraries(cfg.verbose)  # before the libraries load: their notices are the evaluation's noise too
     from finetune.evaluation import chat as chat_module
 
     cfg = stages.resolve(cfg)
