@@ -17,7 +17,7 @@ from finetune.export import modelcard
 
 
 def flat(cfg) -> dict:
-    out = modelcard._flat(asdict(cfg))
+    out = modelcard.flatten(asdict(cfg))
     return {k: v for k, v in out.items() if not k.startswith("hardware.") and k not in ("mode", "run_dir")}
 
 

@@ -20,20 +20,12 @@ from finetune import rundir
 from finetune.core.composition import compose, group_choices, recipe_names
 from finetune.core.config import Config, ModelConfig
 from finetune.core.markup import markdown_text
+from finetune.core.nested import flatten
 from finetune.modeling.models import model_source
 
 # Keys a reproduction leaves to the machine it runs on (the hardware profile is chosen by name).
 _MACHINE_SECTIONS = ("hardware",)
 _SKIPPED = ("mode", "run_dir")
-
-
-def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(obj, dict):
-        out: dict[str, Any] = {}
-        for key, value in obj.items():
-            out.update(_flat(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: obj}
 
 
 def _value(value: Any) -> str:
@@ -65,7 +57,7 @@ def reproduce_overrides(cfg: Config) -> list[str]:
     start = _start(cfg)
     if cfg.hardware.name in group_choices("hardware"):
         start.append(f"hardware={cfg.hardware.name}")
-    mine, base = _flat(asdict(cfg)), _flat(asdict(compose(start)))
+    mine, base = flatten(asdict(cfg)), flatten(asdict(compose(start)))
     changed = [
         f"{key}={_value(value)}"
         for key, value in mine.items()

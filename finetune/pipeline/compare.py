@@ -20,6 +20,7 @@ from finetune import rundir
 from finetune.core.config import RUNS_DIR
 from finetune.core.errors import ConfigError, FinetuneError
 from finetune.core.markup import console_text, markdown_cell
+from finetune.core.nested import flatten
 from finetune.modeling.variants import VARIANTS
 
 # Config keys that differ between any two runs without being a knob of the experiment.
@@ -42,15 +43,6 @@ def resolve_run(name: str, root: Path = Path(RUNS_DIR)) -> Path:
     raise ConfigError(f"runs: {name!r} is not a run directory (looked in {name} and {root / name})")
 
 
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: node}
-
-
 def _read(file: Path, parse: Any) -> Any:
     """A compared run's file, parsed; a damaged one is one line naming it (a link or FIFO there too)."""
     if not file.is_file():
@@ -68,7 +60,7 @@ def _read(file: Path, parse: Any) -> Any:
 def _config(path: Path) -> dict[str, Any]:
     import yaml
 
-    return _flatten(_read(path / rundir.CONFIG_FILE, yaml.safe_load))
+    return flatten(_read(path / rundir.CONFIG_FILE, yaml.safe_load))
 
 
 def _metrics(path: Path) -> tuple[dict[str, dict], dict[str, Any], str]:

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit, urlunsplit
 from finetune import rundir
 from finetune.core.config import Config
 from finetune.core.errors import ConfigError, LaunchError
+from finetune.core.nested import flatten
 from finetune.rundir.layout import (
     MLFLOW_ARTIFACTS_DIR,
     MLFLOW_DB_FILE,
@@ -150,15 +151,9 @@ def start_mlflow_run(cfg: Config, run_dir: Path) -> str:
     return run_id
 
 
-def flat_params(obj: Any, prefix: str = "") -> dict[str, str]:
-    """Nested dicts and lists as MLflow parameters: `train.seq_len` -> "128" (lists as JSON)."""
-    if isinstance(obj, dict):
-        out: dict[str, str] = {}
-        for key, value in obj.items():
-            out.update(flat_params(value, f"{prefix}{key}."))
-        return out
-    value = json.dumps(obj) if isinstance(obj, (list, tuple)) else str(obj)
-    return {prefix[:-1]: value}
+def flat_params(obj: Any) -> dict[str, str]:
+    """Nested dicts as MLflow parameters: `train.seq_len` -> "128" (lists as JSON)."""
+    return {k: json.dumps(v) if isinstance(v, (list, tuple)) else str(v) for k, v in flatten(obj).items()}
 
 
 def run_params(run_dir: Path) -> dict[str, str]:
