@@ -64,20 +64,50 @@ REFERENCES = (
     "when_kl",  # only when the settings ask for a KL term (GRPO with beta > 0)
 )
 
-# What the evaluation adds on the held-out split beside the generation metrics and the regression set
-# (finetune/evaluation/stage.py reads the objective's settings for them).
-SCORES = {
-    # the implicit rewards beta x log(pi / pi_ref) of the held-out pairs' two answers, the settings' beta
-    "preference": (
-        "preference_accuracy",
-        "reward_margin",
-        "reward_chosen",
-        "reward_rejected",
-        "logprob_accuracy",
+@dataclass(frozen=True)
+class ScoreKind:
+    """What the evaluation adds on the held-out split beside the generation metrics and the regression set."""
+
+    description: str  # for people
+    metrics: tuple[str, ...]  # the names it adds to each model's scores
+    # Its scorer ("module:Class" under finetune/evaluation/): `Scorer(cfg, run_dir, eval_dataset, tokenizer,
+    # variants)` once per evaluation, then `.score(model, variant, items, answers)` for each model, returning
+    # {metric: value} (empty where the held-out split holds nothing it scores).
+    scorer: str
+
+
+SCORES: dict[str, ScoreKind] = {
+    "preference": ScoreKind(
+        "the implicit rewards beta x log(pi / pi_ref) of the held-out pairs' two answers, the settings' beta",
+        (
+            "preference_accuracy",
+            "reward_margin",
+            "reward_chosen",
+            "reward_rejected",
+            "logprob_accuracy",
+        ),
+        "finetune.evaluation.preference:Scorer",
     ),
-    # the settings' rewards on the generated answers to the held-out prompts
-    "rewards": ("mean_reward", "pass_rate"),
+    "rewards": ScoreKind(
+        "the settings' rewards on the generated answers to the held-out prompts",
+        ("mean_reward", "pass_rate"),
+        "finetune.evaluation.reward_scores:Scorer",
+    ),
 }
+
+
+@dataclass(frozen=True)
+class Companion:
+    """A frozen model that runs forward-only beside the policy in each training step, with its own weights: a
+    distillation teacher, a learned reward model scoring rollouts. The planner counts its weights (sharded like
+    the policy where the engine shards), its forward's working memory and its time; the training stage loads it.
+    (The reference model is not one: it is the policy's own base, `reference`.)"""
+
+    role: str  # what it does, for people and the plan's term names: "teacher", "reward_model"
+    # The model, named as `model=` names one: a preset, a hub id, a folder, or a run directory's trained output.
+    model: str
+    # What its forward ends in: "lm" (logits over the vocabulary) or "score" (one value per sequence).
+    head: str = "lm"
 
 
 def load(path: str) -> Any:
@@ -121,6 +151,8 @@ class ObjectiveSpec:
     chunked_loss: bool = False
     # The scores the evaluation adds (a key of SCORES), or None.
     scores: Optional[str] = None
+    # Its companion models ("module:function" taking the `objective` settings, returning Companions), or None.
+    companions: Optional[str] = None
     # What the exported model is, for people (the export itself is the method's merge, the same for every objective).
     export: str = "the trained policy, merged per the method"
 
@@ -148,7 +180,7 @@ class ObjectiveSpec:
     @property
     def eval_metrics(self) -> tuple[str, ...]:
         """The metrics the evaluation adds on the held-out split."""
-        return SCORES[self.scores] if self.scores else ()
+        return SCORES[self.scores].metrics if self.scores else ()
 
     def settings_class(self) -> type:
         """The dataclass of the `objective` section for this objective."""
@@ -157,6 +189,14 @@ class ObjectiveSpec:
     def trainer_module(self) -> ModuleType:
         """The module that builds this objective's TRL config and trainer."""
         return load(self.trainer)
+
+    def scorer_class(self) -> Optional[type]:
+        """The evaluation's scorer of this objective's own scores, or None."""
+        return load(SCORES[self.scores].scorer) if self.scores else None
+
+    def companions_of(self, settings: Any) -> tuple[Companion, ...]:
+        """The frozen models the settings put beside the policy (none for most objectives)."""
+        return tuple(load(self.companions)(settings)) if self.companions else ()
 
     def record_module(self) -> ModuleType:
         """The data module that prepares and saves this objective's records."""

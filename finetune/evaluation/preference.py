@@ -15,10 +15,15 @@ model (`log_probs` of it), so base, trained and merged compare like with like.
 
 from __future__ import annotations
 
-from typing import Any
+import gc
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+from finetune.modeling.variants import load_variant
 
 # Pairs per forward: both sides of each go through the model together (twice the rows).
 BATCH_PAIRS = 8
@@ -79,3 +84,29 @@ def scores(policy: list[list[float]], reference: list[list[float]], beta: float)
         "logprob_accuracy": sum(p[0] > p[1] for p in policy) / n,
         "pairs": n,
     }
+
+
+class Scorer:
+    """The `preference` scores of each model, against one reference: the base's log-probabilities, from the
+    base as scored in this evaluation, or loaded once when the base is not among the models scored."""
+
+    def __init__(self, cfg: Any, run_dir: Path, eval_dataset: Any, tokenizer: Any, variants: Sequence[str]):
+        self.beta = cfg.objective.beta
+        self.dataset = eval_dataset if applies(eval_dataset) else None
+        self.pad_token_id = tokenizer.pad_token_id
+        self.reference: Optional[list[list[float]]] = None
+        if self.dataset is not None and "base" not in variants:
+            model = load_variant(cfg, run_dir, "base")
+            try:
+                self.reference = log_probs(model, self.dataset, self.pad_token_id)
+            finally:
+                del model
+                gc.collect()
+
+    def score(self, model: Any, variant: str, items: Sequence[dict], answers: Sequence[str]) -> dict[str, float]:
+        if self.dataset is None:
+            return {}
+        mine = log_probs(model, self.dataset, self.pad_token_id)
+        if self.reference is None:  # the base, scored first: the reference of the models after it
+            self.reference = mine
+        return scores(mine, self.reference, self.beta)

@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune import rundir
-from finetune.core import metrics, rewards
+from finetune.core import metrics
 from finetune.core.config import Config
 from finetune.core.config.evaluation import EvalConfig
 from finetune.core.markup import console_text, terminal_text
 from finetune.data.stage import load_prepared
-from finetune.evaluation import curves, lm_eval, preference, regression
+from finetune.evaluation import curves, lm_eval, regression
 from finetune.evaluation.generate import generate, sampling_kwargs
 from finetune.evaluation.heldout import answered, heldout_loss
 from finetune.evaluation.report import metric_names, write_report
@@ -328,16 +328,9 @@ def _evaluate_variants(
     result: dict[str, Any] = {}
     model = None
     # The objective's own scores (finetune/core/objectives.py SCORES), with its own settings.
-    scores = cfg.objective.spec.scores
-    pairs = scores == "preference" and preference.applies(eval_dataset)
-    # GRPO's rewards: every model's answers scored with them too
-    reward_fns = rewards.for_objective(cfg) if scores == "rewards" else None
+    scorer_class = cfg.objective.spec.scorer_class()
+    scorer = scorer_class(cfg, run_dir, eval_dataset, tokenizer, todo) if scorer_class else None
     adapter_on_base = adapter_on_unchanged_base(cfg)
-    # Preference pairs: every model is scored against the base's log-probabilities (the reference): the model
-    # training started from (`load_start`), so under init_from the SFT'd model, as DPO's own reference was.
-    reference = (
-        None if not pairs or "base" in todo else _base_log_probs(cfg, run_dir, eval_dataset, tokenizer)
-    )
     for v in todo:
         # the trained adapter goes onto the base just scored, unless that base wore init_from's adapter
         reuse = v == "trained" and model is not None and adapter_on_base
@@ -348,33 +341,15 @@ def _evaluate_variants(
         log.info("evaluating %s", v)
         result[v] = _score_variant(model, tokenizer, eval_dataset, prompts, cfg.eval, metric_fns, v)
         result[v].update(lm_eval.scores(cfg.eval, model, tokenizer))  # eval.lm_eval_tasks, on the same model
-        if reward_fns and prompts.items:
+        if scorer is not None:
             answers = [row[v] for row in prompts.rows if row["set"] == "task"]
-            refs = [it["reference"] for it in prompts.items]
-            result[v].update(
-                rewards.scores(reward_fns, [it["prompt"] for it in prompts.items], answers, refs)
-            )
-        if pairs:
-            mine = preference.log_probs(model, eval_dataset, tokenizer.pad_token_id)
-            reference = reference if reference is not None else mine
-            result[v].update(preference.scores(mine, reference, cfg.objective.beta))
+            result[v].update(scorer.score(model, v, prompts.items, answers))
         if not (v == "base" and "trained" in todo and adapter_on_base):
             model = None  # keep the base only to put the adapter on it next
 
     model = None
     gc.collect()
     return result
-
-
-def _base_log_probs(cfg: Config, run_dir: Path, eval_dataset: Any, tokenizer: Any) -> list[list[float]]:
-    """The base model's log-probabilities of the held-out pairs: the reference the preference metrics need
-    when the base itself is not scored in this call (export scores `merged` alone)."""
-    model = load_variant(cfg, run_dir, "base")
-    try:
-        return preference.log_probs(model, eval_dataset, tokenizer.pad_token_id)
-    finally:
-        del model
-        gc.collect()
 
 
 def _score_variant(
