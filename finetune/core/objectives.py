@@ -64,6 +64,7 @@ REFERENCES = (
     "when_kl",  # only when the settings ask for a KL term (GRPO with beta > 0)
 )
 
+
 @dataclass(frozen=True)
 class ScoreKind:
     """What the evaluation adds on the held-out split beside the generation metrics and the regression set."""

@@ -103,7 +103,9 @@ class Scorer:
                 del model
                 gc.collect()
 
-    def score(self, model: Any, variant: str, items: Sequence[dict], answers: Sequence[str]) -> dict[str, float]:
+    def score(
+        self, model: Any, variant: str, items: Sequence[dict], answers: Sequence[str]
+    ) -> dict[str, float]:
         if self.dataset is None:
             return {}
         mine = log_probs(model, self.dataset, self.pad_token_id)

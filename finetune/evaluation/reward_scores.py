@@ -17,7 +17,9 @@ class Scorer:
     def __init__(self, cfg: Any, run_dir: Path, eval_dataset: Any, tokenizer: Any, variants: Sequence[str]):
         self.rewards = rewards.for_objective(cfg)
 
-    def score(self, model: Any, variant: str, items: Sequence[dict], answers: Sequence[str]) -> dict[str, float]:
+    def score(
+        self, model: Any, variant: str, items: Sequence[dict], answers: Sequence[str]
+    ) -> dict[str, float]:
         if not self.rewards or not items:
             return {}
         refs = [it["reference"] for it in items]
