@@ -136,8 +136,9 @@ def _split_by_prompt(
 ) -> tuple[list[pairs.Pair], list[pairs.Pair]]:
     """(train, eval) pairs, held out by prompt: the prompts are split (seeded by their keys), every pair
     follows its prompt, and a training pair whose prompt is an exact or near duplicate of an eval prompt is
-    dropped (`eval_leak`)."""
-    keys = [clean.conversation_key(p.prompt) for p in kept]
+    dropped (`eval_leak`). A prompt is its user turns (`clean.prompt_key`): the same question under another
+    system prompt, or in other spacing or case, is the same prompt."""
+    keys = [clean.prompt_key(p.prompt) for p in kept]
     unique = sorted(set(keys))
     n = len(unique)
     n_eval = round(dc.eval_fraction * n)
@@ -149,7 +150,7 @@ def _split_by_prompt(
     train = [p for p, k in zip(kept, keys) if k not in eval_keys]
     evals = [p for p, k in zip(kept, keys) if k in eval_keys]
     if evals and train:
-        train_keys = [clean.conversation_key(p.prompt) for p in train]
+        train_keys = [clean.prompt_key(p.prompt) for p in train]
         eval_sorted = sorted(eval_keys)
         sig = (
             clean.Signatures.of(clean.signatures(train_keys + eval_sorted), dc.near_dedup_threshold)
