@@ -61,7 +61,9 @@ def test_sft_train_keeps_no_restated_eval_prompt(tmp_path, tokenizer):
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
     cfg = Config(
-        data=DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"), near_dedup=False, eval_fraction=0.3),
+        data=DataConfig(
+            path=str(path), cache_dir=str(tmp_path / "cache"), near_dedup=False, eval_fraction=0.3
+        ),
         train=TrainConfig(seq_len="auto"),
     )
     result = stage.run(cfg, tmp_path / "run", tokenizer=tokenizer)
@@ -78,7 +80,9 @@ def test_sft_train_keeps_no_restated_eval_prompt(tmp_path, tokenizer):
     cut = []
     for seed in range(1, 4):
         cfg = replace(cfg, data=replace(cfg.data, eval_fraction=0.3125))  # 25 of 80
-        again = stage.run(replace(cfg, data=replace(cfg.data, seed=seed)), tmp_path / f"run{seed}", tokenizer=tokenizer)
+        again = stage.run(
+            replace(cfg, data=replace(cfg.data, seed=seed)), tmp_path / f"run{seed}", tokenizer=tokenizer
+        )
         _, evals = stage.load_prepared(tmp_path / f"run{seed}")
         eval_prompts = {clean.prompt_key(json.loads(m)) for m in evals["messages"]}
         leaked = sum(clean.prompt_key(c) in eval_prompts for c in convs) - again["num_eval"]
@@ -116,7 +120,10 @@ def test_dpo_pairs_of_one_prompt_restated_follow_it_to_one_side():
     for i in range(20):
         question = f"How many legs does animal number {i} have?"
         kept.append(pairs.Pair([{"role": "user", "content": question}], _answer("four"), _answer("six")))
-        restated = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f" {question.lower()}  "}]
+        restated = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f" {question.lower()}  "},
+        ]
         kept.append(pairs.Pair(restated, _answer("Four legs."), _answer("Eight.")))
     tally = samples.Tally()
     train, evals = preferences._split_by_prompt(kept, dc, tally)

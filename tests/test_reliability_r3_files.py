@@ -50,7 +50,9 @@ def _sparse(path: Path, size: int) -> Path:
 
 @pytest.mark.parametrize("kind", ["dev_zero", "fifo"])
 def test_config_path_naming_a_device_or_fifo_is_one_line(tmp_path, fifo, capsys, kind):
-    path, what = {"dev_zero": ("/dev/zero", "a character device"), "fifo": (fifo, "a FIFO (named pipe)")}[kind]
+    path, what = {"dev_zero": ("/dev/zero", "a character device"), "fifo": (fifo, "a FIFO (named pipe)")}[
+        kind
+    ]
     start = time.monotonic()
     code, line = _cli(["mode=plan", f"run_dir={tmp_path / 'run'}", f"model.config_path={path}"], capsys)
     assert time.monotonic() - start < 30  # neither read /dev/zero nor waited on the FIFO
@@ -79,7 +81,9 @@ def test_a_yaml_config_file_that_is_a_fifo_or_oversized_is_one_line(tmp_path, fi
     big = _sparse(tmp_path / "mine.yaml", 100 << 20)
     code, line = _cli(["mode=plan", str(big)], capsys)
     assert code == 2
-    assert line.endswith(f"+recipe={big}: 104.9 MB, more than the 67.1 MB such a file may hold; is it the right file?")
+    assert line.endswith(
+        f"+recipe={big}: 104.9 MB, more than the 67.1 MB such a file may hold; is it the right file?"
+    )
 
 
 def test_an_lm_eval_task_file_that_is_a_fifo_or_device_is_one_line(tmp_path, fifo):
@@ -87,7 +91,10 @@ def test_an_lm_eval_task_file_that_is_a_fifo_or_device_is_one_line(tmp_path, fif
 
     link = tmp_path / "task.yaml"
     link.symlink_to("/dev/zero")
-    for path, what in ((link, "a character device"), (fifo.rename(tmp_path / "fifo.yaml"), "a FIFO (named pipe)")):
+    for path, what in (
+        (link, "a character device"),
+        (fifo.rename(tmp_path / "fifo.yaml"), "a FIFO (named pipe)"),
+    ):
         with pytest.raises(ConfigError) as err:
             lm_eval._tasks(EvalConfig(lm_eval_tasks=[str(path)]))
         assert str(err.value) == f"eval.lm_eval_tasks={path}: is {what}, {REFUSAL}"
@@ -141,7 +148,9 @@ def test_the_metric_time_limit_is_a_checked_setting(tmp_path, capsys):
     assert EvalConfig().metric_timeout_s == 600.0
     assert tiny_cfg("eval.metric_timeout_s=2.5").eval.metric_timeout_s == 2.5
     for bad, why in (("0", "must be > 0"), ("-1", "must be > 0"), ("nan", "must be a finite number")):
-        code, line = _cli(["mode=plan", f"run_dir={tmp_path / 'run'}", f"eval.metric_timeout_s={bad}"], capsys)
+        code, line = _cli(
+            ["mode=plan", f"run_dir={tmp_path / 'run'}", f"eval.metric_timeout_s={bad}"], capsys
+        )
         assert code == 2 and "eval.metric_timeout_s=" in line and line.endswith(why), line
 
 
@@ -149,7 +158,9 @@ def test_a_user_metric_past_the_setting_is_one_line_naming_it(tmp_path, monkeypa
     (tmp_path / "slow_metrics.py").write_text(
         "import time\n\ndef slow(prompts, predictions, references):\n    time.sleep(30)\n    return 1.0\n"
     )
-    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(30)\n\ndef fn(p, q, r):\n    return 1.0\n")
+    (tmp_path / "slow_import.py").write_text(
+        "import time\ntime.sleep(30)\n\ndef fn(p, q, r):\n    return 1.0\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     (metric,) = metrics.resolve(["slow_metrics.slow"], timeout_s=0.2)
     start = time.monotonic()

@@ -26,6 +26,7 @@ from finetune.core.errors import ConfigError, FinetuneError
 
 Metric = Callable[[Sequence[str], Sequence[str], Sequence[str]], dict[str, float]]
 
+
 def call_fenced(
     fn: Callable[[], Any],
     what: str,
