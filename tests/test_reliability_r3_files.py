@@ -178,3 +178,33 @@ def test_a_user_metric_past_the_setting_is_one_line_naming_it(tmp_path, monkeypa
         "importing 'slow_import' (eval.metrics) did not return within 0.2 s (eval.metric_timeout_s); fix it, "
         "or raise eval.metric_timeout_s if it is only slow"
     )
+
+
+# ---------------------------------------------------------------- a checkpoint named by resume=PATH
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "oversized"])
+def test_a_checkpoint_manifest_that_is_no_regular_file_is_an_incomplete_checkpoint(tmp_path, kind):
+    from finetune.rundir import checkpoints
+
+    folder = tmp_path / "checkpoint-4"
+    folder.mkdir()
+    manifest = folder / checkpoints.MANIFEST
+    if kind == "fifo":
+        os.mkfifo(manifest)
+    elif kind == "dev_zero":
+        manifest.symlink_to("/dev/zero")
+    else:
+        _sparse(manifest, (16 << 20) + 1)
+    start = time.monotonic()
+    why = checkpoints.verify(folder)
+    assert time.monotonic() - start < 5  # neither waited on the FIFO nor read /dev/zero
+    assert (
+        why
+        == {
+            "fifo": f"unreadable manifest.json (is a FIFO (named pipe), {REFUSAL})",
+            "dev_zero": f"unreadable manifest.json (is a character device, {REFUSAL})",
+            "oversized": "unreadable manifest.json (16.8 MB, more than the 16.8 MB such a file may hold; is it "
+            "the right file?)",
+        }[kind]
+    )
