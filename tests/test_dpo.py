@@ -190,7 +190,7 @@ def test_preference_data_stage_splits_by_prompt_and_counts(tmp_path, tiny_tokeni
     assert not prompts(prepared.train) & prompts(prepared.evals)  # no eval prompt is trained on
     row = prepared.train[0]
     assert row["chosen_ids"] != row["rejected_ids"] and len(row["prompt_ids"]) > 3
-    for r in prepared.train + prepared.evals:
+    for r in [*prepared.train, *prepared.evals]:
         assert len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) <= 48
     assert set(s["lengths"]["train"]) == {"prompt", "chosen", "rejected"}
     ev = prepared.evals[0]

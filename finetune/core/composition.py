@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from finetune.core import secrets
+from finetune.core import secrets, userfiles
 from finetune.core.config import Config, HardwareConfig, MethodConfig, ModelConfig, PlanConfig, TrainConfig
 from finetune.core.config.data import DataConfig
 from finetune.core.config.evaluation import EvalConfig
@@ -265,14 +265,12 @@ def user_files(overrides: Sequence[str]) -> tuple[list[str], list[UserFile]]:
             out.append(item)
             continue
         path = Path(value).expanduser()
-        if not path.is_file():
+        if not path.exists():  # not a regular file (a FIFO, a device): refused in one line by `userfiles`
             raise ConfigError(
                 f"{value}: no such file (a config file of your own: python -m finetune init {value})"
             )
         try:
-            node = yaml.safe_load(path.read_text("utf-8"))
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{value}: cannot read it ({exc})") from None
+            node = yaml.safe_load(userfiles.read_text(path, "+recipe"))
         except yaml.YAMLError as exc:
             where = getattr(exc, "problem_mark", None)
             line = f"line {where.line + 1}: " if where is not None else ""

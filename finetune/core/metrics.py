@@ -21,13 +21,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from finetune.core import tasks
-from finetune.core.config.evaluation import REGEX_PREFIX, check_metric_name
+from finetune.core.config.evaluation import REGEX_PREFIX, EvalConfig, check_metric_name
 from finetune.core.errors import ConfigError, FinetuneError
 
 Metric = Callable[[Sequence[str], Sequence[str], Sequence[str]], dict[str, float]]
-
-# How long one call of a user metric may take (all the answers of one model at once).
-METRIC_TIMEOUT_S = 600.0
 
 
 def call_fenced(
@@ -121,7 +118,7 @@ def regex_metric(pattern: str, name: str) -> Metric:
 
 
 def import_function(
-    path: str, key: str, timeout_s: Optional[float] = METRIC_TIMEOUT_S, limit: Optional[str] = None
+    path: str, key: str, timeout_s: Optional[float], limit: Optional[str] = None
 ) -> Callable[..., Any]:
     """The function at a dotted path (`package.module.function`), or a one-line error naming `key`. The
     module's own code runs fenced (`call_fenced`): an import that exits, raises or hangs is one line."""
@@ -145,16 +142,20 @@ def import_function(
     return fn
 
 
+# The setting a user metric's time limit comes from, named in the line that says it ran out.
+_TIMEOUT_SETTING = "eval.metric_timeout_s"
+
+
 def _user_function(path: str, timeout_s: Optional[float]) -> Metric:
     attr = path.rpartition(".")[2]
-    fn = import_function(path, "eval.metrics")
+    fn = import_function(path, "eval.metrics", timeout_s, _TIMEOUT_SETTING)
     what = f"metric {path!r}"
 
     def metric(
         prompts: Sequence[str], predictions: Sequence[str], references: Sequence[str]
     ) -> dict[str, float]:
         value: Any = call_fenced(
-            lambda: fn(list(prompts), list(predictions), list(references)), what, timeout_s
+            lambda: fn(list(prompts), list(predictions), list(references)), what, timeout_s, _TIMEOUT_SETTING
         )
         named = value if isinstance(value, dict) else {attr: value}
         out = {}
@@ -168,8 +169,9 @@ def _user_function(path: str, timeout_s: Optional[float]) -> Metric:
     return metric
 
 
-def resolve(names: Sequence[str], timeout_s: Optional[float] = METRIC_TIMEOUT_S) -> list[Metric]:
-    """`eval.metrics` as callables; user functions are imported here (fail fast) and run fenced (`call_fenced`)."""
+def resolve(names: Sequence[str], timeout_s: Optional[float] = EvalConfig.metric_timeout_s) -> list[Metric]:
+    """`eval.metrics` as callables; user functions are imported here (fail fast) and run fenced (`call_fenced`),
+    each call under `timeout_s` seconds (eval.metric_timeout_s; None: no limit)."""
     metrics: list[Metric] = []
     regexes = sum(n.startswith(REGEX_PREFIX) for n in names)
     for i, name in enumerate(names):

@@ -1,7 +1,8 @@
 """Cleaning: personal data scrubbed to placeholders, exact and near duplicates, eval leaks.
 
 Duplicates are judged on normalized text (Unicode NFKC, case-folded,
-whitespace collapsed) of the whole conversation, roles included. Near
+whitespace collapsed) of the whole conversation, roles included; an eval leak
+also on the prompt alone (the user turns: `prompt_key`). Near
 duplicates use MinHash LSH (`datasketch`) on word 3-gram shingles; a candidate
 the index returns is confirmed by its estimated Jaccard similarity, so the
 threshold means what it says. What the data stage holds a sample is fixed-size:
@@ -94,6 +95,14 @@ def normalize(text: str) -> str:
 
 def conversation_key(msgs: Messages) -> str:
     return "\n".join(f"{m['role']}: {normalize(m['content'])}" for m in msgs)
+
+
+def prompt_key(msgs: Messages) -> str:
+    """What a conversation asks: its user turns' normalized text, without the system turn (a held-out prompt
+    restated under another system prompt is the same prompt) or the answers; a conversation with no user turn
+    is keyed by all of it (`conversation_key`), so such samples never collide on an empty prompt."""
+    users = [f"user: {normalize(m['content'])}" for m in msgs if m["role"] == "user"]
+    return "\n".join(users) if users else conversation_key(msgs)
 
 
 def exact_digest(key: str) -> bytes:

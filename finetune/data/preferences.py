@@ -1,12 +1,18 @@
 """The `preferences` record kind (DPO): prompt + chosen + rejected, tokenized as TRL's prompt_ids /
-chosen_ids / rejected_ids, one pair a row."""
+chosen_ids / rejected_ids, one pair a row.
+
+Pairs are held in memory as read, one copy at a time (each pair replaced by its cleaned form, then by its
+tokens), and the tokens compactly (`PairRows`: 4 bytes a token in flat arrays, not lists of Python ints), so
+a pair costs about what its text and tokens take (scripts/measure_data_memory.py).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import time
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -24,14 +30,75 @@ from finetune.data.formats import RecordError
 from finetune.data.prepare import TextLimits, progress, records
 from finetune.data.render import Renderer
 
+SIDES = ("prompt_ids", "chosen_ids", "rejected_ids")
+TEXTS = ("messages", "rejected")
+
+
+class PairRows:
+    """Tokenized pairs, held compactly: each side's token ids of every pair in one flat int32 array with an end
+    offset a pair (4 bytes a token), where lists of Python ints held 8 bytes a token plus a 28-byte int object
+    for each id past 256. Eval pairs also keep their two conversations' JSON text (`TEXTS`: prompt + chosen,
+    for generation; prompt + rejected). `rows[i]` is pair i as TRL's dict of lists."""
+
+    def __init__(self, keep_text: bool = False) -> None:
+        self._ids = {side: array("i") for side in SIDES}
+        self._ends = {side: array("q") for side in SIDES}
+        self.texts: Optional[dict[str, list[str]]] = {t: [] for t in TEXTS} if keep_text else None
+
+    def append(self, ids: tuple[list[int], list[int], list[int]], texts: tuple[str, str] = ("", "")) -> None:
+        for side, values in zip(SIDES, ids):
+            self._ids[side].extend(values)
+            self._ends[side].append(len(self._ids[side]))
+        if self.texts is not None:
+            for name, text in zip(TEXTS, texts):
+                self.texts[name].append(text)
+
+    def __len__(self) -> int:
+        return len(self._ends[SIDES[0]])
+
+    def lengths(self, side: str) -> np.ndarray:
+        """Each pair's token count on `side` (int64)."""
+        return np.diff(np.frombuffer(self._ends[side], dtype=np.int64), prepend=0)
+
+    def pair_tokens(self) -> np.ndarray:
+        """Each pair's longer side: prompt plus the longer answer."""
+        return self.lengths("prompt_ids") + np.maximum(
+            self.lengths("chosen_ids"), self.lengths("rejected_ids")
+        )
+
+    def __getitem__(self, i: int) -> dict:
+        row: dict = {}
+        for side in SIDES:
+            ends = self._ends[side]
+            row[side] = self._ids[side][ends[i - 1] if i else 0 : ends[i]].tolist()
+        if self.texts is not None:
+            row.update({name: texts[i] for name, texts in self.texts.items()})
+        return row
+
+    def __iter__(self) -> Iterator[dict]:
+        return (self[i] for i in range(len(self)))
+
+    def column(self, name: str) -> Any:
+        """One column as Arrow holds it once saved: a side as a list<int64> array (what a list of Python int
+        lists was saved as), a text as strings."""
+        import pyarrow as pa
+
+        if name in TEXTS:
+            return pa.array((self.texts or {})[name], type=pa.string())
+        ends = np.frombuffer(self._ends[name], dtype=np.int64)
+        offsets = pa.array(np.concatenate([[0], ends]), type=pa.int64())
+        values = pa.array(np.frombuffer(self._ids[name], dtype=np.int32).astype(np.int64))
+        return pa.LargeListArray.from_arrays(offsets, values).cast(pa.list_(pa.int64()))
+
 
 @dataclass
 class PreparedPairs:
-    """Preference pairs prepared for DPO, not yet saved: TRL's token lists per pair, train then eval."""
+    """Preference pairs prepared for DPO, not yet saved: TRL's token ids per pair (`PairRows`), train then eval
+    (which also keeps `messages`: prompt + chosen, JSON, and `rejected`: prompt + rejected, JSON)."""
 
     stats: dict  # data_stats.json's content
-    train: list[dict]  # {prompt_ids, chosen_ids, rejected_ids}
-    evals: list[dict]  # the same, plus `messages` (prompt + chosen, JSON) and `rejected` (JSON)
+    train: PairRows
+    evals: PairRows
 
 
 def prepare(
@@ -53,24 +120,26 @@ def prepare(
     samples.check_input(loaded, dc, path, tally)
     if not found:
         raise DataError(f"data.path={path}: no preference pairs ({dict(tally.dropped) or 'no records'})")
-    kept = [p for p in (_clean_pair(p, dc, text.control, char_limit, tally) for p in found) if p is not None]
-    kept = _dedup_pairs(kept, dc, tally)
+    for i, pair in enumerate(found):  # each pair replaced by its cleaned form: one copy held at a time
+        found[i] = _clean_pair(pair, dc, text.control, char_limit, tally)
+    kept = _dedup_pairs([p for p in found if p is not None], dc, tally)
+    del found
     train_pairs, eval_pairs = _split_by_prompt(kept, dc, tally)
+    del kept
     seq_len = text.seq_len(cfg)
     truncated = [0]
+    had_eval = bool(eval_pairs)
     train = _tokenize_pairs(train_pairs, renderer, seq_len, dc, tally, truncated)
     evals = _tokenize_pairs(eval_pairs, renderer, seq_len, dc, tally, truncated, keep_text=True)
     if not train:
         raise DataError(f"no training pairs left after cleaning and the length limit ({dict(tally.dropped)})")
-    if eval_pairs and not evals:
+    if had_eval and not len(evals):
         raise DataError(
             f"no held-out pairs left after the length limit (seq_len {seq_len}): raise train.seq_len, "
             "or set data.eval_fraction=0"
         )
     if cfg.train.seq_len == "auto":
-        longest = max(
-            len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in train + evals
-        )
+        longest = max(int(rows.pair_tokens().max()) for rows in (train, evals) if len(rows))
         seq_len = min(seq_len, longest)
     result = _pair_stats(cfg, loaded, path, tally, char_limit, train, evals, seq_len, truncated[0])
     result["seconds"] = round(time.perf_counter() - t0, 3)
@@ -136,8 +205,9 @@ def _split_by_prompt(
 ) -> tuple[list[pairs.Pair], list[pairs.Pair]]:
     """(train, eval) pairs, held out by prompt: the prompts are split (seeded by their keys), every pair
     follows its prompt, and a training pair whose prompt is an exact or near duplicate of an eval prompt is
-    dropped (`eval_leak`)."""
-    keys = [clean.conversation_key(p.prompt) for p in kept]
+    dropped (`eval_leak`). A prompt is its user turns (`clean.prompt_key`): the same question under another
+    system prompt, or in other spacing or case, is the same prompt."""
+    keys = [clean.prompt_key(p.prompt) for p in kept]
     unique = sorted(set(keys))
     n = len(unique)
     n_eval = round(dc.eval_fraction * n)
@@ -149,7 +219,7 @@ def _split_by_prompt(
     train = [p for p, k in zip(kept, keys) if k not in eval_keys]
     evals = [p for p, k in zip(kept, keys) if k in eval_keys]
     if evals and train:
-        train_keys = [clean.conversation_key(p.prompt) for p in train]
+        train_keys = [clean.prompt_key(p.prompt) for p in train]
         eval_sorted = sorted(eval_keys)
         sig = (
             clean.Signatures.of(clean.signatures(train_keys + eval_sorted), dc.near_dedup_threshold)
@@ -184,13 +254,14 @@ def _tokenize_pairs(
     tally: samples.Tally,
     truncated: list[int],
     keep_text: bool = False,
-) -> list[dict]:
-    """Each pair as TRL's token lists: the prompt rendered with the assistant's opening, each answer the
+) -> PairRows:
+    """Each pair as TRL's token ids: the prompt rendered with the assistant's opening, each answer the
     tokens where prompt + answer departs from it (TRL's own rule, `common_prefix_length`); the length
-    limit applied to the prompt plus the longer answer."""
+    limit applied to the prompt plus the longer answer. Each pair of `found` is let go once tokenized."""
     tok = renderer.tokenizer
-    out = []
-    for p in found:
+    out = PairRows(keep_text)
+    for i, p in enumerate(found):
+        found[i] = None  # type: ignore[call-overload]  # its tokens replace it
         prompt_ids = tok(renderer.text(p.prompt, add_generation_prompt=True), add_special_tokens=False)[
             "input_ids"
         ]
@@ -214,11 +285,15 @@ def _tokenize_pairs(
             if chosen_ids == rejected_ids:
                 tally.dropped["identical_after_truncation"] += 1
                 continue
-        row: dict = {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids}
-        if keep_text:
-            row["messages"] = json.dumps(p.prompt + p.chosen, ensure_ascii=False)
-            row["rejected"] = json.dumps(p.prompt + p.rejected, ensure_ascii=False)
-        out.append(row)
+        texts = (
+            (
+                json.dumps(p.prompt + p.chosen, ensure_ascii=False),
+                json.dumps(p.prompt + p.rejected, ensure_ascii=False),
+            )
+            if keep_text
+            else ("", "")
+        )
+        out.append((prompt_ids, chosen_ids, rejected_ids), texts)
     return out
 
 
@@ -228,8 +303,8 @@ def _pair_stats(
     path: str,
     tally: samples.Tally,
     char_limit: int,
-    train: list[dict],
-    evals: list[dict],
+    train: PairRows,
+    evals: PairRows,
     seq_len: int,
     truncated: int,
 ) -> dict:
@@ -237,14 +312,22 @@ def _pair_stats(
     prompt, chosen and rejected sides per split."""
     dc = cfg.data
 
-    def lengths(rows: list[dict]) -> dict:
+    def lengths(rows: PairRows) -> dict:
         return {
-            side: stats.summary([len(r[f"{side}_ids"]) for r in rows])
+            side: stats.summary(rows.lengths(f"{side}_ids").tolist())
             for side in ("prompt", "chosen", "rejected")
         }
 
-    def pair_tokens(rows: list[dict]) -> list[int]:
-        return [len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows]
+    def pair_tokens(rows: PairRows) -> list[int]:
+        return rows.pair_tokens().tolist()
+
+    def total(rows: PairRows) -> int:
+        # every token of both sides: the prompt twice
+        return int(
+            2 * rows.lengths("prompt_ids").sum()
+            + rows.lengths("chosen_ids").sum()
+            + rows.lengths("rejected_ids").sum()
+        )
 
     return {
         "record_kind": "preferences",
@@ -263,14 +346,7 @@ def _pair_stats(
         # Each pair puts prompt + chosen and prompt + rejected through the model: tokens per pair as the
         # longer side, and every token of both sides.
         "splits": {"train": stats.summary(pair_tokens(train)), "eval": stats.summary(pair_tokens(evals))},
-        "tokens": {
-            "train_total": sum(
-                2 * len(r["prompt_ids"]) + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in train
-            ),
-            "eval_total": sum(
-                2 * len(r["prompt_ids"]) + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in evals
-            ),
-        },
+        "tokens": {"train_total": total(train), "eval_total": total(evals)},
         "seq_len": seq_len,
         "seq_len_source": "auto: the longest kept pair" if cfg.train.seq_len == "auto" else "train.seq_len",
         "input": {"path": path, "fingerprint": None},
@@ -284,24 +360,13 @@ def save(prepared: PreparedPairs, out: Path) -> None:
     from datasets import Dataset
 
     with saved_rows.quiet_datasets():
-        columns = ("prompt_ids", "chosen_ids", "rejected_ids")
-        train = {c: [r[c] for r in prepared.train] for c in columns}
+        train = {c: prepared.train.column(c) for c in SIDES}
         Dataset.from_dict(train).save_to_disk(str(out / rundir.DATA_TRAIN_DIR))
-        eval_columns = (*columns, "messages", "rejected")
-        evals = {c: [r[c] for r in prepared.evals] for c in eval_columns}
+        evals = {c: prepared.evals.column(c) for c in (*SIDES, *TEXTS)}
         Dataset.from_dict(evals).save_to_disk(str(out / rundir.DATA_EVAL_DIR), num_shards=1)
         lengths = prepared.stats["splits"]
         stats.histogram(
             out / rundir.DATA_HISTOGRAM_FILE,
-            {
-                "train": [
-                    len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"]))
-                    for r in prepared.train
-                ],
-                "eval": [
-                    len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"]))
-                    for r in prepared.evals
-                ],
-            },
+            {"train": prepared.train.pair_tokens().tolist(), "eval": prepared.evals.pair_tokens().tolist()},
             int(prepared.stats["seq_len"]) or max(1, lengths["train"]["max"]),
         )

@@ -1,13 +1,15 @@
 """Samples before any token: records mapped to conversations, cleaned, deduplicated, split into train and eval.
 
 Records are mapped, cleaned and exactly deduplicated in one pass as they are read (`collect`), and
-only what is kept is held, by a fixed size a sample (`Kept`: two digests, LSH bucket keys and an
-offset, about 120 bytes; its JSON text and MinHash row go to a scratch file), so memory follows how
+only what is kept is held, by a fixed size a sample (`Kept`: three digests, LSH bucket keys and an
+offset, about 140 bytes; its JSON text and MinHash row go to a scratch file), so memory follows how
 many samples are kept, not the input. Every step keeps input order and counts what
 it drops in a `Tally`, under a reason that means one thing (checks run in a fixed order, so a sample
 is counted once, by its first problem). The held-out split follows deduplication and is seeded by
-the conversations' keys, so it does not change with input order; train keeps no exact or near
-duplicate of an eval sample.
+the conversations' prompts (conversations asking the same are held out together), so it does not change with
+input order; train keeps no exact or near
+duplicate of an eval sample, and no sample asking an eval sample's prompt (its user turns, whatever the
+system prompt: `clean.prompt_key`).
 """
 
 from __future__ import annotations
@@ -83,13 +85,15 @@ class TextStore:
 @dataclass
 class Kept:
     """Conversations kept, in input order, each held compactly: its JSON text on disk (`store`: what
-    tokenizing reads), the XXH3-128 of its normalized text (`exact`: duplicates and eval leaks, 16 bytes)
-    and the SHA-1 of the seed and that text (`order`: the held-out split, 20 bytes), and its MinHash row
+    tokenizing reads), the XXH3-128 of its normalized text (`exact`: duplicates and eval leaks, 16 bytes),
+    the XXH3-128 of its prompt (`prompts`: `clean.prompt_key`, eval leaks, 16 bytes) and the SHA-1 of the seed
+    and that prompt (`order`: the held-out split, 20 bytes), and its MinHash row
     (`signatures`, when deduplication or the split needs one). `rows[i]` is sample i's row in the store and
     the signatures; selections share them, never copy them."""
 
     store: TextStore
     exact: np.ndarray  # 'S16'
+    prompts: np.ndarray  # 'S16'
     order: np.ndarray  # 'S20'
     signatures: Optional[clean.Signatures]
     rows: np.ndarray
@@ -99,7 +103,14 @@ class Kept:
 
     def select(self, picks: Sequence[int] | np.ndarray) -> Kept:
         picks = np.asarray(picks, dtype=np.int64)
-        return Kept(self.store, self.exact[picks], self.order[picks], self.signatures, self.rows[picks])
+        return Kept(
+            self.store,
+            self.exact[picks],
+            self.prompts[picks],
+            self.order[picks],
+            self.signatures,
+            self.rows[picks],
+        )
 
     def close(self) -> None:
         self.store.close()
@@ -146,22 +157,24 @@ def collect(
         clean.Signatures(dc.near_dedup_threshold, scratch / "signatures.u32") if need_signatures else None
     )
     seen = clean.SeenDigests()
-    exact, order = bytearray(), bytearray()
-    # Candidates since the last flush: their JSON text, key and digest; `pending` their digests, so a
-    # duplicate within the batch is dropped as it is read and costs nothing.
-    batch: list[tuple[str, str, bytes]] = []
+    exact, prompts, order = bytearray(), bytearray(), bytearray()
+    # Candidates since the last flush: their JSON text, key, digest and prompt key; `pending` their
+    # digests, so a duplicate within the batch is dropped as it is read and costs nothing.
+    batch: list[tuple[str, str, bytes, str]] = []
     pending: set[bytes] = set()
 
     def flush() -> None:
-        digests = np.frombuffer(b"".join(d for _, _, d in batch), dtype="S16")
+        digests = np.frombuffer(b"".join(d for _, _, d, _ in batch), dtype="S16")
         new = seen.add_new(digests) if dc.dedup else np.ones(len(batch), dtype=bool)
         tally.dropped["duplicate"] += int(len(batch) - new.sum())
         keys = []
-        for (text, key, digest), is_new in zip(batch, new.tolist()):
+        for (text, key, digest, prompt), is_new in zip(batch, new.tolist()):
             if is_new:
                 store.add(text)
                 exact.extend(digest)
-                order.extend(hashlib.sha1(f"{dc.seed}:{key}".encode()).digest())
+                prompts.extend(clean.exact_digest16(prompt))
+                # by prompt: conversations asking the same are held out together
+                order.extend(hashlib.sha1(f"{dc.seed}:{prompt}".encode()).digest())
                 keys.append(key)
         if signatures is not None and keys:
             signatures.add(clean.signatures(keys))
@@ -185,7 +198,7 @@ def collect(
                     tally.dropped["duplicate"] += 1
                     continue
                 pending.add(digest)
-            batch.append((json.dumps(sample, ensure_ascii=False), key, digest))
+            batch.append((json.dumps(sample, ensure_ascii=False), key, digest, clean.prompt_key(sample)))
             if len(batch) == _BATCH:
                 flush()
         if batch:
@@ -199,6 +212,7 @@ def collect(
     return Kept(
         store,
         np.frombuffer(exact, dtype="S16"),  # views of the bytearrays: no second copy
+        np.frombuffer(prompts, dtype="S16"),
         np.frombuffer(order, dtype="S20"),
         signatures,
         np.arange(n),
@@ -283,13 +297,15 @@ def near_deduplicate(kept: Kept, dc: DataConfig, tally: Tally, progress) -> Kept
 
 def split(kept: Kept, dc: DataConfig, tally: Tally) -> tuple[np.ndarray, np.ndarray]:
     """(train, eval) conversations as rows of `kept.store`, each in input order: held out by seed, after
-    deduplication; then no exact or near duplicate of an eval sample stays in train."""
+    deduplication; then no exact or near duplicate of an eval sample stays in train, nor a sample asking an
+    eval sample's prompt (`clean.prompt_key`: another system prompt or answer, other spacing or case)."""
     n = len(kept)
     n_eval = round(dc.eval_fraction * n)
     if dc.eval_fraction > 0 and n >= 2:
         n_eval = min(max(n_eval, 1), n - 1)
-    # By the SHA-1 of seed and text, so the split does not change with input order (a stable sort, as
-    # `sorted` is: equal digests keep input order).
+    # By the SHA-1 of seed and prompt, so the split does not change with input order and conversations asking
+    # the same are neighbours: held out together, but where the cut falls (a stable sort, as `sorted` is:
+    # equal digests keep input order).
     order = np.argsort(kept.order, kind="stable")
     eval_idx, train_idx = np.sort(order[:n_eval]), np.sort(order[n_eval:])
     del order
@@ -301,6 +317,7 @@ def split(kept: Kept, dc: DataConfig, tally: Tally) -> tuple[np.ndarray, np.ndar
             kept.rows[train_idx],
             kept.rows[eval_idx],
         )
+        leak |= np.isin(kept.prompts[train_idx], kept.prompts[eval_idx])
         tally.dropped["eval_leak"] += int(leak.sum())
         train_idx = train_idx[~leak]
     return kept.rows[train_idx], kept.rows[eval_idx]

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from finetune.core import userfiles
 from finetune.core.config.evaluation import EvalConfig
 from finetune.core.errors import ConfigError
 
@@ -41,8 +42,8 @@ def _tasks(e: EvalConfig) -> tuple[list[str], list[str]]:
         path = Path(task).expanduser()
         if path.suffix in (".yaml", ".yml"):
             try:
-                doc = yaml.safe_load(path.read_text())
-            except (OSError, yaml.YAMLError) as exc:
+                doc = yaml.safe_load(userfiles.read_text(path, "eval.lm_eval_tasks"))
+            except yaml.YAMLError as exc:
                 raise ConfigError(f"eval.lm_eval_tasks: {path}: not a readable task YAML ({exc})") from None
             if not isinstance(doc, dict) or not doc.get("task"):
                 raise ConfigError(

@@ -251,7 +251,9 @@ def run(
     into RUN_DIR/metrics.json's `eval`. `eval_dataset` replaces the data stage's eval split (tests).
     """
     run_dir = Path(run_dir)
-    metric_fns = metrics.resolve(cfg.eval.metrics)  # a bad dotted path fails before any model loads
+    metric_fns = metrics.resolve(
+        cfg.eval.metrics, cfg.eval.metric_timeout_s
+    )  # a bad dotted path fails before any model loads
     lm_eval.check(cfg.eval)
     reg_rows = regression.load(cfg.eval.regression_prompts) if cfg.eval.regression else []
     asked = _variants_to_evaluate(cfg, run_dir, variants)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune import rundir
+from finetune.core import userfiles
 from finetune.core.errors import WRITE_FAILED, DiskFullError, LaunchError, is_disk_full
 from finetune.rundir.checkpoints import SUPERSEDED_PREFIX
 
@@ -263,6 +264,8 @@ def staged(final: Path, needed_bytes: Optional[int] = None, *, writer: bool = Tr
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# An adapter's small JSON files (its config, identity.json): a few kilobytes; far more is not one.
+_JSON_LIMIT = 16 << 20
 
 
 def check_adapter(folder: Path, base: Optional[str] = None) -> None:
@@ -273,17 +276,25 @@ def check_adapter(folder: Path, base: Optional[str] = None) -> None:
     folder = Path(folder)
     config, weights = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
     for path in (config, weights):
-        if not path.is_file():
+        if not path.exists():
             raise LaunchError(
                 f"{path}: missing, so {folder} is not a complete adapter; train it again (mode=train)"
             )
+        userfiles.check_regular(path, "adapter", LaunchError)  # a FIFO or a device is never opened
+    identity = folder / IDENTITY_FILE
     try:
-        doc = json.loads((folder / IDENTITY_FILE).read_text())
+        text = userfiles.read_text(identity, "adapter", _JSON_LIMIT, LaunchError) if identity.exists() else ""
+        doc = json.loads(text) if text else {}
         recorded = doc["files"] if isinstance(doc, dict) and isinstance(doc.get("files"), dict) else {}
-    except (OSError, ValueError):
+    except ValueError:
         recorded = {}
     for name, sha in recorded.items():
+        # Files of this folder only: a name that leaves it ('/dev/zero', '../x') is not one training recorded.
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise LaunchError(f"{identity}: names {str(name)[:80]!r}, not a file of {folder}; train it again")
         path = folder / name
+        if path.exists():
+            userfiles.check_regular(path, "adapter", LaunchError)
         now = _sha256(path) if path.is_file() else None
         if now != sha:
             raise LaunchError(
@@ -291,9 +302,9 @@ def check_adapter(folder: Path, base: Optional[str] = None) -> None:
                 f"{(now or 'missing')[:12]}): changed or damaged since training saved it; train it again"
             )
     try:
-        settings = json.loads(config.read_text())
+        settings = json.loads(userfiles.read_text(config, "adapter", _JSON_LIMIT, LaunchError))
         claimed = settings.get("base_model_name_or_path") if isinstance(settings, dict) else None
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:
         raise LaunchError(f"{config}: cannot be read ({exc})") from None
     if base and isinstance(claimed, str) and claimed and not _same_base(claimed, base):
         raise LaunchError(

@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
+from finetune.core import userfiles
 from finetune.core.architectures import ARCHITECTURES, refusal, unmodelled_option
 from finetune.core.config import ModelConfig
 from finetune.core.errors import ConfigError
@@ -164,15 +165,22 @@ def _auto_config(model: ModelConfig, path: Path, key: str) -> Any:
         raise ConfigError(f"{key}: transformers cannot read it ({first[:300]})") from None
 
 
+# A model's config.json holds a few kilobytes; far more is another file (or a device) named by mistake.
+CONFIG_JSON_LIMIT = 16 << 20
+
+
 def read_config_json(path: Path, key: str) -> Any:
-    """A config.json's JSON; unreadable, too deeply nested or holding an over-long number: one line."""
-    if not path.is_file():
+    """A config.json's JSON, read through the one bounded reader of user files (`core/userfiles.py`: a regular
+    file of at most CONFIG_JSON_LIMIT bytes); missing, not a file, unreadable, too deeply nested or holding an
+    over-long number: one line."""
+    if not path.exists():
         raise ConfigError(f"{key}: no such file")
+    text = userfiles.read_text(path, key.partition("=")[0], limit=CONFIG_JSON_LIMIT)
     try:
-        return json.loads(path.read_text("utf-8"))
+        return json.loads(text)
     except RecursionError:
         raise ConfigError(f"{key}: nested too deeply to be a model's config.json") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except ValueError as exc:
         raise ConfigError(f"{key}: not a readable JSON file ({str(exc)[:200]})") from None
 
 

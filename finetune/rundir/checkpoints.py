@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Optional, Union
 
+from finetune.core import userfiles
 from finetune.core.errors import ConfigError
 from finetune.rundir.files import atomic_write_text, check_folder
 
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 # Ours, not save_total_limit + get_last_checkpoint: those take the newest folder by name, a truncated one
 # included (scripts/bench_library_parts.py, BENCHMARKS.md), and rotation could delete the last good one.
 MANIFEST = "manifest.json"
+# A manifest lists a checkpoint's files: kilobytes; far more is not one.
+_MANIFEST_LIMIT = 16 << 20
 # What transformers writes into each checkpoint: the step, the log history, the callbacks' state.
 TRAINER_STATE_FILE = "trainer_state.json"
 STAGING_DIR = ".staging"
@@ -131,12 +134,15 @@ def verify(folder: Path, checksums: bool = True) -> Optional[str]:
     """
     folder = Path(folder)
     path = folder / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-        files = manifest["files"]
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return f"no {MANIFEST} (written last, so the save did not finish)"
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    try:
+        # a checkpoint named by resume=PATH is the user's folder: its manifest a regular file, bounded
+        manifest = json.loads(userfiles.read_text(path, "resume", _MANIFEST_LIMIT))
+        files = manifest["files"]
+    except ConfigError as exc:
+        return f"unreadable {MANIFEST} ({str(exc).split(': ', 1)[-1]})"
+    except (ValueError, KeyError, TypeError) as exc:
         return f"unreadable {MANIFEST} ({type(exc).__name__})"
     if not files or not isinstance(files, dict):
         return "empty checkpoint"

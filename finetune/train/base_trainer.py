@@ -33,7 +33,7 @@ from finetune.modeling.loading import ATTN_IMPLEMENTATIONS
 from finetune.planner import Plan
 from finetune.rundir import checkpoints
 from finetune.train import quantized, throughput, tracking
-from finetune.train.callbacks import RunMonitor
+from finetune.train.callbacks import RunMonitor, past_the_schedule
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,12 @@ class RunTrainerMixin:
         state.fsdp_plugin = plugin
         self.is_fsdp_enabled = True
         log.info("FSDP2 on %d CPU ranks (gloo)", state.num_processes)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        """No batch for a step past the schedule (`past_the_schedule`): the loop then ends untrained."""
+        if past_the_schedule(self):
+            return [], None
+        return super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
 
     def _save_checkpoint(self, model, trial):
         """Atomic: the trainer writes into checkpoints/.staging/checkpoint-N, rank 0 seals and renames it.

@@ -377,7 +377,8 @@ def finish_from_final_checkpoint(trainer: Any, checkpoint: Optional[str]) -> boo
     transformers resumed there would train one step past the schedule before it checks the step count, and
     the output would then differ from the uninterrupted run's. Loading the checkpoint's weights instead gives
     that run's output bit for bit (the final output is saved from the same weights). Engines that load a
-    checkpoint only once the model is wrapped (DeepSpeed, FSDP) are left to the trainer: False.
+    checkpoint only once the model is wrapped (DeepSpeed, FSDP) are left to the trainer, whose loop then
+    fetches no batch past the schedule (`past_the_schedule`): False.
     """
     import json
     from pathlib import Path
@@ -398,3 +399,15 @@ def finish_from_final_checkpoint(trainer: Any, checkpoint: Optional[str]) -> boo
     trainer._load_from_checkpoint(checkpoint)
     trainer.state = TrainerState.load_from_json(str(state_file))
     return True
+
+
+def past_the_schedule(trainer: Any) -> bool:
+    """Whether the trainer, about to fetch the batches of a step, already stands at its schedule's last step;
+    then the loop is told to stop and the step is never taken. transformers checks the step count only after
+    a step, so a run resumed from its final checkpoint (DeepSpeed and FSDP load it inside the loop, once the
+    model is wrapped) would otherwise train one step past max_steps and save another adapter."""
+    state = trainer.state
+    if 0 < state.max_steps <= state.global_step:
+        trainer.control.should_training_stop = True
+        return True
+    return False

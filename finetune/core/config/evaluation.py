@@ -50,6 +50,9 @@ class EvalConfig:
     # first group, or whole match, extracted from the answer equals the reference), or
     # package.module.function(prompts, predictions, references) -> float | dict[str, float].
     metrics: list[str] = field(default_factory=lambda: ["exact_match"])
+    # How long one call of a user metric function may take (importing its module, or scoring all the
+    # answers of one model at once); past it the evaluation stops with one line naming the metric (exit 2).
+    metric_timeout_s: float = 600.0
     # Held-out conversations answered by generation (None: all); the loss always uses the whole split.
     num_samples: Optional[int] = 256
     # General prompts whose answers must not regress (new refusals, empty answers, failed checks).
@@ -81,6 +84,7 @@ class EvalConfig:
             check_metric_name(name)
         if self.num_samples is not None and self.num_samples < 0:
             raise ConfigError(f"eval.num_samples={self.num_samples} must be >= 0, or null for all")
+        check_positive("eval.metric_timeout_s", self.metric_timeout_s)
         for key in ("max_new_tokens", "batch_size"):
             check_positive(f"eval.{key}", getattr(self, key))
         if self.temperature <= 0:
