@@ -24,8 +24,10 @@ a frozen one (LoRA/QLoRA).
 Families besides Llama/Qwen2 (`FAMILY_SHAPES`: Qwen3's q/k norms, Gemma 3's four norms and fp32 norm
 product, Phi-3/4's fused qkv_proj and gate_up_proj) are measured on three small shapes each, through
 their own transformers decoder layer and their own LoRA targets (`--families` re-measures only those).
-Mixtures of experts (`MOE_SHAPES`: Qwen3-MoE's and Mixtral's sparse layers, transformers' grouped_mm experts)
-are measured under LoRA on attention and on the fused experts (`--moe` re-measures only those).
+Mixtures of experts (`MOE_SHAPES`: Qwen3-MoE's, Mixtral's and gpt-oss's sparse layers, transformers' grouped_mm
+experts) are measured under LoRA on attention and on the fused experts, and full fine-tuning (`--moe`
+re-measures only those). gpt-oss runs eager attention (transformers gives its sinks no SDPA path), so its rows
+also hold each layer's softmax output over [T, T + 1] (`eager_scores_bytes`).
 
 Writes every measurement to finetune/planner/activations.json and prints
 measured vs formula. Takes about 11 minutes on 2 CPU cores (the 70B layer has
