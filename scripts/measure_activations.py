@@ -552,29 +552,32 @@ def moe_layer(
     return layer
 
 
-def measure_moe() -> list[dict[str, Any]]:
-    """Every MOE_SHAPES x MOE_CASES row, at 64 and 128 tokens."""
+def moe_case_layer(base: Any, family: str, case: str) -> Any:
+    """A copy of the sparse layer `base` prepared for MOE_CASES[case]: every weight trained (full), or LoRA on
+    attention (the router frozen) and, with `expert_adapters`, on the fused experts (no dropout)."""
     import copy
 
     from peft import LoraConfig, get_peft_model
 
     from finetune.core.architectures import ARCHITECTURES
 
+    kw, arch = MOE_CASES[case], ARCHITECTURES[family]
+    if kw["method"] == "full":
+        return copy.deepcopy(base).requires_grad_(True)
+    lcfg = LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(arch.projections),
+        target_parameters=list(arch.expert_parameters) if kw.get("expert_adapters") else None,
+    )  # fmt: skip
+    return get_peft_model(copy.deepcopy(base), lcfg, autocast_adapter_dtype=kw["adapter_bytes"] == 4)
+
+
+def measure_moe() -> list[dict[str, Any]]:
+    """Every MOE_SHAPES x MOE_CASES row, at 64 and 128 tokens."""
     rows: list[dict[str, Any]] = []
     for name, (family, shape, experts, k, norm) in MOE_SHAPES.items():
         base = moe_layer(family, shape, experts, k, norm)
-        arch = ARCHITECTURES[family]
-        for case, kw in MOE_CASES.items():
-            lcfg = LoraConfig(
-                r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(arch.projections),
-                target_parameters=list(arch.expert_parameters) if kw.get("expert_adapters") else None,
-            )  # fmt: skip
-            if kw["method"] == "full":
-                layer = copy.deepcopy(base).requires_grad_(True)
-            else:
-                layer = get_peft_model(
-                    copy.deepcopy(base), lcfg, autocast_adapter_dtype=kw["adapter_bytes"] == 4
-                )
+        for case in MOE_CASES:
+            layer = moe_case_layer(base, family, case)
             for tokens in (64, 128):
                 b = measure_layer(shape, case, tokens, layer, family=family)
                 rows.append(
