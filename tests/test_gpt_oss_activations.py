@@ -77,7 +77,9 @@ def test_what_gpt_oss_keeps_beyond_the_qwen3_moe_formula():
 def test_eager_scores_are_fp32_with_fp32_weights_and_copied_for_the_values():
     bf16 = eager_scores_bytes(heads=4, tokens=128, rows=2, run=LayerRun(method="lora", adapter_bytes=2))
     assert bf16 == 2 * 4 * 128 * 129 * 2
-    autocast_full = eager_scores_bytes(heads=4, tokens=128, rows=2, run=LayerRun(method="full", autocast=True))
+    autocast_full = eager_scores_bytes(
+        heads=4, tokens=128, rows=2, run=LayerRun(method="full", autocast=True)
+    )
     assert autocast_full == 2 * 4 * 128 * 129 * 4 + 2 * 4 * 128 * 128 * 2
     fp32 = eager_scores_bytes(heads=4, tokens=128, rows=2, run=LayerRun(method="lora", dtype_bytes=4))
     assert fp32 == 2 * 4 * 128 * 129 * 4

@@ -29,7 +29,9 @@ def _checkpoint_config(folder, quantization):
 def test_an_mxfp4_checkpoint_loads_its_experts_dequantized(tmp_path):
     from transformers import Mxfp4Config
 
-    _checkpoint_config(tmp_path, {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]})
+    _checkpoint_config(
+        tmp_path, {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    )
     kwargs = dequantized_experts(compose(["model=gpt_oss_20b"]).model, str(tmp_path))
     assert list(kwargs) == ["quantization_config"]
     config = kwargs["quantization_config"]

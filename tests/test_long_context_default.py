@@ -95,4 +95,24 @@ def test_the_128k_recipe_plans_from_the_command_line_and_names_its_path(tmp_path
     assert terms["attention"] == 0.017
     assert terms["total"] == pytest.approx(sum(v for k, v in terms.items() if k != "total"), abs=0.01)
     assert "FITS" in r.stdout and "│ attention" in r.stdout
-    assert "attention: FlexAttention (a block mask from the packed rows' position_ids, no [T, T] tensor) " in r.stdout
+    assert (
+        "attention: FlexAttention (a block mask from the packed rows' position_ids, no [T, T] tensor) "
+        in r.stdout
+    )
+
+
+def test_the_split_takes_the_plans_sequence_length_when_the_data_stage_resolved_auto(tmp_path: Path):
+    """plan.json owns the resolved sequence length: a split's handler reads it there, not `train.seq_len`."""
+    from finetune.core.composition import compose
+    from finetune.launch.engines import write_engine_files
+    from finetune.pipeline.stages import config_plan, resolve
+
+    cfg = resolve(
+        compose([*LONG, "train.seq_len=auto", "data.packing=false", "train.sequence_parallel=2",
+                 "train.sequence_split=ulysses"])
+    )  # fmt: skip
+    plan = config_plan(cfg, cfg.hardware, 65_536)  # what the data stage resolved `auto` to
+    assert plan.seq_len == 65_536 and plan.strategy.sequence_parallel == 2
+    files = write_engine_files(cfg, plan, tmp_path)
+    assert files.parallelism is not None and files.parallelism["seq_len"] == 65_536
+    assert json.loads((tmp_path / "engine.json").read_text())["parallelism"]["seq_len"] == 65_536

@@ -212,7 +212,8 @@ def dequantized_experts(model: ModelConfig, source: str) -> dict[str, Any]:
         return {}
     from transformers import AutoConfig, Mxfp4Config
 
-    quant = getattr(AutoConfig.from_pretrained(source, trust_remote_code=model.trust_remote_code), "quantization_config", None)
+    checkpoint = AutoConfig.from_pretrained(source, trust_remote_code=model.trust_remote_code)
+    quant = getattr(checkpoint, "quantization_config", None)
     method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
     return {"quantization_config": Mxfp4Config(dequantize=True)} if method == "mxfp4" else {}
 
