@@ -24,8 +24,10 @@ a frozen one (LoRA/QLoRA).
 Families besides Llama/Qwen2 (`FAMILY_SHAPES`: Qwen3's q/k norms, Gemma 3's four norms and fp32 norm
 product, Phi-3/4's fused qkv_proj and gate_up_proj) are measured on three small shapes each, through
 their own transformers decoder layer and their own LoRA targets (`--families` re-measures only those).
-Mixtures of experts (`MOE_SHAPES`: Qwen3-MoE's and Mixtral's sparse layers, transformers' grouped_mm experts)
-are measured under LoRA on attention and on the fused experts (`--moe` re-measures only those).
+Mixtures of experts (`MOE_SHAPES`: Qwen3-MoE's, Mixtral's and gpt-oss's sparse layers, transformers' grouped_mm
+experts) are measured under LoRA on attention and on the fused experts, and full fine-tuning (`--moe`
+re-measures only those). gpt-oss runs eager attention (transformers gives its sinks no SDPA path), so its rows
+also hold each layer's softmax output over [T, T + 1] (`eager_scores_bytes`).
 
 Writes every measurement to finetune/planner/activations.json and prints
 measured vs formula. Takes about 11 minutes on 2 CPU cores (the 70B layer has
@@ -120,6 +122,11 @@ MOE_SHAPES: dict[str, tuple[str, tuple[int, int, int, int, int, bool], int, int,
     "mixtral_0": ("mixtral", (256, 128, 4, 2, 64, False), 8, 2, True),
     "mixtral_1": ("mixtral", (384, 200, 6, 3, 32, False), 6, 3, True),
     "mixtral_2": ("mixtral", (512, 320, 8, 2, 64, False), 8, 2, True),
+    # gpt-oss: eager attention with sinks (transformers gives it no SDPA), a softmax over the top-k router
+    # logits, the clamped SwiGLU with biased experts
+    "gpt_oss_0": ("gpt_oss", (64, 48, 4, 2, 16, True), 4, 2, False),
+    "gpt_oss_1": ("gpt_oss", (256, 128, 4, 2, 64, True), 8, 2, False),
+    "gpt_oss_2": ("gpt_oss", (384, 200, 6, 3, 32, True), 6, 3, False),
 }
 # LoRA on attention (the router frozen), and on the fused experts too (PEFT's target_parameters; no dropout)
 MOE_CASES: dict[str, dict[str, Any]] = {
@@ -324,6 +331,7 @@ def measure_layer(
     tokens: int,
     layer: Any = None,
     autocast: bool = False,
+    family: str = "",
 ) -> int:
     """Bytes saved for backward by one decoder layer over `tokens` tokens (batch 1).
 
@@ -357,7 +365,8 @@ def measure_layer(
     position_ids = torch.arange(tokens)[None]
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     freqs = position_ids[..., None].float() * inv_freq  # as LlamaRotaryEmbedding.forward
-    emb = torch.cat((freqs, freqs), dim=-1)
+    # gpt-oss rotates the two halves of a head with head_dim / 2 angles; the others repeat them
+    emb = freqs if family == "gpt_oss" else torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     mask = packed_mask(tokens) if kw.get("packed") else None
     kwargs = dict(attention_mask=mask, position_ids=position_ids, position_embeddings=(cos, sin))
@@ -426,13 +435,16 @@ def formula(
         if moe[0]:
             facts.update(
                 experts=moe[0], experts_per_token=moe[1], renormalized_routing=moe[2] or arch.fp32_routing_weights,
-                fp32_routing_weights=arch.fp32_routing_weights,
+                fp32_routing_weights=arch.fp32_routing_weights, softmax_after_topk=arch.softmax_after_topk,
+                clamped_swiglu=arch.clamped_swiglu, expert_biases=arch.expert_biases,
             )  # fmt: skip
     layer = LayerShape(
         hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv, head_dim=head_dim, attention_bias=bias,
         **facts,
     )  # fmt: skip
-    return layer_bytes_per_token(layer, LayerRun(**ALL_CASES[case]))
+    # a family transformers runs without SDPA (gpt-oss) is measured under eager attention, its CPU path
+    eager = bool(family) and not ARCHITECTURES[family].sdpa
+    return layer_bytes_per_token(layer, LayerRun(**ALL_CASES[case], attention="eager" if eager else "sdpa"))
 
 
 def formula_bytes(row: dict[str, Any]) -> int:
@@ -468,10 +480,12 @@ def moe_formula_bytes(row: dict[str, Any]) -> int:
     """A sparse layer's row: per token x tokens, plus its constants: grouped_mm's int32 offsets (4 bytes an
     expert), the expert weights with their LoRA folded in, and under autocast the bf16 copies of the fp32
     adapters (attention's and the experts')."""
+    from finetune.core.architectures import ARCHITECTURES
     from finetune.planner.activations import (
         LayerRun,
         LayerShape,
         autocast_weight_copy_bytes,
+        eager_scores_bytes,
         folded_expert_bytes,
     )
 
@@ -482,7 +496,10 @@ def moe_formula_bytes(row: dict[str, Any]) -> int:
     shape = LayerShape(
         hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv, head_dim=head_dim, experts=experts
     )
-    out += 4 * experts + folded_expert_bytes(shape, LayerRun(**kw))
+    run = LayerRun(**kw)
+    out += 4 * experts + folded_expert_bytes(shape, run)
+    if not ARCHITECTURES[row["family"]].sdpa:  # eager attention's softmax over [T, T + 1] (gpt-oss's sinks)
+        out += eager_scores_bytes(heads=heads, tokens=row["tokens"], rows=1, run=run)
     if kw.get("autocast") and kw["method"] == "full":  # attention's and the router's bf16 copies
         q_dim, kv_dim = heads * head_dim, kv * head_dim
         out += autocast_weight_copy_bytes(hidden * (2 * q_dim + 2 * kv_dim) + experts * hidden)
@@ -507,9 +524,17 @@ def moe_layer(
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
         num_hidden_layers=1, vocab_size=256, num_experts_per_tok=k,
     )  # fmt: skip
+    attention = "sdpa"
     if family == "mixtral":  # its experts' width is intermediate_size; it always renormalizes
         cfg = transformers.MixtralConfig(**kw, intermediate_size=inter, num_local_experts=experts)
         from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer as Layer
+    elif family == "gpt_oss":  # layer 0 is a sliding-window layer: the window only changes the mask's content
+        cfg = transformers.GptOssConfig(
+            **kw, intermediate_size=inter, num_local_experts=experts, attention_bias=shape[5]
+        )
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssDecoderLayer as Layer  # type: ignore[assignment]
+
+        attention = "eager"
     else:
         cfg = transformers.Qwen3MoeConfig(
             **kw,
@@ -519,7 +544,7 @@ def moe_layer(
             norm_topk_prob=norm,
         )
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer as Layer  # type: ignore[assignment]
-    cfg._attn_implementation, cfg._experts_implementation = "sdpa", "grouped_mm"
+    cfg._attn_implementation, cfg._experts_implementation = attention, "grouped_mm"
     with torch.device("meta"):
         layer = Layer(cfg, layer_idx=0)
     layer = layer.to_empty(device="cpu").to(torch.bfloat16)
@@ -527,31 +552,34 @@ def moe_layer(
     return layer
 
 
-def measure_moe() -> list[dict[str, Any]]:
-    """Every MOE_SHAPES x MOE_CASES row, at 64 and 128 tokens."""
+def moe_case_layer(base: Any, family: str, case: str) -> Any:
+    """A copy of the sparse layer `base` prepared for MOE_CASES[case]: every weight trained (full), or LoRA on
+    attention (the router frozen) and, with `expert_adapters`, on the fused experts (no dropout)."""
     import copy
 
     from peft import LoraConfig, get_peft_model
 
     from finetune.core.architectures import ARCHITECTURES
 
+    kw, arch = MOE_CASES[case], ARCHITECTURES[family]
+    if kw["method"] == "full":
+        return copy.deepcopy(base).requires_grad_(True)
+    lcfg = LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(arch.projections),
+        target_parameters=list(arch.expert_parameters) if kw.get("expert_adapters") else None,
+    )  # fmt: skip
+    return get_peft_model(copy.deepcopy(base), lcfg, autocast_adapter_dtype=kw["adapter_bytes"] == 4)
+
+
+def measure_moe() -> list[dict[str, Any]]:
+    """Every MOE_SHAPES x MOE_CASES row, at 64 and 128 tokens."""
     rows: list[dict[str, Any]] = []
     for name, (family, shape, experts, k, norm) in MOE_SHAPES.items():
         base = moe_layer(family, shape, experts, k, norm)
-        arch = ARCHITECTURES[family]
-        for case, kw in MOE_CASES.items():
-            lcfg = LoraConfig(
-                r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(arch.projections),
-                target_parameters=list(arch.expert_parameters) if kw.get("expert_adapters") else None,
-            )  # fmt: skip
-            if kw["method"] == "full":
-                layer = copy.deepcopy(base).requires_grad_(True)
-            else:
-                layer = get_peft_model(
-                    copy.deepcopy(base), lcfg, autocast_adapter_dtype=kw["adapter_bytes"] == 4
-                )
+        for case in MOE_CASES:
+            layer = moe_case_layer(base, family, case)
             for tokens in (64, 128):
-                b = measure_layer(shape, case, tokens, layer)
+                b = measure_layer(shape, case, tokens, layer, family=family)
                 rows.append(
                     dict(
                         shape=name, family=family, dims=list(shape), experts=experts, experts_per_token=k,
@@ -650,7 +678,7 @@ def measure_families() -> list[dict[str, Any]]:
         for case in FAMILY_CASES:
             layer = build_layer(shape, case, base, family)
             for tokens in (128, 256):
-                b = measure_layer(shape, case, tokens, layer)
+                b = measure_layer(shape, case, tokens, layer, family=family)
                 rows.append(
                     dict(
                         shape=name, family=family, dims=list(shape), case=case, tokens=tokens, bytes=b,
@@ -724,8 +752,10 @@ def main() -> None:
                 rows += [r for r in old if "family" in r]
         meta = dict(
             description="bytes saved for backward: per decoder layer (layer cases) or once per model (head_*), "
-            "distinct storages, parameters, rotary cos/sin and the boolean mask excluded; batch 1, SDPA, CPU; "
-            "bytes_per_token = bytes / tokens (packed and autocast-LoRA rows also hold a per-layer constant)",
+            "distinct storages, parameters, rotary cos/sin and the boolean mask excluded; batch 1, SDPA (eager "
+            "attention for gpt-oss, which has no SDPA path), CPU; "
+            "bytes_per_token = bytes / tokens (packed and autocast-LoRA rows also hold a per-layer constant, gpt-oss "
+            "rows their softmax output)",
             script="scripts/measure_activations.py",
             torch=torch.__version__,
             transformers=transformers.__version__,

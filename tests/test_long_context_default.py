@@ -4,9 +4,10 @@ counts its workspace as its own term (`attention`), apart from the overhead."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-from helpers import planned
+from helpers import child_env, planned, run_cli
 
 from finetune.planner import Plan
 from finetune.planner.activations import attention_mask_bytes
@@ -15,12 +16,13 @@ from finetune.planner.calibration import Calibration
 
 GB = 1e9
 CAL = Calibration.default()
-LONG = ("+recipe=llama8b_lora_128k", "train.attention=null")
+LONG = ("+recipe=llama8b_lora_128k",)
 
 
 def test_llama8b_lora_at_128k_fits_8xh100_without_train_attention():
-    _, plan = planned(*LONG)
+    cfg, plan = planned(*LONG)
     s = plan.strategy
+    assert cfg.train.attention is None  # the recipe leaves the path to the planner
     assert plan.fits and plan.hardware.name == "h100x8" and plan.seq_len == 131_072
     # packed rows on one GPU: FlexAttention's block mask, no [T, T] bias and no split needed
     assert (s.attention, s.sequence_parallel) == ("flex", 1)
@@ -76,3 +78,41 @@ def test_short_and_cpu_plans_keep_sdpa_and_their_bytes():
     _, cpu_sdpa = planned("+recipe=tiny", "train.attention=sdpa")
     assert cpu.strategy.attention == "sdpa" and cpu.gpu_memory == cpu_sdpa.gpu_memory
     assert cpu.gpu_memory.attention > 0  # the tiny packed rows' mask biases, as measured before
+
+
+def test_the_128k_recipe_plans_from_the_command_line_and_names_its_path(tmp_path: Path):
+    out = tmp_path / "plan.json"
+    r = run_cli(
+        "+recipe=llama8b_lora_128k", "mode=plan", f"plan.out={out}", f"run_dir={tmp_path / 'run'}",
+        env=child_env(COLUMNS="120"), cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(out.read_text())
+    assert plan["fits"] is True and plan["hardware"]["name"] == "h100x8"
+    assert plan["strategy"]["attention"] == "flex" and plan["strategy"]["sequence_parallel"] == 1
+    # the attention path's workspace is its own term, and the total is the sum of the terms
+    terms = plan["gpu_memory_gb"]
+    assert terms["attention"] == 0.017
+    assert terms["total"] == pytest.approx(sum(v for k, v in terms.items() if k != "total"), abs=0.01)
+    assert "FITS" in r.stdout and "│ attention" in r.stdout
+    assert (
+        "attention: FlexAttention (a block mask from the packed rows' position_ids, no [T, T] tensor) "
+        in r.stdout
+    )
+
+
+def test_the_split_takes_the_plans_sequence_length_when_the_data_stage_resolved_auto(tmp_path: Path):
+    """plan.json owns the resolved sequence length: a split's handler reads it there, not `train.seq_len`."""
+    from finetune.core.composition import compose
+    from finetune.launch.engines import write_engine_files
+    from finetune.pipeline.stages import config_plan, resolve
+
+    cfg = resolve(
+        compose([*LONG, "train.seq_len=auto", "data.packing=false", "train.sequence_parallel=2",
+                 "train.sequence_split=ulysses"])
+    )  # fmt: skip
+    plan = config_plan(cfg, cfg.hardware, 65_536)  # what the data stage resolved `auto` to
+    assert plan.seq_len == 65_536 and plan.strategy.sequence_parallel == 2
+    files = write_engine_files(cfg, plan, tmp_path)
+    assert files.parallelism is not None and files.parallelism["seq_len"] == 65_536
+    assert json.loads((tmp_path / "engine.json").read_text())["parallelism"]["seq_len"] == 65_536

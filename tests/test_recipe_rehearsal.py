@@ -59,6 +59,10 @@ def test_recipe_strategy_runs_as_planned_on_the_tiny_model(recipe, tmp_path, tin
         if split > 1
         else []
     )
+    # FlexAttention and flash-attn run on CUDA only: the CPU rehearses SDPA in their place (and TRL's activation
+    # offloading needs an accelerator: the CPU plan leaves it off)
+    if split == 1 and s.attention != "sdpa":
+        split_args.append("train.attention=sdpa")
     run_dir = tmp_path / "run"
     args = [
         f"run_dir={run_dir}",
@@ -93,7 +97,10 @@ def test_recipe_strategy_runs_as_planned_on_the_tiny_model(recipe, tmp_path, tin
 
     ran = json.loads((run_dir / "plan.json").read_text())["strategy"]
     # the user-fixed settings planned as given
-    assert ran == {**vars(s), "grad_accum_steps": accum, "sequence_parallel": split}
+    assert ran == {
+        **vars(s), "grad_accum_steps": accum, "sequence_parallel": split, "attention": "sdpa",
+        "activation_offloading": False,
+    }  # fmt: skip
     train = json.loads((run_dir / "metrics.json").read_text())["train"]
     engine = train["engine"]
     assert engine["world_size"] == ranks and len({r["pid"] for r in engine["ranks"]}) == ranks

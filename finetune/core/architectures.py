@@ -56,6 +56,10 @@ class Architecture:
     # the hub checkpoint stores the experts in this many bits a weight (gpt-oss's MXFP4: 4-bit values and an
     # 8-bit scale per 32, 4.25); transformers' MXFP4 does not train, so training dequantizes them to bf16
     expert_storage_bits: float = 0.0
+    # the router takes its top-k logits first and a softmax over those k alone, not over every expert (gpt-oss)
+    softmax_after_topk: bool = False
+    # gpt-oss's SwiGLU: gate and up clamped, gate x sigmoid(1.702 gate) x (up + 1), each step a saved tensor
+    clamped_swiglu: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -104,8 +108,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),  # fmt: skip
     # gpt-oss: biased q/k/v/o, attention sinks, sliding-window attention (128 tokens) on every other layer,
     # a biased router and fused biased experts ([E, h, 2I] gate_up, [E, I, h] down, I its intermediate_size)
-    # stored in MXFP4. No SDPA in transformers: eager on the CPU, FlexAttention on CUDA. Its layer follows the
-    # measured sparse-layer formulas (modelled, not measured for this family).
+    # stored in MXFP4. No SDPA in transformers: eager on the CPU, FlexAttention on CUDA. RMSNorm multiplies by its
+    # weight in fp32, the router's softmax runs over its top-k logits, the SwiGLU is clamped: each measured.
     "gpt_oss": Architecture(
         "gpt_oss",
         "GptOssDecoderLayer",
@@ -119,6 +123,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         sliding_window=128,
         sdpa=False,
         expert_storage_bits=4.25,
+        fp32_norm_product=True,
+        softmax_after_topk=True,
+        clamped_swiglu=True,
     ),  # fmt: skip
     # Qwen2's attention (q/k/v biases) and, besides the routed experts, a shared expert with a sigmoid gate
     "qwen2_moe": Architecture(

@@ -212,13 +212,14 @@ def fsdp_trainer_config(cfg: Config, lay: Layout) -> dict[str, Any]:
     }
 
 
-def parallelism(cfg: Config, lay: Layout) -> Optional[dict[str, Any]]:
+def parallelism(lay: Layout, seq_len: int) -> Optional[dict[str, Any]]:
     """accelerate's `ParallelismConfig` for the plan's sequence split, as keyword arguments (engine.json's
     `parallelism`; the rank builds the object, TrainingArguments' `parallelism_config`), or None unsplit.
 
     Ulysses: `sp_size` with DeepSpeed's backend and its handler (the attention it wraps, the sequence length
     variable per batch since packed rows vary). Ring: `cp_size` with torch's backend, FSDP2 sharding the rest.
-    `attention` is the plan's (`train.attention`, or the planner's choice), which the rank maps to transformers' implementation.
+    `attention` is the plan's (`train.attention`, or the planner's choice), which the rank maps to transformers' implementation;
+    `seq_len` the plan's (train.seq_len, or what the data stage resolved `auto` to).
     """
     s = lay.strategy
     split = s.split
@@ -234,7 +235,7 @@ def parallelism(cfg: Config, lay: Layout) -> Optional[dict[str, Any]]:
         "kwargs": out,
         "split": split.key,
         "attention": s.attention,
-        "seq_len": cfg.train.seq_len if isinstance(cfg.train.seq_len, int) else None,
+        "seq_len": seq_len,
     }
 
 
@@ -323,7 +324,7 @@ def write_engine_files(
         deepspeed=ds_path,
         accelerate_config=acc_path,
         trainer_kwargs=kwargs,
-        parallelism=parallelism(cfg, lay),
+        parallelism=parallelism(lay, plan.seq_len),
     )
     _write_if_changed(run_dir / rundir.ENGINE_FILE, json.dumps(files.to_dict(), indent=2) + "\n")
     return files

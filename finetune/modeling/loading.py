@@ -204,6 +204,20 @@ def add_adapters(model: Any, method: MethodConfig, model_cfg: ModelConfig) -> An
 # ---------------------------------------------------------------- training
 
 
+def dequantized_experts(model: ModelConfig, source: str) -> dict[str, Any]:
+    """`from_pretrained`'s arguments that load a checkpoint's MXFP4 experts (gpt-oss) dequantized to bf16, as the
+    plan's `experts:` line counts them: transformers' MXFP4 quantizer does not train, and keeps the experts
+    packed wherever its Triton kernels are installed. Empty for a family or checkpoint without them."""
+    if not ARCHITECTURES[model.architecture].expert_storage_bits:
+        return {}
+    from transformers import AutoConfig, Mxfp4Config
+
+    checkpoint = AutoConfig.from_pretrained(source, trust_remote_code=model.trust_remote_code)
+    quant = getattr(checkpoint, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    return {"quantization_config": Mxfp4Config(dequantize=True)} if method == "mxfp4" else {}
+
+
 def _training_device_map(cfg: Config, sharded: bool) -> Any:
     """Where QLoRA's weights are quantized while they load (bitsandbytes places them at load time).
 
@@ -255,7 +269,10 @@ def load_for_training(cfg: Config, sharded: bool = False) -> tuple[Any, torch.dt
     else:  # a frozen base in the compute dtype
         kwargs["dtype"] = compute_dtype
     start_adapter, start_weights = initial_output(cfg)
-    model = load_pretrained(cfg.model, start_weights or model_source(cfg.model), **kwargs)
+    source = start_weights or model_source(cfg.model)
+    if not spec.quantized_base:
+        kwargs.update(dequantized_experts(cfg.model, source))
+    model = load_pretrained(cfg.model, source, **kwargs)
     if spec.quantized_base:
         model = prepare_kbit_model(model, quant_dtype)
     if start_adapter is not None:  # init_from's adapter trains on (and is DPO's reference)

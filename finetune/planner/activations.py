@@ -46,6 +46,7 @@ from finetune.core.architectures import ARCHITECTURES
 from finetune.core.methods import METHODS
 
 DEVICES = ("cpu", "cuda")
+ATTENTION_PATHS = ("sdpa", "eager", "flex", "flash")
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,11 @@ class LayerShape:
     # the router's top-k weights divided by their sum (`norm_topk_prob`), and kept fp32 (Mixtral)
     renormalized_routing: bool = False
     fp32_routing_weights: bool = False
+    # gpt-oss: the router's softmax over its top-k logits only, and the clamped SwiGLU of its experts
+    softmax_after_topk: bool = False
+    clamped_swiglu: bool = False
+    # each expert's biases (gpt-oss): trained, their gather by expert keeps the sorted expert ids
+    expert_biases: bool = False
 
     @classmethod
     def of(cls, model: Any) -> LayerShape:
@@ -94,6 +100,9 @@ class LayerShape:
             experts_per_token=model.num_experts_per_token,
             renormalized_routing=model.norm_topk_prob or arch.fp32_routing_weights,
             fp32_routing_weights=arch.fp32_routing_weights,
+            softmax_after_topk=arch.softmax_after_topk,
+            clamped_swiglu=arch.clamped_swiglu,
+            expert_biases=arch.expert_biases,
         )
 
 
@@ -119,6 +128,9 @@ class LayerRun:
     packed: bool = False
     # LoRA on a mixture of experts' fused expert weights too (PEFT's target_parameters), not attention only
     expert_adapters: bool = False
+    # the attention implementation (`planner/attention.py`): eager attention keeps copies of k and v for every
+    # head and its softmax's [T, T + 1] (`eager_scores_bytes`); FlexAttention and flash-attn are modelled as SDPA
+    attention: str = "sdpa"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -129,8 +141,15 @@ class LayerRun:
             raise ValueError(f"dtype_bytes must be 2 (bf16) or 4 (fp32), got {self.dtype_bytes!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {self.attention!r}")
         if self.autocast and self.dtype_bytes == 4 and not METHODS[self.method].trains_base_weights:
             raise ValueError("autocast: bf16 autocast runs on a bf16 base (dtype_bytes=2) for LoRA")
+
+    @property
+    def fp32_weights(self) -> bool:
+        """The weights are fp32: full fine-tuning's master weights under autocast, or everything fp32."""
+        return self.dtype_bytes == 4 or (self.autocast and METHODS[self.method].trains_base_weights)
 
 
 def layer_bytes_per_token(shape: LayerShape, run: LayerRun) -> int:
@@ -161,10 +180,17 @@ def layer_bytes_per_token(shape: LayerShape, run: LayerRun) -> int:
     # attention: q and k after rotary, v, SDPA's output and its fp32 logsumexp per head; o_proj's input is
     # a view of SDPA's output. Packed rows: repeat_kv's copies of k and v for every head.
     attention = c * (2 * q_dim + 2 * kv_dim) + 4 * heads
-    if run.packed:
+    eager = run.attention == "eager"
+    if run.packed or eager:
         attention += 2 * c * (q_dim - kv_dim)
     elif shape.fused_projections:
         attention += c * (q_dim + kv_dim)  # v is a view of qkv_proj's output: SDPA keeps all of its storage
+    if eager:  # the softmax's max, taken for stability: int64 indices per head where SDPA keeps an fp32 lse
+        attention += 4 * heads
+        # its output feeds o_proj only: kept by o_proj's weight gradient or an adapter sharing the base input,
+        # not where each adapter casts its own input (or drops it out)
+        if not full and (lora_dropout or run.adapter_bytes != c):
+            attention -= c * q_dim
     # each RMSNorm: its fp32 upcast of the input (the input itself when it is fp32), and the fp32 rsqrt
     norms = (4 if shape.sandwich_norms else 2) * (4 * h + 4)
     if shape.qk_norm:  # the same for each head's query and key (rsqrt per head)
@@ -236,7 +262,12 @@ def _sparse_layer_bytes(shape: LayerShape, run: LayerRun) -> int:
             2 if run.autocast else c
         )  # the router's logits (and so Qwen's top-k weights) under autocast
         casts = 2 * h if run.autocast else 0
-        return attention_only - casts + k * routed_c * (2 * h + 4 * i) + _routing_bytes(shape, router_c)
+        routed = k * routed_c * (2 * h + 4 * i) + _routing_bytes(shape, router_c)
+        if shape.clamped_swiglu:
+            routed += k * routed_c * 3 * i
+        if shape.expert_biases:  # the biases' gather by the sorted expert ids keeps those (int64)
+            routed += 8 * k
+        return attention_only - casts + routed
     kept = 2 if run.autocast and a == 4 else a
     # the dense formula at I = 0 still adapts gate and up on the second norm's output (its branches: dropout's
     # output and mask, a cast to the adapter dtype, or the shared input); LoRA here adapts attention only
@@ -248,6 +279,8 @@ def _sparse_layer_bytes(shape: LayerShape, run: LayerRun) -> int:
         gate_up = c * h
     attention_only -= gate_up + 3 * run.lora_rank * kept
     routed = k * c * (h + 3 * i) + _routing_bytes(shape, c)
+    if shape.clamped_swiglu:  # the clamped gate and up, sigmoid(1.702 gate) and up + 1, where SiLU kept one
+        routed += k * c * 3 * i
     if run.expert_adapters:
         routed += k * c * (h + i)
     return attention_only + routed
@@ -262,6 +295,8 @@ def _routing_bytes(shape: LayerShape, c: int) -> int:
         weights = 8 * k + 4
     else:
         weights = k * c + (4 * k + 4 if shape.renormalized_routing else 0)
+    if shape.softmax_after_topk:  # gpt-oss: the softmax over the k logits, kept in their dtype; no E-wide one
+        return weights + k * c + 32 * k
     return weights + 4 * shape.experts + 32 * k
 
 
@@ -285,6 +320,19 @@ def attention_mask_bytes(*, tokens: int, rows: int, dtype_bytes: int = 2) -> int
     the query is bf16). Measured to the byte on the CPU (scripts/measure_activations.py, packed cases).
     """
     return rows * tokens * tokens * dtype_bytes
+
+
+def eager_scores_bytes(*, heads: int, tokens: int, rows: int, run: LayerRun, sinks: bool = True) -> int:
+    """Eager attention's softmax output, saved for backward, per layer: heads x T x (T + 1) a row (the sink's
+    column; T without sinks), in the logits' dtype promoted with the sinks': fp32 where the weights are fp32
+    (full fine-tuning under autocast, or everything fp32), else the compute dtype. Where that is wider than the
+    values (autocast), the product with the values keeps a [T, T] copy in their dtype too. Measured to the byte
+    on gpt-oss's layer on the CPU (scripts/measure_activations.py --moe)."""
+    scores = 4 if run.fp32_weights else run.dtype_bytes
+    held = rows * heads * tokens * (tokens + int(sinks)) * scores
+    if scores != run.dtype_bytes:
+        held += rows * heads * tokens * tokens * run.dtype_bytes
+    return held
 
 
 def model_bytes_per_token(

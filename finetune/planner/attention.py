@@ -8,6 +8,9 @@ packed rows' position_ids instead: (T / 128)^2 small integers a row, no [T, T] t
 samples apart; it runs on CUDA only (no backward on the CPU). flash-attn (`train.attention=flash`) keeps
 packed rows apart through its variable-length path, where the package is installed.
 
+Eager attention (gpt-oss on the CPU: transformers gives it no SDPA) gets a float [T, T] mask the model makes
+once per layer type, and each layer keeps its softmax output (`eager_scores_bytes`, measured).
+
 When `train.attention` is unset the planner takes SDPA, the measured default, and on CUDA from the long-context
 length on, for packed rows that stay on one rank, FlexAttention: the [T, T] bias is what stops a 128k-token
 row from fitting (34 GB a layer at 131,072 tokens in bf16). A split keeps SDPA (mask-free: its flash kernel);
@@ -19,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from finetune.core.architectures import ARCHITECTURES
+from finetune.planner.activations import LayerRun, eager_scores_bytes
 from finetune.planner.contract import Strategy
 
 # FlexAttention's block size (torch.nn.attention.flex_attention._DEFAULT_SPARSE_BLOCK_SIZE): the block mask
@@ -53,9 +57,10 @@ def choose(
 
 
 def takes_mask(s: Strategy) -> bool:
-    """Whether attention gets a [T, T] mask: packed rows on one rank, except under FlexAttention's block mask.
-    A sequence split drops the mask (causality from position_ids)."""
-    return s.split is None and s.attention != "flex"
+    """Whether each layer turns the packed rows' boolean mask into a [T, T] bias (SDPA does; FlexAttention takes
+    a block mask, eager attention the model's float mask, `path_bytes`). A sequence split drops the mask
+    (causality from position_ids)."""
+    return s.split is None and s.attention not in ("flex", "eager")
 
 
 def block_mask_bytes(*, tokens: int, rows: int) -> int:
@@ -66,14 +71,16 @@ def block_mask_bytes(*, tokens: int, rows: int) -> int:
     return rows * FLEX_INDEX_TENSORS * 4 * blocks * blocks
 
 
-def path_bytes(model: Any, s: Strategy, *, tokens: int, rows: int, dtype_bytes: int) -> int:
-    """What the attention path holds beyond the measured layer formulas (modelled, not measured), per GPU:
+def path_bytes(model: Any, s: Strategy, *, tokens: int, rows: int, run: LayerRun) -> int:
+    """What the attention path holds beyond the measured layer formulas, per GPU (`run`: how a layer runs):
 
-    - FlexAttention: its block masks (`block_mask_bytes`); a sliding-window family (gpt-oss) has a second one
-      for its sliding layers, bounded by the window: each query block sees at most window / 128 + 1 key blocks.
-    - eager attention: each layer's softmax output, saved for backward: heads x T x (T + 1) a row (gpt-oss's
-      sink adds the column), in the compute dtype; the sliding layers' too (eager masks, it does not skip).
-      Every layer keeps it without checkpointing; with it, the layer being recomputed.
+    - FlexAttention: its block masks (`block_mask_bytes`, modelled); a sliding-window family (gpt-oss) has a
+      second one for its sliding layers, bounded by the window: each query block sees at most window / 128 + 1
+      key blocks.
+    - eager attention: each layer's softmax output (`eager_scores_bytes`, measured), every layer's without
+      checkpointing, the layer being recomputed's with it; and with checkpointing the model's float [T, T]
+      masks, one per layer type (gpt-oss: full and sliding), in the embeddings' dtype, which the checkpoint
+      keeps as every layer's input (without it they are freed when the forward returns, before the loss).
     """
     arch = ARCHITECTURES[model.architecture]
     if s.attention == "flex":
@@ -84,8 +91,14 @@ def path_bytes(model: Any, s: Strategy, *, tokens: int, rows: int, dtype_bytes: 
             held += rows * FLEX_INDEX_TENSORS * 4 * blocks * seen
         return held
     if s.attention == "eager":
-        layers = 1 if s.activation_checkpointing else model.num_layers
-        return layers * rows * model.num_heads * tokens * (tokens + 1) * dtype_bytes
+        scores = eager_scores_bytes(
+            heads=model.num_heads, tokens=tokens, rows=rows, run=run, sinks=arch.attention_sinks
+        )
+        if not s.activation_checkpointing:
+            return model.num_layers * scores
+        mask_dtype = 4 if run.fp32_weights else run.dtype_bytes
+        masks = (2 if arch.sliding_window else 1) * rows * tokens * tokens * mask_dtype
+        return scores + masks
     return 0
 
 

@@ -127,6 +127,7 @@ class Runtime:
     adapter_compute: int  # adapters as they multiply (the gathered dtype under FSDP2 / ZeRO-3)
     fp32_residual: bool  # full fine-tuning's fp32 weights under autocast: the residual stream stays fp32
     packed: bool = True  # rows carry position_ids: transformers builds a block-diagonal mask for SDPA
+    attention: str = "sdpa"  # the attention path (Strategy.attention): what a layer's attention saves
     # What the plan's total is measured by: on the CPU the process's resident set, which holds only the pages a
     # tensor has written (TRL's tile buffer, wider than a small vocabulary, is mostly never touched); on CUDA the
     # allocator's bytes. A measurement of allocated bytes on the CPU (scripts/bench_planner.py) sets it False.
@@ -155,6 +156,7 @@ def runtime(job: Job, s: Strategy) -> Runtime:
         engine, job.hw.device, compute, autocast, full_weights, stored, adapter_compute, fp32_residual,
         # a split drops the attention mask (Ulysses: causality from position_ids; ring: no packed rows)
         packed=takes_mask(s),
+        attention=s.attention,
         resident=job.hw.device == "cpu",
     )  # fmt: skip
 

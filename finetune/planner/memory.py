@@ -189,7 +189,7 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
         working_set=working_set(job, s, rt), mask_share=mask_share if rt.packed else 0.0, loss=loss
     )
     path = path_bytes(
-        job.model, s, tokens=rank_tokens(job, s), rows=micro_batch_rows(job, s), dtype_bytes=rt.compute
+        job.model, s, tokens=job.seq_len, rows=micro_batch_rows(job, s), run=layer_run(job, rt, False)
     )
     overhead = (
         dev.fixed_gb * GB

@@ -67,6 +67,7 @@ def layer_run(job: Job, rt: Runtime, checkpointing: bool) -> LayerRun:
         device=rt.device,
         packed=rt.packed,
         expert_adapters=method.lora_experts,
+        attention=rt.attention,
     )
 
 
