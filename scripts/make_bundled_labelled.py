@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     tmp.replace(args.out)
     desirable = sum(r["label"] for r in rows)
-    print(f"wrote {len(rows)} examples to {args.out} ({desirable} desirable, {len(rows) - desirable} undesirable)")
+    print(
+        f"wrote {len(rows)} examples to {args.out} ({desirable} desirable, {len(rows) - desirable} undesirable)"
+    )
     return 0
 
 

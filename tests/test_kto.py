@@ -32,11 +32,20 @@ def test_objective_group_and_settings_compose():
     "overrides, message",
     [
         (("objective.beta=0",), "objective.beta=0.0 must be > 0"),
-        (("objective.loss_type=sigmoid",), "objective.loss_type='sigmoid' is not one of kto, apo_zero_unpaired"),
+        (
+            ("objective.loss_type=sigmoid",),
+            "objective.loss_type='sigmoid' is not one of kto, apo_zero_unpaired",
+        ),
         (("objective.undesirable_weight=-1",), "objective.undesirable_weight=-1.0 must be > 0"),
         # the KL estimate pairs each prompt with another example's completion in the same micro-batch
-        (("train.micro_batch_size=1",), "train.micro_batch_size=1: objective=kto needs at least 2 examples a"),
-        (("train.batch_size=1",), "train.batch_size=1: objective=kto needs at least 2 examples a micro-batch"),
+        (
+            ("train.micro_batch_size=1",),
+            "train.micro_batch_size=1: objective=kto needs at least 2 examples a",
+        ),
+        (
+            ("train.batch_size=1",),
+            "train.batch_size=1: objective=kto needs at least 2 examples a micro-batch",
+        ),
     ],
 )
 def test_bad_settings_are_one_line(overrides, message):
@@ -101,7 +110,11 @@ def test_bad_label_is_one_line_exit_2_naming_the_key_and_writes_nothing(tmp_path
     )  # fmt: skip
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert "kto.jsonl line 2" in lines[-1] and "data.label_field=label" in lines[-1] and "1 bad_label" in lines[-1]
+    assert (
+        "kto.jsonl line 2" in lines[-1]
+        and "data.label_field=label" in lines[-1]
+        and "1 bad_label" in lines[-1]
+    )
     assert not (run / "data_stats.json").exists() and not (run / "data").exists()
 
 
@@ -126,7 +139,10 @@ def test_data_stage_splits_by_prompt_counts_labels_and_parts_neighbours(tmp_path
     assert s["num_input"] == 122 and s["dropped"]["duplicate"] == 1
     assert s["dropped"].get("too_long", 0) + s["dropped"].get("too_long_chars", 0) == 1
     assert (s["num_train"], s["num_eval"]) == (96, 24)  # 12 prompts of 60 held out, both their examples
-    assert s["labels"] == {"train": {"desirable": 48, "undesirable": 48}, "eval": {"desirable": 12, "undesirable": 12}}
+    assert s["labels"] == {
+        "train": {"desirable": 48, "undesirable": 48},
+        "eval": {"desirable": 12, "undesirable": 12},
+    }
 
     def prompts(rows):
         return [tuple(r["prompt_ids"]) for r in rows]
@@ -179,7 +195,11 @@ def test_kl_pairs_rotate_each_micro_batch_as_trl_does():
     from finetune.train.kto_trainer import with_kl_pairs
 
     ds = Dataset.from_dict(
-        {"prompt_ids": [[i] for i in range(5)], "completion_ids": [[10 + i] for i in range(5)], "label": [True] * 5}
+        {
+            "prompt_ids": [[i] for i in range(5)],
+            "completion_ids": [[10 + i] for i in range(5)],
+            "label": [True] * 5,
+        }
     )
     kl = with_kl_pairs(ds, micro_batch_size=2)["KL_completion_ids"]
     # (x1, y2), (x2, y1) | (x3, y4), (x4, y3) | (x5, y5): the last, lone row is its own pair, as in TRL
@@ -208,7 +228,12 @@ def test_trl_config_carries_the_settings(tmp_path):
     run.mkdir()
     write_engine(cfg, plan, run)
     args = kto_trainer.build_config(cfg, plan, run, torch.float32)
-    assert (args.beta, args.desirable_weight, args.undesirable_weight, args.loss_type) == (0.3, 1.2, 1.0, "kto")
+    assert (args.beta, args.desirable_weight, args.undesirable_weight, args.loss_type) == (
+        0.3,
+        1.2,
+        1.0,
+        "kto",
+    )
     assert args.per_device_train_batch_size == 32 and args.train_sampling_strategy == "sequential"
     assert not args.precompute_ref_log_probs and args.max_length is None
 
@@ -223,10 +248,16 @@ def _plans(*overrides: str, precompute=None):
     cfg = compose(list(overrides))
     return {
         name: make_plan(
-            cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.plan, load_profiles(),
-            objective=OBJECTIVES[name], precompute_reference=precompute,
+            cfg.model,
+            cfg.method,
+            cfg.hardware,
+            cfg.train,
+            cfg.plan,
+            load_profiles(),
+            objective=OBJECTIVES[name],
+            precompute_reference=precompute,
         )  # fmt: skip
-        for name in ("sft", "dpo", "kto")
+        for name in ("sft", "kto")
     }
 
 
@@ -237,7 +268,7 @@ def test_plan_counts_one_sequence_an_example_and_four_forwards():
     fixed = ("+recipe=llama8b_lora", "train.micro_batch_size=2", "train.activation_checkpointing=true",
              "train.chunked_loss=false")  # fmt: skip
     p = _plans(*fixed)
-    sft, dpo, kto = p["sft"], p["dpo"], p["kto"]
+    sft, kto = p["sft"], p["kto"]
     assert kto.strategy == sft.strategy
     # one trained sequence an example: SFT's activations; the reference's transient forward on top of the loss
     assert kto.gpu_memory.activations == pytest.approx(sft.gpu_memory.activations, rel=1e-9)
@@ -253,10 +284,13 @@ def test_plan_counts_one_sequence_an_example_and_four_forwards():
     }
     m = cfg.model
     forward = 2.0 * jobs["kto"].counts.linear + 2.0 * m.num_layers * kto.seq_len * m.num_heads * m.head_dim
-    extra = executed_flops_per_token(jobs["kto"], kto.strategy) - executed_flops_per_token(jobs["sft"], sft.strategy)
+    extra = executed_flops_per_token(jobs["kto"], kto.strategy) - executed_flops_per_token(
+        jobs["sft"], sft.strategy
+    )
     assert extra == pytest.approx(3 * forward, rel=1e-12)
     assert kto.estimate.step_seconds / sft.estimate.step_seconds == pytest.approx(
-        executed_flops_per_token(jobs["kto"], kto.strategy) / executed_flops_per_token(jobs["sft"], sft.strategy)
+        executed_flops_per_token(jobs["kto"], kto.strategy)
+        / executed_flops_per_token(jobs["sft"], sft.strategy)
     )
 
 

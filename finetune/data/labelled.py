@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from finetune import rundir
 from finetune.core.config import Config
@@ -27,8 +27,8 @@ from finetune.data import clean, pairs, samples, sources, stats
 from finetune.data import rows as saved_rows
 from finetune.data.control import ControlTokens
 from finetune.data.formats import Messages, RecordError, _field, _messages, _text
-from finetune.data.prepare import TextLimits, progress, records
 from finetune.data.preferences import _split_by_prompt
+from finetune.data.prepare import TextLimits, progress, records
 from finetune.data.render import Renderer
 
 
@@ -50,7 +50,9 @@ class PreparedExamples:
 
     stats: dict  # data_stats.json's content
     train: list[dict]  # {prompt_ids, completion_ids, label}
-    evals: list[dict]  # the same, plus `messages` (JSON: prompt + completion where desirable, else the prompt)
+    evals: list[
+        dict
+    ]  # the same, plus `messages` (JSON: prompt + completion where desirable, else the prompt)
 
 
 def _label(value: Any, dc: DataConfig) -> bool:
@@ -109,13 +111,16 @@ def prepare(
         raise DataError(f"data.path={path}: no labelled examples ({dict(tally.dropped) or 'no records'})")
     kept = [e for e in (_clean(e, dc, text.control, text.char_limit, tally) for e in found) if e is not None]
     kept = _dedup(kept, dc, tally)
-    train_examples, eval_examples = _split_by_prompt(kept, dc, tally)  # type: ignore[arg-type]
+    # DPO's split by prompt, on anything with a `prompt` (typed for its pairs)
+    train_examples, eval_examples = cast(Any, _split_by_prompt)(kept, dc, tally)
     seq_len = text.seq_len(cfg)
     truncated = [0]
     train = _tokenize(_ordered(train_examples, dc), text.renderer, seq_len, dc, tally, truncated)
     evals = _tokenize(_ordered(eval_examples, dc), text.renderer, seq_len, dc, tally, truncated, True)
     if not train:
-        raise DataError(f"no training examples left after cleaning and the length limit ({dict(tally.dropped)})")
+        raise DataError(
+            f"no training examples left after cleaning and the length limit ({dict(tally.dropped)})"
+        )
     if eval_examples and not evals:
         raise DataError(
             f"no held-out examples left after the length limit (seq_len {seq_len}): raise train.seq_len, "
@@ -195,7 +200,9 @@ def _tokenize(
     tok = renderer.tokenizer
     out = []
     for e in found:
-        prompt_ids = tok(renderer.text(e.prompt, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        prompt_ids = tok(renderer.text(e.prompt, add_generation_prompt=True), add_special_tokens=False)[
+            "input_ids"
+        ]
         whole = tok(renderer.text(e.whole()), add_special_tokens=False)["input_ids"]
         start = 0
         while start < min(len(prompt_ids), len(whole)) and prompt_ids[start] == whole[start]:
@@ -241,7 +248,9 @@ def _stats(
         return {"desirable": desirable, "undesirable": len(rows) - desirable}
 
     def lengths(rows: list[dict]) -> dict:
-        return {side: stats.summary([len(r[f"{side}_ids"]) for r in rows]) for side in ("prompt", "completion")}
+        return {
+            side: stats.summary([len(r[f"{side}_ids"]) for r in rows]) for side in ("prompt", "completion")
+        }
 
     return {
         "record_kind": "labelled",
@@ -264,7 +273,9 @@ def _stats(
         },
         "tokens": {"train_total": sum(map(_tokens, train)), "eval_total": sum(map(_tokens, evals))},
         "seq_len": seq_len,
-        "seq_len_source": "auto: the longest kept example" if cfg.train.seq_len == "auto" else "train.seq_len",
+        "seq_len_source": "auto: the longest kept example"
+        if cfg.train.seq_len == "auto"
+        else "train.seq_len",
         "input": {"path": path, "fingerprint": None},
         "seconds": None,
     }

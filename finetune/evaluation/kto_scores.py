@@ -49,7 +49,9 @@ def log_probs(model: Any, dataset: Any, pad_token_id: int, batch_size: int = BAT
             ]
             batch = collate(rows)
             ids = batch["input_ids"].to(device)
-            logits = model(input_ids=ids, attention_mask=batch["attention_mask"].to(device), use_cache=False).logits
+            logits = model(
+                input_ids=ids, attention_mask=batch["attention_mask"].to(device), use_cache=False
+            ).logits
             logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
             token_logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
             mask = batch["completion_mask"][:, 1:].to(device)
@@ -87,7 +89,8 @@ def scores(
         "reward_desirable": mean_good,
         "reward_undesirable": mean_bad,
         "logprob_separation": _separation(
-            [p for p, label in zip(policy, labels) if label], [p for p, label in zip(policy, labels) if not label]
+            [p for p, label in zip(policy, labels) if label],
+            [p for p, label in zip(policy, labels) if not label],
         ),
         "examples": len(rewards),
     }
@@ -111,7 +114,9 @@ class Scorer:
                 del model
                 gc.collect()
 
-    def score(self, model: Any, variant: str, items: Sequence[dict], answers: Sequence[str]) -> dict[str, float]:
+    def score(
+        self, model: Any, variant: str, items: Sequence[dict], answers: Sequence[str]
+    ) -> dict[str, float]:
         if self.dataset is None:
             return {}
         mine = log_probs(model, self.dataset, self.pad_token_id)

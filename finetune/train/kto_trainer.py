@@ -64,7 +64,9 @@ def with_kl_pairs(dataset: Any, micro_batch_size: int) -> Any:
     return dataset.map(rotate, batched=True, batch_size=micro_batch_size)
 
 
-def weight_advice(desirable: int, undesirable: int, desirable_weight: float, undesirable_weight: float) -> str:
+def weight_advice(
+    desirable: int, undesirable: int, desirable_weight: float, undesirable_weight: float
+) -> str:
     """What the KTO paper's rule (its eq. 8: desirable_weight x desirable / (undesirable_weight x undesirable)
     within [1, 4/3]) asks of the weights for these counts, or "" when they keep it, as TRL checks them."""
     if not desirable or not undesirable:

@@ -136,7 +136,10 @@ class Config:
                     "step's sequences in whole groups)"
                 )
         least = spec.min_micro_batch
-        for key, value in (("micro_batch_size", self.train.micro_batch_size), ("batch_size", self.train.batch_size)):
+        for key, value in (
+            ("micro_batch_size", self.train.micro_batch_size),
+            ("batch_size", self.train.batch_size),
+        ):
             if value is not None and value < least:
                 raise ConfigError(
                     f"train.{key}={value}: objective={spec.name} needs at least {least} {spec.batch_unit} a "
