@@ -140,5 +140,10 @@ def test_recipe_strategy_runs_as_planned_on_the_tiny_model(recipe, tmp_path, tin
         assert scores["base"]["reward_margin"] == 0 and "reward_margin" in scores["trained"], scores
         losses = last_losses(run_dir)
         assert abs(losses[0] - math.log(2)) < 1e-3 and all(math.isfinite(x) for x in losses), losses
+    elif "desirable_margin" in scores["base"]:
+        # KTO: likewise its own reference at the base, and the first step's loss 1 - sigmoid(0) = 0.5
+        assert scores["base"]["desirable_margin"] == 0 and "desirable_margin" in scores["trained"], scores
+        losses = last_losses(run_dir)
+        assert abs(losses[0] - 0.5) < 1e-3 and all(math.isfinite(x) for x in losses), losses
     else:
         assert scores["trained"]["loss"] < scores["base"]["loss"] - 0.3, scores

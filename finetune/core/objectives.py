@@ -52,6 +52,12 @@ RECORD_KINDS: dict[str, RecordKind] = {
         "finetune.data.prompts",
         "chat.jsonl",
     ),
+    # KTO's unpaired examples: the bundled pairs unpaired (scripts/make_bundled_labelled.py).
+    "labelled": RecordKind(
+        "prompt + completion + label (desirable or not), tokenized as TRL's prompt_ids / completion_ids / label",
+        "finetune.data.labelled",
+        "labelled.jsonl",
+    ),
 }
 
 # The objective of a config that names none (`objective=` left out).
@@ -93,6 +99,18 @@ SCORES: dict[str, ScoreKind] = {
         "the settings' rewards on the generated answers to the held-out prompts",
         ("mean_reward", "pass_rate"),
         "finetune.evaluation.reward_scores:Scorer",
+    ),
+    "kto": ScoreKind(
+        "the implicit rewards beta x log(pi / pi_ref) of the held-out desirable and undesirable completions, "
+        "the settings' beta",
+        (
+            "desirable_margin",
+            "separation_accuracy",
+            "reward_desirable",
+            "reward_undesirable",
+            "logprob_separation",
+        ),
+        "finetune.evaluation.kto_scores:Scorer",
     ),
 }
 
@@ -144,6 +162,14 @@ class ObjectiveSpec:
     # (no second copy); with full fine-tuning a frozen copy or precomputed log-probabilities (the planner
     # chooses, or the settings' `reference`).
     reference: str = "none"
+    # Forwards of the reference a trained sequence when it runs (KTO: 2, the completion and the mismatched one of
+    # its KL estimate), and forward-only passes of the policy a trained sequence beside the one it trains on
+    # (KTO's KL estimate: 1); both under no_grad, their time counted, their transient peak the reference's.
+    reference_forwards: int = 1
+    policy_extra_forwards: int = 0
+    # Examples a micro-batch holds at least (KTO: 2, its KL estimate pairs each prompt with another example's
+    # completion of the same micro-batch); the planner's micro-batches stop there.
+    min_micro_batch: int = 1
     # The model generates inside the training step (rollouts): the planner adds the generation term, and the
     # settings carry the rollout's shape (`num_generations`, `max_completion_length`, `generation`, ...).
     generates: bool = False
@@ -168,6 +194,11 @@ class ObjectiveSpec:
             )
         if self.sequences_per_example < 1:
             raise ValueError(f"ObjectiveSpec {self.name}: sequences_per_example must be at least 1")
+        if self.reference_forwards < 1 or self.policy_extra_forwards < 0 or self.min_micro_batch < 1:
+            raise ValueError(
+                f"ObjectiveSpec {self.name}: reference_forwards and min_micro_batch must be at least 1, "
+                "policy_extra_forwards at least 0"
+            )
         if self.scores is not None and self.scores not in SCORES:
             raise ValueError(
                 f"ObjectiveSpec {self.name}: scores={self.scores!r} is not one of {sorted(SCORES)}"
@@ -243,5 +274,22 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         generates=True,
         scores="rewards",
         export="the RL-tuned policy, merged per the method (the reference, when beta > 0, is not exported)",
+    ),
+    "kto": ObjectiveSpec(
+        "kto",
+        "Kahneman-Tversky optimisation: unpaired completions labelled desirable or not, each made more or less "
+        "likely than the reference against a KL estimate",
+        record_kind="labelled",
+        settings="finetune.core.config.kto:KTOObjective",
+        trainer="finetune.train.kto_trainer",
+        trl_trainer="KTOTrainer",
+        trl_config="KTOConfig",
+        batch_unit="examples",
+        reference="always",
+        reference_forwards=2,
+        policy_extra_forwards=1,
+        min_micro_batch=2,
+        scores="kto",
+        export="the KTO-tuned policy, merged per the method (the reference is not exported)",
     ),
 }

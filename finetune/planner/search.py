@@ -54,16 +54,18 @@ def _start_micro_batch(job: Job) -> int:
         return t.micro_batch_size
     per_rank = max(1, t.batch_size // job.hw.total_gpus)
     target = max(1, job.cal.default_tokens_per_micro_batch // job.seq_len)
-    return max(1, min(per_rank, target))
+    return max(job.objective.min_micro_batch, min(per_rank, target))
 
 
 def _micro_batches(job: Job) -> list[int]:
+    """Halving from the start down to 1, or to the objective's least micro-batch (KTO's 2)."""
     if job.train.micro_batch_size is not None:
         return [job.train.micro_batch_size]
+    least = job.objective.min_micro_batch
     out, mbs = [], _start_micro_batch(job)
     while True:
         out.append(mbs)
-        if mbs == 1:
+        if mbs // 2 < least:
             return out
         mbs //= 2
 

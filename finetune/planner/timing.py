@@ -82,16 +82,20 @@ def executed_flops_per_token(job: Job, s: Strategy) -> float:
 
 
 def reference_flops_per_token(job: Job, s: Strategy) -> float:
-    """The reference model's forward a trained token (DPO): 2 FLOPs a weight plus attention, every step; with
-    precomputed log-probabilities the same forward once over the data before training, spread over the run's
-    tokens (once per epoch of them: 1 / epochs)."""
-    if not job.reference_runs:
-        return 0.0
+    """The forwards under no_grad a trained token: the reference model's (DPO: one, KTO: two,
+    `reference_forwards`), 2 FLOPs a weight plus attention each, every step, or with precomputed
+    log-probabilities once over the data before training, spread over the run's tokens (once per epoch of
+    them: 1 / epochs); and the policy's own beside the trained one (KTO's KL estimate, `policy_extra_forwards`),
+    every step."""
     m = job.model
     forward = 2.0 * job.counts.linear + 2.0 * m.num_layers * job.seq_len * m.num_heads * m.head_dim
+    policy = job.objective.policy_extra_forwards * forward
+    if not job.reference_runs:
+        return policy
+    reference = job.objective.reference_forwards * forward
     if not s.precompute_reference:
-        return forward
-    return forward / max(1.0, float(job.train.epochs))
+        return policy + reference
+    return policy + reference / max(1.0, float(job.train.epochs))
 
 
 def utilisation(job: Job, override: Optional[float]) -> Optional[float]:

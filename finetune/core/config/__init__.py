@@ -135,6 +135,16 @@ class Config:
                     f"objective.{spec.sequences_setting}={per_example} (objective={spec.name} counts a "
                     "step's sequences in whole groups)"
                 )
+        least = spec.min_micro_batch
+        for key, value in (
+            ("micro_batch_size", self.train.micro_batch_size),
+            ("batch_size", self.train.batch_size),
+        ):
+            if value is not None and value < least:
+                raise ConfigError(
+                    f"train.{key}={value}: objective={spec.name} needs at least {least} {spec.batch_unit} a "
+                    "micro-batch"
+                )
         self.objective.check_device(self.hardware.device)
         if self.method.optimizer == "paged_adamw_8bit" and self.hardware.device == "cpu":
             raise ConfigError(

@@ -35,6 +35,8 @@ class DataConfig:
     # prompt, two whole conversations whose common prefix is the prompt).
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
+    # Unpaired examples (objective=kto): true where `completion_field` is a desirable answer to `prompt_field`.
+    label_field: str = "label"
     system_prompt: Optional[str] = None
     # Which tokens carry labels: assistant (all assistant turns), all, or last (the last assistant turn).
     train_on: str = choice("assistant", ("assistant", "all", "last"))
