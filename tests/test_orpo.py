@@ -132,9 +132,12 @@ def test_orpo_trains_the_tiny_model_in_bf16_and_scores_base_and_trained(tmp_path
     write_engine(cfg, plan, run)
     held_out = evals.select(range(8))
     metrics = stage.run(cfg, run, plan, datasets=(train.select(range(12)), held_out))
+    # TRL's maps ran in memory: nothing written beside the prepared rows
     assert sorted(p.name for p in (run / "data" / "train").iterdir()) == [
-        "data-00000-of-00001.arrow", "dataset_info.json", "state.json",
-    ]  # fmt: skip  (TRL's maps ran in memory: nothing written beside the prepared rows)
+        "data-00000-of-00001.arrow",
+        "dataset_info.json",
+        "state.json",
+    ]
 
     t = metrics["train"]
     assert t["steps"] == 3 and math.isfinite(t["final_loss"])

@@ -24,7 +24,7 @@ GB = 1e9
 def measured_step(cfg, plan, run_dir, pairs: int, tokens: int) -> float:
     from datasets import Dataset
 
-    from finetune.modeling import dtypes, loading, models
+    from finetune.modeling import loading, models
     from finetune.train.base_trainer import build_trainer
 
     bench = script_module("bench_planner")
@@ -65,7 +65,9 @@ def measured_step(cfg, plan, run_dir, pairs: int, tokens: int) -> float:
     "objective, precision, pairs, tokens",
     [("orpo", "fp32", 32, 64), ("orpo", "bf16", 16, 48), ("simpo", "fp32", 16, 48)],
 )
-def test_planned_step_within_5_percent_of_the_measured_one(tmp_path, tiny_cache, objective, precision, pairs, tokens):
+def test_planned_step_within_5_percent_of_the_measured_one(
+    tmp_path, tiny_cache, objective, precision, pairs, tokens
+):
     cfg, plan, run_dir = planned_run_dir(
         tmp_path, f"+recipe=tiny_{objective}", f"method.precision={precision}", f"train.seq_len={tokens}"
     )

@@ -34,7 +34,10 @@ def test_simpo_and_cpo_compose_with_their_own_settings():
         ("objective=simpo objective.simpo_gamma=-1", "objective.simpo_gamma=-1.0 must be >= 0"),
         ("objective=simpo objective.label_smoothing=0.5", "objective.label_smoothing=0.5 must be below 0.5"),
         ("objective=simpo objective.loss_type=ipo", "objective.loss_type: unknown key"),
-        ("objective=cpo objective.loss_type=simpo", "objective.loss_type='simpo' is not one of sigmoid, hinge, ipo"),
+        (
+            "objective=cpo objective.loss_type=simpo",
+            "objective.loss_type='simpo' is not one of sigmoid, hinge, ipo",
+        ),
         ("objective=cpo objective.simpo_gamma=1", "objective.simpo_gamma: unknown key"),
     ],
 )

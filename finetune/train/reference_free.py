@@ -103,7 +103,7 @@ class ReferenceFreeTrainer(RunTrainerMixin):
         if self.model.training and self.monitor is not None:
             tokens = inputs["chosen_attention_mask"].sum() + inputs["rejected_attention_mask"].sum()
             self.monitor.add_tokens(int(tokens))
-        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)  # type: ignore[misc]
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
 def summary(log_history: list[dict], keys: dict[str, str]) -> dict[str, Any]:
