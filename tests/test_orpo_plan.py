@@ -61,6 +61,7 @@ def measured_step(cfg, plan, run_dir, pairs: int, tokens: int) -> float:
     return held + live.peak
 
 
+@pytest.mark.slow  # the first case builds the tiny model: ~30 s on 2 loaded cores
 @pytest.mark.parametrize(
     "objective, precision, pairs, tokens",
     [("orpo", "fp32", 32, 64), ("orpo", "bf16", 16, 48), ("simpo", "fp32", 16, 48)],
