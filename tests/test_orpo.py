@@ -50,6 +50,22 @@ def test_bad_orpo_setting_on_the_command_line_exits_2_and_writes_nothing(tmp_pat
 # ---------------------------------------------------------------- the data, as TRL batches it
 
 
+def test_a_malformed_pair_is_one_line_exit_2_and_writes_nothing(tmp_path):
+    good = {"prompt": "Even or odd: 12", "chosen": "even", "rejected": "odd"}
+    lines = [json.dumps(good), json.dumps(good | {"prompt": "Even or odd: 13"}), '{"prompt": "x", "chosen": ']
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    run = tmp_path / "run"
+    proc = run_cli(
+        "objective=orpo", "mode=data", f"data.path={data}", f"run_dir={run}", f"data.cache_dir={tmp_path / 'c'}",
+        env=child_env(FINETUNE_CACHE=str(tmp_path / "cache")),
+    )  # fmt: skip
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "pairs.jsonl line 3" in last and "\n" not in last
+    assert not (run / "data").exists()
+
+
 def test_pairs_are_laid_out_as_trls_orpo_collator_batches_them():
     from finetune.train.reference_free import PairCollator
 
