@@ -112,6 +112,18 @@ SCORES: dict[str, ScoreKind] = {
         ),
         "finetune.evaluation.kto_scores:Scorer",
     ),
+    "odds_ratio": ScoreKind(
+        "ORPO's log odds ratio of the held-out pairs' chosen answer over the rejected one (mean per-token "
+        "log-probabilities, no reference)",
+        ("odds_ratio_accuracy", "log_odds_ratio", "chosen_logprob"),
+        "finetune.evaluation.odds_scores:OddsRatioScorer",
+    ),
+    "logprob_margin": ScoreKind(
+        "CPO's and SimPO's reward margin beta x (log p(chosen) - log p(rejected)) of the held-out pairs, "
+        "length-normalised where the settings say, against their target margin (SimPO's gamma)",
+        ("margin_accuracy", "reward_margin", "margin_met"),
+        "finetune.evaluation.odds_scores:MarginScorer",
+    ),
 }
 
 
@@ -136,6 +148,11 @@ def load(path: str) -> Any:
     return getattr(loaded, attribute) if attribute else loaded
 
 
+def _trl(name: str) -> Any:
+    """A class of TRL's top level ("DPOTrainer") or at an import path ("trl.experimental.orpo:ORPOTrainer")."""
+    return load(name if ":" in name else f"trl:{name}")
+
+
 @dataclass(frozen=True)
 class ObjectiveSpec:
     """One objective's facts. `cfg.objective.spec` is the entry for the chosen objective."""
@@ -148,7 +165,8 @@ class ObjectiveSpec:
     # Its trainer module (finetune/train/NAME_trainer.py): `Trainer` (TRL's trainer plus RunTrainerMixin),
     # `build_config` (TRL's config), `trainer_kwargs` and optionally `objective_metrics`.
     trainer: str
-    # TRL's trainer and its config class, for people and the checks (the trainer module subclasses them).
+    # TRL's trainer and its config class, for people and the checks (the trainer module subclasses them): a name
+    # in `trl`, or an import path ("trl.experimental.orpo:ORPOTrainer") for those outside its top level.
     trl_trainer: str
     trl_config: str
     # Sequences one example puts through the model in a training step: 1 for SFT, 2 for DPO (chosen and
@@ -176,6 +194,9 @@ class ObjectiveSpec:
     # Its loss is next-token cross-entropy over labelled tokens, which the project's chunked loss can compute
     # (finetune/modeling/chunked_loss.py); otherwise TRL's own loss runs (DPO: its fused per-token log-probs).
     chunked_loss: bool = False
+    # Its TRL trainer takes the model's whole logits of every sequence and their log-softmax (ORPO, CPO), rather
+    # than TRL's fused LM head (DPO): the planner's loss term counts them.
+    full_logits: bool = False
     # The scores the evaluation adds (a key of SCORES), or None.
     scores: Optional[str] = None
     # Its companion models ("module:function" taking the `objective` settings, returning Companions), or None.
@@ -221,6 +242,12 @@ class ObjectiveSpec:
     def trainer_module(self) -> ModuleType:
         """The module that builds this objective's TRL config and trainer."""
         return load(self.trainer)
+
+    def trl_classes(self) -> tuple[type, type]:
+        """TRL's trainer and config classes this objective builds on (its trainer module imported first: it
+        imports them as they must be, trl.experimental's import-time notice filtered there)."""
+        self.trainer_module()
+        return _trl(self.trl_trainer), _trl(self.trl_config)
 
     def scorer_class(self) -> Optional[type]:
         """The evaluation's scorer of this objective's own scores, or None."""
@@ -291,5 +318,50 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         min_micro_batch=2,
         scores="kto",
         export="the KTO-tuned policy, merged per the method (the reference is not exported)",
+    ),
+    "orpo": ObjectiveSpec(
+        "orpo",
+        "odds-ratio preference optimisation: the chosen answer's NLL plus its odds made higher than the rejected "
+        "one's, with no reference model",
+        record_kind="preferences",
+        settings="finetune.core.config.orpo:ORPOObjective",
+        trainer="finetune.train.orpo_trainer",
+        trl_trainer="trl.experimental.orpo:ORPOTrainer",
+        trl_config="trl.experimental.orpo:ORPOConfig",
+        sequences_per_example=2,
+        batch_unit="pairs",
+        full_logits=True,
+        scores="odds_ratio",
+        export="the preference-tuned policy, merged per the method (no reference model exists)",
+    ),
+    "simpo": ObjectiveSpec(
+        "simpo",
+        "simple preference optimisation: the chosen answer's mean per-token log-probability made higher than the "
+        "rejected one's by a target margin, with no reference model",
+        record_kind="preferences",
+        settings="finetune.core.config.cpo:SimPOObjective",
+        trainer="finetune.train.cpo_trainer",
+        trl_trainer="trl.experimental.cpo:CPOTrainer",
+        trl_config="trl.experimental.cpo:CPOConfig",
+        sequences_per_example=2,
+        batch_unit="pairs",
+        full_logits=True,
+        scores="logprob_margin",
+        export="the preference-tuned policy, merged per the method (no reference model exists)",
+    ),
+    "cpo": ObjectiveSpec(
+        "cpo",
+        "contrastive preference optimisation: the chosen answer made more likely than the rejected one, plus its "
+        "NLL, with no reference model",
+        record_kind="preferences",
+        settings="finetune.core.config.cpo:CPOObjective",
+        trainer="finetune.train.cpo_trainer",
+        trl_trainer="trl.experimental.cpo:CPOTrainer",
+        trl_config="trl.experimental.cpo:CPOConfig",
+        sequences_per_example=2,
+        batch_unit="pairs",
+        full_logits=True,
+        scores="logprob_margin",
+        export="the preference-tuned policy, merged per the method (no reference model exists)",
     ),
 }

@@ -381,7 +381,10 @@ def plan_on(job: Job) -> Plan:
         reasons.append(attention.describe(s, train.attention is not None))
     reasons.extend(note for note in [expert_storage_note(job.model)] if note)
     loss = "the project's chunked loss" if s.chunked_loss else "TRL's fused LM head"
-    reasons.append(f"loss: {loss}" + (" (the default)" if train.chunked_loss is None else ""))
+    default = train.chunked_loss is None
+    if job.objective.full_logits:
+        loss, default = f"TRL's {job.objective.trl_trainer.rpartition(':')[2]} on the whole logits", False
+    reasons.append(f"loss: {loss}" + (" (the default)" if default else ""))
     if hw.host_memory_gb is None and hw.device == "cuda":
         reasons.append(
             f"host RAM of {hw.name} is not published: the {host_gb:,.0f} GB per node this needs "

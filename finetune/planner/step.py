@@ -183,6 +183,22 @@ def trl_tile_buffer(job: Job, rt: Runtime, tokens: int) -> float:
     return float(rows * math.ceil(c * m.vocab_size / CPU_PAGE_BYTES) * CPU_PAGE_BYTES)
 
 
+# The whole logits' peak through TRL's ORPO and CPO loss (trl/experimental/orpo, cpo: the model's logits of both rows,
+# the chosen rows' cross-entropy, `selective_log_softmax` of every row, then their backward), in fp32 copies of the
+# logits [rows, T, V], by the compute dtype: measured on the CPU (tests/test_orpo_plan.py). Under bf16 autocast the
+# cross-entropy and log-softmax run in fp32 beside the bf16 logits, hence more copies.
+FULL_LOGITS_FP32_COPIES = {4: 4.2, 2: 6.55}
+
+
+def full_logits_peak(job: Job, rt: Runtime, tokens: int) -> float:
+    """Peak bytes of a loss on the model's whole logits (`ObjectiveSpec.full_logits`: ORPO, CPO, SimPO), on top
+    of the saved activations: `FULL_LOGITS_FP32_COPIES` of the [tokens, V] logits in fp32, and a trainable
+    head's input kept for its weight's gradient."""
+    m = job.model
+    head_input = rt.compute * tokens * m.hidden_size if job.method.spec.trains_base_weights else 0
+    return FULL_LOGITS_FP32_COPIES[rt.compute] * 4 * tokens * m.vocab_size + head_input
+
+
 def loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
     """Peak bytes of the loss (the contract's `logits` term), on top of the saved activations.
 
@@ -204,6 +220,8 @@ def loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
     c = rt.compute
     trainable = job.method.spec.trains_base_weights
     gathered = 2 * vocab * h if rt.engine.gathers_head_for_loss else 0
+    if job.objective.full_logits:
+        return gathered + full_logits_peak(job, rt, tokens)
     if s.chunked_loss:
         rows = min(tokens, job.train.loss_chunk_size)
         chunk = (job.cal.chunked_loss_peak_factor if c == 2 else 1.0) * 4 * rows * vocab
