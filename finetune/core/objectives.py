@@ -90,8 +90,8 @@ SCORES: dict[str, ScoreKind] = {
         "finetune.evaluation.preference:Scorer",
     ),
     "rewards": ScoreKind(
-        "the settings' rewards on the generated answers to the held-out prompts",
-        ("mean_reward", "pass_rate"),
+        "the settings' rewards (and learned reward model) on the generated answers to the held-out prompts",
+        ("mean_reward", "pass_rate", "reward_model_score"),
         "finetune.evaluation.reward_scores:Scorer",
     ),
     "reward_model": ScoreKind(
@@ -265,6 +265,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         reference="when_kl",
         generates=True,
         scores="rewards",
+        companions="finetune.core.config.grpo:companions",
         export="the RL-tuned policy, merged per the method (the reference, when beta > 0, is not exported)",
     ),
     "reward": ObjectiveSpec(

@@ -379,6 +379,8 @@ def plan_on(job: Job) -> Plan:
         reasons.append(attention.describe(s, train.attention is not None))
     reasons.extend(note for note in [expert_storage_note(job.model)] if note)
     loss = "the project's chunked loss" if s.chunked_loss else "TRL's fused LM head"
+    if job.objective.head == "score":
+        loss = "a score head (one value a sequence, no vocabulary logits)"
     reasons.append(f"loss: {loss}" + (" (the default)" if train.chunked_loss is None else ""))
     if hw.host_memory_gb is None and hw.device == "cuda":
         reasons.append(

@@ -17,7 +17,7 @@ from finetune.core.config.checks import DATA_KEY, check_positive, choice
 from finetune.core.config.evaluation import check_metric_name
 from finetune.core.config.objective import ObjectiveConfig
 from finetune.core.errors import ConfigError
-from finetune.core.objectives import OBJECTIVES
+from finetune.core.objectives import OBJECTIVES, Companion
 
 GENERATION_MODES = ("auto", "transformers", "colocate", "server")
 # TRL 1.16's GRPOConfig.loss_type values (how the per-token losses are aggregated; `dapo` is TRL's default).
@@ -46,6 +46,11 @@ class GRPOObjective(ObjectiveConfig):
     """exact_match | contains | regex:<pattern> | format:<pattern> | package.module.function (one value a completion)."""
     reward_weights: Optional[list[float]] = None
     """One weight per reward in the sum GRPO ranks by; None: all 1."""
+    reward_model: Optional[str] = None
+    """A learned reward beside (or, with `rewards=[]`, instead of) the rewards: a reward-model run directory
+    (objective=reward) or its exported folder, scoring each prompt + completion; None: the rewards alone."""
+    reward_model_weight: float = 1.0
+    """The reward model's weight in the sum GRPO ranks by."""
     reward_timeout_s: float = 60.0
     """How long one call of a reward function may take (a batch of completions); past it the run stops with
     one line naming the reward (exit 2) instead of hanging."""
@@ -79,14 +84,18 @@ class GRPOObjective(ObjectiveConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.rewards:
-            raise ConfigError("objective.rewards: name at least one reward")
+        if not self.rewards and not self.reward_model:
+            raise ConfigError("objective.rewards: name at least one reward, or set objective.reward_model")
         for name in self.rewards:
             check_reward_name(name)
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
             raise ConfigError(
                 f"objective.reward_weights: {len(self.reward_weights)} weights for {len(self.rewards)} rewards"
             )
+        if self.reward_model is not None and not self.reward_model.strip():
+            raise ConfigError("objective.reward_model: empty; a reward-model run directory or folder, or null")
+        if not abs(self.reward_model_weight) <= 1e6:  # the rewards' own bound (core/rewards.py WEIGHTED_LIMIT)
+            raise ConfigError(f"objective.reward_model_weight={self.reward_model_weight} must lie within +-1e6")
         if self.num_generations < 2:
             raise ConfigError(
                 f"objective.num_generations={self.num_generations}: GRPO compares at least 2 completions of a prompt"
@@ -115,3 +124,11 @@ class GRPOObjective(ObjectiveConfig):
             raise ConfigError(
                 f"objective.generation={self.generation} needs CUDA (vLLM); use transformers or auto on hardware=cpu"
             )
+
+
+def companions(settings: GRPOObjective) -> tuple[Companion, ...]:
+    """The learned reward model beside the policy when `objective.reward_model` names one (a forward over every
+    completion of a step, frozen): ObjectiveSpec.companions of GRPO and of the objectives built on its settings."""
+    if not getattr(settings, "reward_model", None):
+        return ()
+    return (Companion("reward_model", str(settings.reward_model), head="score"),)
