@@ -344,7 +344,8 @@ def _evaluate_variants(
         result[v] = {}
         if cfg.objective.spec.generates_text:
             result[v] = _score_variant(model, tokenizer, eval_dataset, prompts, cfg.eval, metric_fns, v)
-            result[v].update(lm_eval.scores(cfg.eval, model, tokenizer))  # eval.lm_eval_tasks, on the same model
+            # eval.lm_eval_tasks, on the same model
+            result[v].update(lm_eval.scores(cfg.eval, model, tokenizer))
         if scorer is not None:
             answers = [row[v] for row in prompts.rows if row["set"] == "task"]
             result[v].update(scorer.score(model, v, prompts.items, answers))

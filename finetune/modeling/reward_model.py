@@ -9,7 +9,6 @@ policy's completions rendered with the policy's chat template.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,14 +16,15 @@ from typing import Any, Optional
 
 from finetune import rundir
 from finetune.core.config import Config, ModelConfig
+from finetune.core.config.grpo import REWARD_MODEL_KEY as KEY
+from finetune.core.config.grpo import check_reward_model
 from finetune.core.errors import ConfigError
-from finetune.modeling.loading import is_score_checkpoint, load_pretrained
+from finetune.modeling.loading import load_pretrained
 from finetune.modeling.models import load_tokenizer
 from finetune.modeling.variants import load_variant
 
 # Pairs per forward when scoring: both sequences of each go through the model together (twice the rows).
 BATCH_PAIRS = 8
-KEY = "objective.reward_model"
 
 
 def pair_sequences(rows: Sequence[dict]) -> list[dict]:
@@ -40,7 +40,9 @@ def pair_sequences(rows: Sequence[dict]) -> list[dict]:
     ]
 
 
-def pair_scores(model: Any, dataset: Any, pad_token_id: int, batch_pairs: int = BATCH_PAIRS) -> list[list[float]]:
+def pair_scores(
+    model: Any, dataset: Any, pad_token_id: int, batch_pairs: int = BATCH_PAIRS
+) -> list[list[float]]:
     """[chosen, rejected] scores of each held-out pair, batched as training batched them (TRL's collator)."""
     import torch
     from trl.trainer.reward_trainer import DataCollatorForPreference
@@ -68,7 +70,9 @@ def pair_scores(model: Any, dataset: Any, pad_token_id: int, batch_pairs: int = 
     return out
 
 
-def text_scores(model: Any, tokenizer: Any, texts: Sequence[str], batch_size: int = 2 * BATCH_PAIRS) -> list[float]:
+def text_scores(
+    model: Any, tokenizer: Any, texts: Sequence[str], batch_size: int = 2 * BATCH_PAIRS
+) -> list[float]:
     """The score of each rendered text (a prompt and its answer in the chat template), as TRL's GRPOTrainer scores
     a reward model's completions: right-padded, no special tokens added (the template has them)."""
     import torch
@@ -99,44 +103,18 @@ class Source:
 
 
 def find(path: str) -> Source:
-    """What `objective.reward_model=PATH` names, checked from its files alone (no model loaded): a reward-model
-    run directory that has trained, or a folder whose config.json is a one-label sequence classifier. Anything
-    else is one line naming the key (ConfigError, exit 2)."""
+    """What `objective.reward_model=PATH` names (`check_reward_model`: a reward-model run directory or a saved
+    one-label sequence classifier), and for a run, which of its models: the export when there is one, else the
+    trained output; a run that has not trained is one line naming the key."""
     folder = Path(path).expanduser()
-    if (folder / rundir.CONFIG_FILE).is_file():
-        cfg = rundir.load_config(folder)
-        spec = cfg.objective.spec
-        if spec.head != "score":
-            raise ConfigError(
-                f"{KEY}={path}: a run of objective={spec.name}, which trains no reward model "
-                "(train one with objective=reward, then point this at its run directory)"
-            )
-        if (rundir.merged_dir(folder) / "config.json").is_file():
-            return Source(folder, cfg, "merged")
-        if rundir.trained_dir(folder, cfg.method.uses_adapters).is_dir():
-            return Source(folder, cfg, "trained")
-        raise ConfigError(f"{KEY}={path}: the reward-model run has no trained output yet; run its training first")
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise ConfigError(
-            f"{KEY}={path}: neither a reward-model run directory (config.yaml) nor a model folder (config.json)"
-        )
-    try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{KEY}={path}: config.json cannot be read ({exc})") from None
-
-    class _Config:  # the two fields is_score_checkpoint reads
-        architectures = raw.get("architectures") or []
-        num_labels = len(raw.get("id2label") or {}) or raw.get("num_labels", 2)
-
-    if not is_score_checkpoint(_Config):
-        what = ", ".join(_Config.architectures) or "no architectures"
-        raise ConfigError(
-            f"{KEY}={path}: not a reward model (config.json: {what}, {_Config.num_labels} labels); a reward model "
-            "is a sequence classifier with one label (objective=reward's output)"
-        )
-    return Source(folder)
+    if check_reward_model(path) == "folder":
+        return Source(folder)
+    cfg = rundir.load_config(folder)
+    if (rundir.merged_dir(folder) / "config.json").is_file():
+        return Source(folder, cfg, "merged")
+    if rundir.trained_dir(folder, cfg.method.uses_adapters).is_dir():
+        return Source(folder, cfg, "trained")
+    raise ConfigError(f"{KEY}={path}: the reward-model run has no trained output yet; run its training first")
 
 
 def check_tokenizer(path: str, reward_tokenizer: Any, policy_tokenizer: Any) -> None:

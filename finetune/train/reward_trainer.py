@@ -78,7 +78,12 @@ def trainer_kwargs(cfg: Config, plan: Plan, tokenizer: Any, eval_dataset: Any) -
 
 
 # TRL's logged keys summarised into metrics.json (train.reward): first and last logged value, and the mean.
-_LOGGED = {"accuracy": "accuracy", "margin": "margin", "eval_accuracy": "eval_accuracy", "eval_margin": "eval_margin"}
+_LOGGED = {
+    "accuracy": "accuracy",
+    "margin": "margin",
+    "eval_accuracy": "eval_accuracy",
+    "eval_margin": "eval_margin",
+}
 
 
 def objective_metrics(log_history: list[dict]) -> dict[str, Any]:

@@ -9,9 +9,13 @@ each training process, sharing its GPU) or `server` (`trl vllm-serve` on GPUs of
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
+
+import yaml
 
 from finetune.core.config.checks import DATA_KEY, check_positive, choice
 from finetune.core.config.evaluation import check_metric_name
@@ -35,6 +39,48 @@ def check_reward_name(name: str, key: str = "objective.rewards") -> None:
             raise ConfigError(f"{key}: {name!r} is not a valid regular expression ({exc})") from None
         return
     check_metric_name(name, key)
+
+
+REWARD_MODEL_KEY = "objective.reward_model"
+
+
+def check_reward_model(path: str) -> str:
+    """What `objective.reward_model=PATH` names, from its files alone: "run" (a run directory of an objective that
+    trains a score head, by its config.yaml) or "folder" (a saved one-label sequence classifier, by its
+    config.json); anything else is one line naming the key."""
+    folder = Path(path).expanduser()
+    if (folder / "config.yaml").is_file():
+        try:
+            doc = yaml.safe_load((folder / "config.yaml").read_text())
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            raise ConfigError(f"{REWARD_MODEL_KEY}={path}: config.yaml cannot be read ({exc})") from None
+        section = doc.get("objective") if isinstance(doc, dict) else None
+        name = section.get("name", "sft") if isinstance(section, dict) else "sft"
+        if name not in OBJECTIVES or OBJECTIVES[name].head != "score":
+            raise ConfigError(
+                f"{REWARD_MODEL_KEY}={path}: a run of objective={name}, which trains no reward model (train one "
+                "with objective=reward, then point this at its run directory)"
+            )
+        return "run"
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{REWARD_MODEL_KEY}={path}: neither a reward-model run directory (config.yaml) nor a model folder "
+            "(config.json)"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{REWARD_MODEL_KEY}={path}: config.json cannot be read ({exc})") from None
+    architectures = config.get("architectures") or [] if isinstance(config, dict) else []
+    labels = (
+        len(config.get("id2label") or {}) or config.get("num_labels", 2) if isinstance(config, dict) else 0
+    )
+    if not any(str(a).endswith("ForSequenceClassification") for a in architectures) or labels != 1:
+        raise ConfigError(
+            f"{REWARD_MODEL_KEY}={path}: not a reward model (config.json: {', '.join(architectures) or 'no architectures'}, "
+            f"{labels} labels); a reward model is a sequence classifier with one label (objective=reward's output)"
+        )
+    return "folder"
 
 
 @dataclass
@@ -92,10 +138,14 @@ class GRPOObjective(ObjectiveConfig):
             raise ConfigError(
                 f"objective.reward_weights: {len(self.reward_weights)} weights for {len(self.rewards)} rewards"
             )
-        if self.reward_model is not None and not self.reward_model.strip():
-            raise ConfigError("objective.reward_model: empty; a reward-model run directory or folder, or null")
-        if not abs(self.reward_model_weight) <= 1e6:  # the rewards' own bound (core/rewards.py WEIGHTED_LIMIT)
-            raise ConfigError(f"objective.reward_model_weight={self.reward_model_weight} must lie within +-1e6")
+        if self.reward_model is not None:
+            check_reward_model(self.reward_model)
+        if (
+            not abs(self.reward_model_weight) <= 1e6
+        ):  # the rewards' own bound (core/rewards.py WEIGHTED_LIMIT)
+            raise ConfigError(
+                f"objective.reward_model_weight={self.reward_model_weight} must lie within +-1e6"
+            )
         if self.num_generations < 2:
             raise ConfigError(
                 f"objective.num_generations={self.num_generations}: GRPO compares at least 2 completions of a prompt"
