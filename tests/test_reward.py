@@ -28,8 +28,17 @@ def test_objective_composes_and_describes_a_score_head():
     cfg = tiny_cfg("objective=reward", "objective.center_rewards_coefficient=0.01")
     spec = cfg.objective.spec
     assert spec is OBJECTIVES["reward"] and cfg.objective.center_rewards_coefficient == 0.01
-    assert (spec.record_kind, spec.trl_trainer, spec.trl_config) == ("preferences", "RewardTrainer", "RewardConfig")
-    assert (spec.head, spec.generates_text, spec.reference, spec.sequences_per_example) == ("score", False, "none", 2)
+    assert (spec.record_kind, spec.trl_trainer, spec.trl_config) == (
+        "preferences",
+        "RewardTrainer",
+        "RewardConfig",
+    )
+    assert (spec.head, spec.generates_text, spec.reference, spec.sequences_per_example) == (
+        "score",
+        False,
+        "none",
+        2,
+    )
     assert spec.scorer_class().__module__ == "finetune.evaluation.reward_model_scores"
     assert set(spec.eval_metrics) == {"pair_accuracy", "score_margin", "score_chosen", "score_rejected"}
     assert "reward model" in spec.export
@@ -56,7 +65,12 @@ def test_the_collator_scores_prompt_and_answer_as_one_sequence():
     ]
     batch = PairCollator(pad_token_id=0)(rows)
     # the chosen sequences first, then the rejected ones, each prompt + answer, right-padded
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 11, 0, 0, 0], [5, 6, 10, 0, 0], [5, 12, 13, 0, 0]]
+    assert batch["input_ids"].tolist() == [
+        [5, 6, 7, 8, 9],
+        [5, 11, 0, 0, 0],
+        [5, 6, 10, 0, 0],
+        [5, 12, 13, 0, 0],
+    ]
     assert batch["attention_mask"].sum(dim=1).tolist() == [5, 2, 3, 3]
 
 
@@ -106,14 +120,17 @@ def test_training_and_evaluation_rank_the_held_out_pairs(tiny_cache, tmp_path):
     assert train["steps"] == 4 and train["engine"]["world_size"] == 1
     assert set(train["reward"]) >= {"accuracy", "margin"}
     with safe_open(str(run / "adapter" / "adapter_model.safetensors"), framework="pt") as f:
-        score = [k for k in f.keys() if "score" in k]
+        names = f.keys()
+        score = [k for k in names if "score" in k]
         assert score and f.get_tensor(score[0]).shape == (1, cfg.model.hidden_size)
     evaluated = eval_stage.run(cfg, run)
     assert set(evaluated) >= {"base", "trained"} and evaluated["regression"] == {}
     _, evals = load_prepared(run)
     for v in ("base", "trained"):
         got = evaluated[v]
-        assert "loss" not in got and "generated" not in got  # a score head neither generates nor has an LM loss
+        assert (
+            "loss" not in got and "generated" not in got
+        )  # a score head neither generates nor has an LM loss
         model = load_variant(cfg, run, v)
         pairs = pair_scores(model, evals, 0)
         assert got["pairs"] == len(evals) == len(pairs)
