@@ -15,6 +15,8 @@ from finetune.core.objectives import OBJECTIVES
 
 REWARD_RUN = (
     "+recipe=tiny_reward",
+    "method=lora",
+    "method.lora_dropout=0",
     "train.batch_size=8",
     "train.max_steps=4",
     "train.save_steps=1000",

@@ -141,7 +141,7 @@ def new_score_head(model: Any, seed: int) -> None:
     if hasattr(weight, "ds_id"):  # partitioned by ZeRO-3 while loading: every rank draws the same values
         import deepspeed
 
-        gathered = deepspeed.zero.GatheredParameters([weight], modifier_rank=None)
+        gathered = deepspeed.zero.GatheredParameters([weight], modifier_rank=0)
     with gathered, torch.no_grad():
         g = torch.Generator().manual_seed(seed)
         drawn = torch.randn(weight.shape, generator=g, dtype=torch.float32) * std
