@@ -52,7 +52,7 @@ def test_the_section_is_the_chosen_objectives_own_dataclass():
     "override, message",
     [
         ("objective.beta=0.2", "objective.beta: unknown key; valid keys: name"),  # SFT has no beta
-        ("objective=ppo", "objective=ppo: unknown objective; choose from dpo, grpo, sft"),
+        ("objective=ppo", "objective=ppo: unknown objective; choose from dpo, grpo, reward, sft"),
         ("objective=dpo objective.loss_type=bogus", "objective.loss_type='bogus' is not one of sigmoid"),
         ("objective=dpo objective.beta=0", "objective.beta=0.0 must be > 0"),
     ],

@@ -25,7 +25,7 @@ from finetune.core.config import Config, MethodConfig, ModelConfig
 from finetune.core.errors import ConfigError, LaunchError
 from finetune.modeling import outputs
 from finetune.modeling.dtypes import resolve_dtype, training_dtype
-from finetune.modeling.models import model_source
+from finetune.modeling.models import load_tokenizer, model_source
 
 if TYPE_CHECKING:
     import torch
@@ -111,8 +111,6 @@ def _load_classifier(model: ModelConfig, source: str, seed: int, **kwargs: Any) 
     RewardTrainer loads it."""
     from transformers import AutoModelForSequenceClassification
     from trl.trainer.reward_trainer import suppress_seqcls_warning
-
-    from finetune.modeling.models import load_tokenizer
 
     with suppress_seqcls_warning():
         loaded = AutoModelForSequenceClassification.from_pretrained(
