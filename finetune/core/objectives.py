@@ -96,8 +96,8 @@ SCORES: dict[str, ScoreKind] = {
         "finetune.evaluation.preference:Scorer",
     ),
     "rewards": ScoreKind(
-        "the settings' rewards on the generated answers to the held-out prompts",
-        ("mean_reward", "pass_rate"),
+        "the settings' rewards (and learned reward model) on the generated answers to the held-out prompts",
+        ("mean_reward", "pass_rate", "reward_model_score"),
         "finetune.evaluation.reward_scores:Scorer",
     ),
     "kto": ScoreKind(
@@ -124,7 +124,18 @@ SCORES: dict[str, ScoreKind] = {
         ("margin_accuracy", "reward_margin", "margin_met"),
         "finetune.evaluation.odds_scores:MarginScorer",
     ),
+    "reward_model": ScoreKind(
+        "a reward model's scores of the held-out pairs' two sequences: how often the chosen one scores higher, and by how much",
+        ("pair_accuracy", "score_margin", "score_chosen", "score_rejected"),
+        "finetune.evaluation.reward_model_scores:Scorer",
+    ),
 }
+
+
+# What a model's forward ends in: the LM head (logits over the vocabulary: a policy that generates) or a
+# sequence-classification head (transformers' AutoModelForSequenceClassification, num_labels=1: one value a
+# sequence, read at its last token; a reward model).
+HEADS = ("lm", "score")
 
 
 @dataclass(frozen=True)
@@ -197,6 +208,10 @@ class ObjectiveSpec:
     # Its TRL trainer takes the model's whole logits of every sequence and their log-softmax (ORPO, CPO), rather
     # than TRL's fused LM head (DPO): the planner's loss term counts them.
     full_logits: bool = False
+    # What the trained model's forward ends in (one of HEADS): "lm" (the policy's LM head), or "score" (a
+    # sequence-classification head trained in its place: no vocabulary logits, no generation; the model loads as
+    # a sequence classifier in every stage, and LoRA trains the head in full beside the adapters).
+    head: str = "lm"
     # The scores the evaluation adds (a key of SCORES), or None.
     scores: Optional[str] = None
     # Its companion models ("module:function" taking the `objective` settings, returning Companions), or None.
@@ -213,6 +228,8 @@ class ObjectiveSpec:
             raise ValueError(
                 f"ObjectiveSpec {self.name}: reference={self.reference!r} is not one of {REFERENCES}"
             )
+        if self.head not in HEADS:
+            raise ValueError(f"ObjectiveSpec {self.name}: head={self.head!r} is not one of {HEADS}")
         if self.sequences_per_example < 1:
             raise ValueError(f"ObjectiveSpec {self.name}: sequences_per_example must be at least 1")
         if self.reference_forwards < 1 or self.policy_extra_forwards < 0 or self.min_micro_batch < 1:
@@ -229,6 +246,12 @@ class ObjectiveSpec:
     def uses_reference(self) -> bool:
         """A reference model may run (always, or when its settings ask for a KL term)."""
         return self.reference != "none"
+
+    @property
+    def generates_text(self) -> bool:
+        """The trained model answers prompts (an LM head): the evaluation generates, scores its held-out loss and
+        the regression set; a score head is scored by its objective's own scores alone."""
+        return self.head == "lm"
 
     @property
     def eval_metrics(self) -> tuple[str, ...]:
@@ -300,6 +323,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         reference="when_kl",
         generates=True,
         scores="rewards",
+        companions="finetune.core.config.grpo:companions",
         export="the RL-tuned policy, merged per the method (the reference, when beta > 0, is not exported)",
     ),
     "kto": ObjectiveSpec(
@@ -363,5 +387,21 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         full_logits=True,
         scores="logprob_margin",
         export="the preference-tuned policy, merged per the method (no reference model exists)",
+    ),
+    "reward": ObjectiveSpec(
+        "reward",
+        "reward modelling: a score head trained to rank the chosen answer of each pair above the rejected one "
+        "(Bradley-Terry), for GRPO's objective.reward_model or vLLM's reward task",
+        record_kind="preferences",
+        settings="finetune.core.config.reward:RewardObjective",
+        trainer="finetune.train.reward_trainer",
+        trl_trainer="RewardTrainer",
+        trl_config="RewardConfig",
+        sequences_per_example=2,
+        batch_unit="pairs",
+        head="score",
+        scores="reward_model",
+        export="a reward model (a sequence classifier, one score a sequence): merged per the method, for vLLM's "
+        "reward task, TRL's reward_funcs or objective.reward_model",
     ),
 }

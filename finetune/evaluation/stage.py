@@ -255,7 +255,9 @@ def run(
         cfg.eval.metrics, cfg.eval.metric_timeout_s
     )  # a bad dotted path fails before any model loads
     lm_eval.check(cfg.eval)
-    reg_rows = regression.load(cfg.eval.regression_prompts) if cfg.eval.regression else []
+    # A model that does not generate (a score head: a reward model) is scored by its objective's scores alone.
+    generates = cfg.objective.spec.generates_text
+    reg_rows = regression.load(cfg.eval.regression_prompts) if cfg.eval.regression and generates else []
     asked = _variants_to_evaluate(cfg, run_dir, variants)
     models = _models(cfg, run_dir, available_variants(cfg, run_dir))
     for v, why in models.skipped.items():
@@ -276,7 +278,7 @@ def run(
     keep = [v for v in done if v not in todo]
     if eval_dataset is None:
         eval_dataset = load_prepared(run_dir)[1]
-    prompts = _prompts(eval_dataset, reg_rows, cfg.eval.num_samples, out_dir, keep)
+    prompts = _prompts(eval_dataset, reg_rows, cfg.eval.num_samples if generates else 0, out_dir, keep)
     tokenizer = load_tokenizer(cfg.model)
     result: dict[str, Any] = {v: old_metrics[v] for v in keep}
     result.update(_evaluate_variants(cfg, run_dir, todo, tokenizer, eval_dataset, prompts, metric_fns))
@@ -341,8 +343,11 @@ def _evaluate_variants(
             gc.collect()
             model = load_variant(cfg, run_dir, v)
         log.info("evaluating %s", v)
-        result[v] = _score_variant(model, tokenizer, eval_dataset, prompts, cfg.eval, metric_fns, v)
-        result[v].update(lm_eval.scores(cfg.eval, model, tokenizer))  # eval.lm_eval_tasks, on the same model
+        result[v] = {}
+        if cfg.objective.spec.generates_text:
+            result[v] = _score_variant(model, tokenizer, eval_dataset, prompts, cfg.eval, metric_fns, v)
+            # eval.lm_eval_tasks, on the same model
+            result[v].update(lm_eval.scores(cfg.eval, model, tokenizer))
         if scorer is not None:
             answers = [row[v] for row in prompts.rows if row["set"] == "task"]
             result[v].update(scorer.score(model, v, prompts.items, answers))

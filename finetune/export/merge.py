@@ -91,7 +91,8 @@ def logits_on(model: Any, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def compare_logits(reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> dict[str, Any]:
     diffs = torch.cat([(a - b).abs().flatten() for a, b in zip(reference, candidate)])
-    agree = torch.cat([a.argmax(-1) == b.argmax(-1) for a, b in zip(reference, candidate)])
+    # a score head's one value a sequence compares as one token
+    agree = torch.cat([(a.argmax(-1) == b.argmax(-1)).reshape(-1) for a, b in zip(reference, candidate)])
     return {
         "max_abs_diff": float(diffs.max()),
         "mean_abs_diff": float(diffs.mean()),

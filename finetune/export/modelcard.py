@@ -179,7 +179,15 @@ def render(cfg: Config, run_dir: Path, summary: dict[str, Any], license_name: Op
         lines.append("Not evaluated (run mode=eval).")
     lines += ["", "## Files", ""]
     if "merged" in summary:
-        lines.append("- the merged model (safetensors), loadable with `AutoModelForCausalLM.from_pretrained`")
+        # what the objective trained (finetune/core/objectives.py): a policy, or a reward model's score head
+        auto = (
+            "AutoModelForSequenceClassification"
+            if cfg.objective.spec.head == "score"
+            else "AutoModelForCausalLM"
+        )
+        lines.append(
+            f"- the merged model (safetensors), loadable with `{auto}.from_pretrained`: {cfg.objective.spec.export}"
+        )
     if "adapter" in summary:
         lines.append(f"- `adapter/`: the {cfg.method.name} adapter alone (PEFT)")
     if "gguf" in summary:

@@ -25,7 +25,7 @@ from finetune.core.config import Config, MethodConfig, ModelConfig
 from finetune.core.errors import ConfigError, LaunchError
 from finetune.modeling import outputs
 from finetune.modeling.dtypes import resolve_dtype, training_dtype
-from finetune.modeling.models import model_source
+from finetune.modeling.models import load_tokenizer, model_source
 
 if TYPE_CHECKING:
     import torch
@@ -75,13 +75,19 @@ def check_weight_safety(model: ModelConfig, source: str) -> None:
     log.warning("model.allow_pickle_weights=true: loading pickle weights %s from %s", pickles[0], source)
 
 
-def load_pretrained(model: ModelConfig, source: str, **kwargs: Any) -> Any:
+def load_pretrained(model: ModelConfig, source: str, head: str = "lm", seed: int = 0, **kwargs: Any) -> Any:
     """`AutoModelForCausalLM.from_pretrained(source)` after the weight-safety check, safetensors only unless
-    `model.allow_pickle_weights`; a folder or hub id that cannot be loaded is one line (ConfigError)."""
+    `model.allow_pickle_weights`; a folder or hub id that cannot be loaded is one line (ConfigError).
+
+    `head="score"` (an objective that trains a score head, finetune/core/objectives.py HEADS): the same weights as
+    a sequence classifier with one label; a checkpoint without that head (a base model) gets a new one drawn
+    from `seed` (`new_score_head`), so every stage that loads the base sees the head training started from."""
     from transformers import AutoModelForCausalLM
 
     check_weight_safety(model, source)
     try:
+        if head == "score":
+            return _load_classifier(model, source, seed, **kwargs)
         return AutoModelForCausalLM.from_pretrained(
             source,
             trust_remote_code=model.trust_remote_code,
@@ -91,6 +97,53 @@ def load_pretrained(model: ModelConfig, source: str, **kwargs: Any) -> Any:
     except OSError as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"model: cannot load weights from {source} ({first})") from None
+
+
+def is_score_checkpoint(config: Any) -> bool:
+    """A checkpoint saved with a one-label sequence-classification head (a reward model), by its config."""
+    architectures = getattr(config, "architectures", None) or []
+    return any(a.endswith("ForSequenceClassification") for a in architectures) and config.num_labels == 1
+
+
+def _load_classifier(model: ModelConfig, source: str, seed: int, **kwargs: Any) -> Any:
+    """`source` as transformers' sequence classifier with one label, its padding id set (the score is read at
+    each row's last token before the padding); the LM head of a causal checkpoint is left out, as TRL's
+    RewardTrainer loads it."""
+    from transformers import AutoModelForSequenceClassification
+    from trl.trainer.reward_trainer import suppress_seqcls_warning
+
+    with suppress_seqcls_warning():
+        loaded = AutoModelForSequenceClassification.from_pretrained(
+            source,
+            num_labels=1,
+            trust_remote_code=model.trust_remote_code,
+            use_safetensors=None if model.allow_pickle_weights else True,
+            **kwargs,
+        )
+    if not is_score_checkpoint(loaded.config):
+        new_score_head(loaded, seed)
+    text = loaded.config.get_text_config()
+    if text.pad_token_id is None:
+        text.pad_token_id = load_tokenizer(model).pad_token_id
+    return loaded
+
+
+def new_score_head(model: Any, seed: int) -> None:
+    """The new score head drawn as transformers initialises a linear layer (normal, the config's
+    initializer_range), from its own generator seeded with `seed`: the same head wherever the base loads."""
+    import torch
+
+    weight = model.score.weight
+    std = getattr(model.config.get_text_config(), "initializer_range", 0.02)
+    gathered: Any = contextlib.nullcontext()
+    if hasattr(weight, "ds_id"):  # partitioned by ZeRO-3 while loading: every rank draws the same values
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters([weight], modifier_rank=0)
+    with gathered, torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        drawn = torch.randn(weight.shape, generator=g, dtype=torch.float32) * std
+        weight.copy_(drawn.to(weight.dtype))
 
 
 # ---------------------------------------------------------------- the pieces each method adds
@@ -133,8 +186,10 @@ def disable_cpu_bf16_packing(model: Any) -> int:
     return count
 
 
-def lora_config(method: MethodConfig, model: ModelConfig) -> Any:
-    """PEFT's LoraConfig of the method on a model of `model`'s architecture (its projections by default)."""
+def lora_config(method: MethodConfig, model: ModelConfig, head: str = "lm") -> Any:
+    """PEFT's LoraConfig of the method on a model of `model`'s architecture (its projections by default); with a
+    score head (`head="score"`) the head trains in full beside the adapters (PEFT's SEQ_CLS task, which saves it
+    with the adapter)."""
     from peft import LoraConfig
 
     # the fused 3-D experts are parameters, not linear modules: PEFT reaches them by name
@@ -146,7 +201,8 @@ def lora_config(method: MethodConfig, model: ModelConfig) -> Any:
         lora_dropout=method.lora_dropout,
         target_modules=method.targets(model.architecture),
         bias="none",
-        task_type="CAUSAL_LM",
+        task_type="SEQ_CLS" if head == "score" else "CAUSAL_LM",
+        modules_to_save=["score"] if head == "score" else None,
         **dict(method.spec.lora_options),
     )
 
@@ -184,7 +240,7 @@ def peft_reading_deprecated_alias() -> Iterator[None]:
         yield
 
 
-def add_adapters(model: Any, method: MethodConfig, model_cfg: ModelConfig) -> Any:
+def add_adapters(model: Any, method: MethodConfig, model_cfg: ModelConfig, head: str = "lm") -> Any:
     """PEFT's LoRA adapters on a frozen base, kept in `method.adapter_dtype` (PEFT upcasts them to fp32 by
     default; bf16 ones are cast back)."""
     import torch
@@ -192,7 +248,7 @@ def add_adapters(model: Any, method: MethodConfig, model_cfg: ModelConfig) -> An
 
     with peft_reading_deprecated_alias():
         model = get_peft_model(
-            model, lora_config(method, model_cfg), autocast_adapter_dtype=method.adapter_dtype == "fp32"
+            model, lora_config(method, model_cfg, head), autocast_adapter_dtype=method.adapter_dtype == "fp32"
         )
     if method.adapter_dtype == "bf16":
         for param in model.parameters():
@@ -269,16 +325,17 @@ def load_for_training(cfg: Config, sharded: bool = False) -> tuple[Any, torch.dt
     else:  # a frozen base in the compute dtype
         kwargs["dtype"] = compute_dtype
     start_adapter, start_weights = initial_output(cfg)
+    head = cfg.objective.spec.head
     source = start_weights or model_source(cfg.model)
     if not spec.quantized_base:
         kwargs.update(dequantized_experts(cfg.model, source))
-    model = load_pretrained(cfg.model, source, **kwargs)
+    model = load_pretrained(cfg.model, source, head=head, seed=cfg.train.seed, **kwargs)
     if spec.quantized_base:
         model = prepare_kbit_model(model, quant_dtype)
     if start_adapter is not None:  # init_from's adapter trains on (and is DPO's reference)
         model = _load_adapter(model, start_adapter, is_trainable=True)
     elif spec.adapters:
-        model = add_adapters(model, method, cfg.model)
+        model = add_adapters(model, method, cfg.model, head)
     return model, compute_dtype
 
 

@@ -1,5 +1,6 @@
 """The models a run directory holds, as evaluation and export load them: `base` (the model training
-started from), `trained` (its adapter or model) and `merged` (the export), each in the evaluation dtype.
+started from), `trained` (its adapter or model) and `merged` (the export), each in the evaluation dtype, with the head the
+objective trains (a sequence classifier for a score head: `ObjectiveSpec.head`).
 
 The base loads as training loaded it, so `base` and `trained` differ only by what training changed; under
 `init_from=RUN_DIR` the base is that run's output (its adapter on the base, or its model / merged export).
@@ -80,11 +81,13 @@ def load_base(cfg: Config, dtype: torch.dtype, quantized: bool = False, devices:
     """The weights under the adapters in `dtype` (`base_source`); `quantized`: NF4 4-bit with `dtype` as compute
     dtype (QLoRA's base)."""
     source = base_source(cfg)
+    head = dict(head=cfg.objective.spec.head, seed=cfg.train.seed)  # a score head starts as training's did
     if not quantized:
-        return load_pretrained(cfg.model, source, dtype=dtype, device_map=devices)
+        return load_pretrained(cfg.model, source, dtype=dtype, device_map=devices, **head)
     model = load_pretrained(
         cfg.model,
         source,
+        **head,
         dtype=dtype,
         quantization_config=quantization_config(cfg.method, dtype),
         device_map=devices if devices is not None else {"": "cpu"},
@@ -97,7 +100,7 @@ def load_trained_model(cfg: Config, path: Path, **kwargs: Any) -> Any:
     """The fully fine-tuned model training saved (RUN_DIR/model), through the weight-safety check."""
     if not (path / "config.json").is_file():
         raise LaunchError(f"{path}: no trained model; run the training stage (mode=train) first")
-    return load_pretrained(cfg.model, str(path), **kwargs)
+    return load_pretrained(cfg.model, str(path), head=cfg.objective.spec.head, **kwargs)
 
 
 def load_variant(cfg: Config, run_dir: Path, variant: str, base: Optional[Any] = None) -> Any:
@@ -118,5 +121,7 @@ def load_variant(cfg: Config, run_dir: Path, variant: str, base: Optional[Any] =
             raise LaunchError(f"{path}: no merged model; run the export stage (mode=export) first")
         if devices is None and "quantization_config" in json.loads((path / "config.json").read_text()):
             devices = {"": "cpu"}  # a lossy 4-bit merge (bitsandbytes wants an explicit CPU map)
-        return load_pretrained(cfg.model, str(path), dtype=dtype, device_map=devices)
+        return load_pretrained(
+            cfg.model, str(path), head=cfg.objective.spec.head, dtype=dtype, device_map=devices
+        )
     raise ValueError(f"unknown model variant {variant!r}; one of {', '.join(VARIANTS)}")

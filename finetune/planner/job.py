@@ -101,11 +101,23 @@ def make_job(
     objective: Optional[ObjectiveSpec] = None,
     packing: bool = True,
 ) -> Job:
+    objective = objective or OBJECTIVES["sft"]
+    counts = count_params(model)
     adapter = lora_params(model, method) if method.uses_adapters else 0
+    if objective.head == "score":
+        # a sequence classifier: a score head of h x 1 weights in place of the LM head (the embedding keeps its
+        # own when the two were tied); with adapters it trains in full (PEFT's trainable copy of it)
+        counts = replace(counts, lm_head=score_head_params(model))
+        adapter += score_head_params(model) if method.uses_adapters else 0
     return Job(
-        model, method, hw, train, seq_len, count_params(model), adapter, cal or Calibration.default(),
-        plan or PlanConfig(), objective or OBJECTIVES["sft"], packing=packing,
+        model, method, hw, train, seq_len, counts, adapter, cal or Calibration.default(),
+        plan or PlanConfig(), objective, packing=packing,
     )  # fmt: skip
+
+
+def score_head_params(model: ModelConfig) -> int:
+    """A one-label sequence-classification head: one weight per hidden unit, no bias (transformers' `score`)."""
+    return model.hidden_size
 
 
 def micro_batch_rows(job: Job, s: Strategy) -> int:

@@ -384,6 +384,8 @@ def plan_on(job: Job) -> Plan:
     default = train.chunked_loss is None
     if job.objective.full_logits:
         loss, default = f"TRL's {job.objective.trl_trainer.rpartition(':')[2]} on the whole logits", False
+    if job.objective.head == "score":
+        loss = "a score head (one value a sequence, no vocabulary logits)"
     reasons.append(f"loss: {loss}" + (" (the default)" if default else ""))
     if hw.host_memory_gb is None and hw.device == "cuda":
         reasons.append(

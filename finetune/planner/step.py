@@ -72,8 +72,10 @@ def layer_run(job: Job, rt: Runtime, checkpointing: bool) -> LayerRun:
 
 
 def once_per_token(job: Job, rt: Runtime) -> int:
-    """The final norm's saved bytes per token (both loss paths run the head themselves)."""
-    return model_bytes_per_token(
+    """The final norm's saved bytes per token (both loss paths run the head themselves); a score head runs inside
+    the model and trains under every method, so it keeps its input (the normalized hidden state) too."""
+    score_input = rt.compute * job.model.hidden_size if job.objective.head == "score" else 0
+    return score_input + model_bytes_per_token(
         hidden=job.model.hidden_size,
         vocab=job.model.vocab_size,
         plain_loss=False,
@@ -216,6 +218,8 @@ def loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
     m = job.model
     h, vocab, tokens = m.hidden_size, m.vocab_size, rank_tokens(job, s)
     hidden = 4 if rt.fp32_residual or rt.compute == 4 else 2  # the backbone's output dtype
+    if job.objective.head == "score":
+        return score_loss_peak(job, s, rt)
     head = _head_dtype(job, rt)
     c = rt.compute
     trainable = job.method.spec.trains_base_weights
@@ -255,3 +259,15 @@ def loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
     )
     # The reference forward (DPO) runs between the policy's forward and the backward, with `kept` held.
     return gathered + kept + max(forward, backward, end, reference_forward_peak(job, s, rt))
+
+
+def score_loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
+    """The loss's peak with a score head (a reward model): no vocabulary logits. The head's one value a token
+    [N, 1], the int64 positions transformers finds each row's last token with, and in the backward the gradient
+    of the hidden states [N, h] the head hands the backbone (in the compute dtype, with its cast where the
+    backbone's output is fp32)."""
+    h, tokens, c = job.model.hidden_size, rank_tokens(job, s), rt.compute
+    hidden = 4 if rt.fp32_residual or c == 4 else 2
+    per_token = c + 2 * 8  # the scores, and the pad mask and position products as int64
+    gradient = c * h + (hidden * h if hidden != c else 0)
+    return float(tokens * (per_token + gradient))

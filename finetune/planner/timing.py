@@ -76,7 +76,10 @@ def executed_flops_per_token(job: Job, s: Strategy) -> float:
     flops = model_flops_per_token(m, job.method.name, job.seq_len)
     if s.activation_checkpointing:
         flops += 2.0 * job.counts.linear + 2.0 * m.num_layers * job.seq_len * m.num_heads * m.head_dim
-    if not s.chunked_loss:
+    if job.objective.head == "score":  # a score head runs h x 1, not the LM head's V x h
+        per_weight = METHODS[job.method.name].flops_per_weight
+        flops -= per_weight * (count_params(m).head - job.counts.head)
+    elif not s.chunked_loss:
         flops += job.device.trl_loss_extra_hv_flops * m.hidden_size * m.vocab_size
     return flops + reference_flops_per_token(job, s)
 

@@ -26,6 +26,7 @@ from finetune.core.config import Config
 from finetune.core.config.grpo import GRPOObjective
 from finetune.core.errors import ConfigError
 from finetune.core.rewards import Reward
+from finetune.modeling import dtypes, reward_model
 from finetune.planner import Plan
 from finetune.train.base_trainer import RunTrainerMixin, common_kwargs
 from finetune.train.callbacks import RunMonitor
@@ -73,6 +74,38 @@ def trl_reward_function(reward: Reward) -> Any:
     return reward_fn
 
 
+def configured_rewards(objective: Any) -> list[Reward]:
+    """The settings' rewards resolved (none when `objective.rewards=[]` leaves the reward model alone)."""
+    if not objective.rewards:
+        return []
+    return reward_fns.resolve(
+        objective.rewards, objective.reward_weights, timeout_s=objective.reward_timeout_s
+    )
+
+
+def reward_weights(objective: Any, rewards: Sequence[Reward]) -> list[float]:
+    """GRPOConfig's `reward_weights`, in the order of `reward_sources`: each reward's, then the reward model's."""
+    learned = [float(objective.reward_model_weight)] if objective.reward_model else []
+    return [r.weight for r in rewards] + learned
+
+
+def reward_sources(cfg: Config, tokenizer: Any) -> dict[str, Any]:
+    """The trainer's `reward_funcs` and `reward_processing_classes`: the settings' rewards in TRL's calling
+    convention, then the learned reward model when `objective.reward_model` names one (a frozen sequence
+    classifier TRL scores each prompt + completion with, rendered by its tokenizer's chat template). Shared by
+    every objective built on GRPO's settings."""
+    rewards = configured_rewards(cfg.objective)
+    funcs: list[Any] = [trl_reward_function(r) for r in rewards]
+    classes: list[Any] = [None] * len(funcs)
+    if cfg.objective.reward_model:
+        model, reward_tokenizer = reward_model.load(
+            cfg.objective.reward_model, cfg.model, dtypes.training_dtype(cfg)
+        )
+        funcs.append(model)
+        classes.append(reward_tokenizer)
+    return dict(reward_funcs=funcs, reward_processing_classes=classes)
+
+
 def uses_vllm(mode: str) -> bool:
     """`colocate` and `server` sample through vLLM; `transformers` inside the trainer."""
     return mode in ("colocate", "server")
@@ -106,7 +139,7 @@ def grpo_arguments(grpo: GRPOObjective, rewards: Sequence[Reward], generation: s
         beta=grpo.beta,
         loss_type=grpo.loss_type,
         mask_truncated_completions=grpo.mask_truncated_completions,
-        reward_weights=[r.weight for r in rewards],
+        reward_weights=reward_weights(grpo, rewards),
         # ZeRO-3: gather the sharded weights for transformers' generation (TRL's default, stated)
         ds3_gather_for_generation=True,
     )
@@ -164,13 +197,7 @@ def build_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dt
             f"{cfg.objective.num_generations}; make train.batch_size a multiple of it"
         )
     kwargs.update(
-        grpo_arguments(
-            cfg.objective,
-            reward_fns.resolve(
-                cfg.objective.rewards, cfg.objective.reward_weights, timeout_s=cfg.objective.reward_timeout_s
-            ),
-            generation_mode(cfg, run_dir),
-        )
+        grpo_arguments(cfg.objective, configured_rewards(cfg.objective), generation_mode(cfg, run_dir))
     )
     # The held-out prompts are scored by the evaluation (base, trained, merged under the same sampling),
     # not by TRL's in-training evaluation, which would sample num_generations completions of each.
@@ -225,12 +252,9 @@ Trainer = FinetuneGRPOTrainer
 
 
 def trainer_kwargs(cfg: Config, plan: Plan, tokenizer: Any, eval_dataset: Any) -> dict[str, Any]:
-    """GRPO's own arguments of the trainer: the rewards in TRL's calling convention (no held-out rows: the
-    evaluation scores the held-out prompts)."""
-    rewards = reward_fns.resolve(
-        cfg.objective.rewards, cfg.objective.reward_weights, timeout_s=cfg.objective.reward_timeout_s
-    )
-    return dict(reward_funcs=[trl_reward_function(r) for r in rewards])
+    """GRPO's own arguments of the trainer: the rewards in TRL's calling convention and the learned reward model
+    (no held-out rows: the evaluation scores the held-out prompts)."""
+    return reward_sources(cfg, tokenizer)
 
 
 def build_grpo_trainer(

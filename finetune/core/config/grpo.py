@@ -9,15 +9,19 @@ each training process, sharing its GPU) or `server` (`trl vllm-serve` on GPUs of
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
+
+import yaml
 
 from finetune.core.config.checks import DATA_KEY, check_positive, choice
 from finetune.core.config.evaluation import check_metric_name
 from finetune.core.config.objective import ObjectiveConfig
 from finetune.core.errors import ConfigError
-from finetune.core.objectives import OBJECTIVES
+from finetune.core.objectives import OBJECTIVES, Companion
 
 GENERATION_MODES = ("auto", "transformers", "colocate", "server")
 # TRL 1.16's GRPOConfig.loss_type values (how the per-token losses are aggregated; `dapo` is TRL's default).
@@ -37,6 +41,48 @@ def check_reward_name(name: str, key: str = "objective.rewards") -> None:
     check_metric_name(name, key)
 
 
+REWARD_MODEL_KEY = "objective.reward_model"
+
+
+def check_reward_model(path: str) -> str:
+    """What `objective.reward_model=PATH` names, from its files alone: "run" (a run directory of an objective that
+    trains a score head, by its config.yaml) or "folder" (a saved one-label sequence classifier, by its
+    config.json); anything else is one line naming the key."""
+    folder = Path(path).expanduser()
+    if (folder / "config.yaml").is_file():
+        try:
+            doc = yaml.safe_load((folder / "config.yaml").read_text())
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            raise ConfigError(f"{REWARD_MODEL_KEY}={path}: config.yaml cannot be read ({exc})") from None
+        section = doc.get("objective") if isinstance(doc, dict) else None
+        name = section.get("name", "sft") if isinstance(section, dict) else "sft"
+        if name not in OBJECTIVES or OBJECTIVES[name].head != "score":
+            raise ConfigError(
+                f"{REWARD_MODEL_KEY}={path}: a run of objective={name}, which trains no reward model (train one "
+                "with objective=reward, then point this at its run directory)"
+            )
+        return "run"
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{REWARD_MODEL_KEY}={path}: neither a reward-model run directory (config.yaml) nor a model folder "
+            "(config.json)"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{REWARD_MODEL_KEY}={path}: config.json cannot be read ({exc})") from None
+    architectures = config.get("architectures") or [] if isinstance(config, dict) else []
+    labels = (
+        len(config.get("id2label") or {}) or config.get("num_labels", 2) if isinstance(config, dict) else 0
+    )
+    if not any(str(a).endswith("ForSequenceClassification") for a in architectures) or labels != 1:
+        raise ConfigError(
+            f"{REWARD_MODEL_KEY}={path}: not a reward model (config.json: {', '.join(architectures) or 'no architectures'}, "
+            f"{labels} labels); a reward model is a sequence classifier with one label (objective=reward's output)"
+        )
+    return "folder"
+
+
 @dataclass
 class GRPOObjective(ObjectiveConfig):
     """Group relative policy optimisation: `objective=grpo objective.num_generations=4`."""
@@ -46,6 +92,11 @@ class GRPOObjective(ObjectiveConfig):
     """exact_match | contains | regex:<pattern> | format:<pattern> | package.module.function (one value a completion)."""
     reward_weights: Optional[list[float]] = None
     """One weight per reward in the sum GRPO ranks by; None: all 1."""
+    reward_model: Optional[str] = None
+    """A learned reward beside (or, with `rewards=[]`, instead of) the rewards: a reward-model run directory
+    (objective=reward) or its exported folder, scoring each prompt + completion; None: the rewards alone."""
+    reward_model_weight: float = 1.0
+    """The reward model's weight in the sum GRPO ranks by."""
     reward_timeout_s: float = 60.0
     """How long one call of a reward function may take (a batch of completions); past it the run stops with
     one line naming the reward (exit 2) instead of hanging."""
@@ -79,13 +130,21 @@ class GRPOObjective(ObjectiveConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.rewards:
-            raise ConfigError("objective.rewards: name at least one reward")
+        if not self.rewards and not self.reward_model:
+            raise ConfigError("objective.rewards: name at least one reward, or set objective.reward_model")
         for name in self.rewards:
             check_reward_name(name)
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
             raise ConfigError(
                 f"objective.reward_weights: {len(self.reward_weights)} weights for {len(self.rewards)} rewards"
+            )
+        if self.reward_model is not None:
+            check_reward_model(self.reward_model)
+        if (
+            not abs(self.reward_model_weight) <= 1e6
+        ):  # the rewards' own bound (core/rewards.py WEIGHTED_LIMIT)
+            raise ConfigError(
+                f"objective.reward_model_weight={self.reward_model_weight} must lie within +-1e6"
             )
         if self.num_generations < 2:
             raise ConfigError(
@@ -115,3 +174,11 @@ class GRPOObjective(ObjectiveConfig):
             raise ConfigError(
                 f"objective.generation={self.generation} needs CUDA (vLLM); use transformers or auto on hardware=cpu"
             )
+
+
+def companions(settings: GRPOObjective) -> tuple[Companion, ...]:
+    """The learned reward model beside the policy when `objective.reward_model` names one (a forward over every
+    completion of a step, frozen): ObjectiveSpec.companions of GRPO and of the objectives built on its settings."""
+    if not getattr(settings, "reward_model", None):
+        return ()
+    return (Companion("reward_model", str(settings.reward_model), head="score"),)
