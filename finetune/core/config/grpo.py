@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 from finetune.core.config.checks import DATA_KEY, check_positive, choice
 from finetune.core.config.evaluation import check_metric_name
@@ -42,6 +42,8 @@ class GRPOObjective(ObjectiveConfig):
     """Group relative policy optimisation: `objective=grpo objective.num_generations=4`."""
 
     name: str = choice("grpo", OBJECTIVES)
+    # The `loss_type` values this objective's TRL trainer takes (a subclass on another trainer names its own).
+    loss_types: ClassVar[tuple[str, ...]] = LOSS_TYPES
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])
     """exact_match | contains | regex:<pattern> | format:<pattern> | package.module.function (one value a completion)."""
     reward_weights: Optional[list[float]] = None
@@ -97,9 +99,9 @@ class GRPOObjective(ObjectiveConfig):
             raise ConfigError(f"objective.temperature={self.temperature} must be > 0 (the rollout samples)")
         if self.beta < 0:
             raise ConfigError(f"objective.beta={self.beta} must be >= 0")
-        if self.loss_type not in LOSS_TYPES:
+        if self.loss_type not in self.loss_types:
             raise ConfigError(
-                f"objective.loss_type={self.loss_type!r} must be one of {', '.join(LOSS_TYPES)}"
+                f"objective.loss_type={self.loss_type!r} must be one of {', '.join(self.loss_types)}"
             )
         if self.generation not in GENERATION_MODES:
             raise ConfigError(
