@@ -1,0 +1,52 @@
+"""RLOO's plan against what TRL's RLOOTrainer runs: the completions a step in whole groups, the rollout (where
+generation runs and its time on a GPU), and the CPU step's peak within 5% of the plan's total.
+
+The measured step is the pipeline's own: `+recipe=tiny_rloo` (the tiny model, LoRA r32 on the seven
+projections, fp32 on the CPU, 8 completions of at most 8 tokens a step, transformers' generation in the
+trainer, beta = 0.05 so the reference forward runs: TRL's "ref" copy of the starting adapter, under no_grad
+in the rollout) through `mode=data` then `mode=train` (the worker process, 3 steps). The plan is made at the
+rows TRL trains on (the longest kept prompt + max_completion_length); the worker's peak resident set
+(metrics.json's train.peak_memory_gb) is held to its total, as scripts/bench_grpo_memory.py holds GRPO's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import planned, run_modes
+
+
+@pytest.mark.slow  # the data stage and a worker process with 3 RLOO steps: about a minute on 2 shared cores
+def test_cpu_step_peak_is_within_5_percent_of_the_plan(tiny_cache: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run_modes(["+recipe=tiny_rloo", "train.max_steps=3", "train.report_to=[]", f"run_dir={run}"], run)
+    plan = json.loads((run / "plan.json").read_text())
+    train = json.loads((run / "metrics.json").read_text())["train"]
+    # one micro-batch of the step's 8 completions (2 groups of 4), at the rows TRL forms
+    assert (plan["strategy"]["micro_batch_size"], plan["strategy"]["grad_accum_steps"]) == (8, 1)
+    assert plan["seq_len"] < 128 and any("rows" in r for r in plan["reasons"])
+    assert train["steps"] == 3 and "kl" in train["rloo"]  # beta > 0: the reference forward ran
+    assert train["peak_memory_source"] == "process_peak_rss"
+    assert train["peak_memory_gb"] == pytest.approx(train["planned_memory_gb"], rel=0.05)
+
+
+def test_completions_come_in_whole_groups_and_the_rollout_is_planned_as_grpo_s(tmp_path: Path) -> None:
+    """RLOO's step is counted in completions (num_generations per prompt), and its rollout (vLLM colocated on
+    an H100: its share, the training side re-planned on the rest, the generation time) is the arithmetic of
+    GRPO's for the same shape: 4 prompts x 8 completions of 512 tokens after prompts of up to 512."""
+    from helpers import command_line_plan
+
+    cfg, _ = planned("+recipe=llama8b_rloo")
+    assert cfg.objective.spec.sequences_setting == "num_generations"
+    assert cfg.train.batch_size % cfg.objective.num_generations == 0
+    rloo = command_line_plan(tmp_path / "rloo", "+recipe=llama8b_rloo")
+    grpo = command_line_plan(tmp_path / "grpo", "+recipe=llama8b_grpo")
+    assert rloo["fits"] and rloo["strategy"] == grpo["strategy"]
+    assert rloo["gpu_memory_gb"] == grpo["gpu_memory_gb"] and rloo["estimate"] == grpo["estimate"]
+    rollouts = [json.loads((tmp_path / n / "cli-run" / "rollout.json").read_text()) for n in ("rloo", "grpo")]
+    assert rollouts[0] == rollouts[1]
+    assert rollouts[0]["mode"] == "colocate" and rollouts[0]["generation_s_per_step"] > 0
+    # 8B weights in bf16 (16.06 GB) + the KV cache of the 32 completions (4.29 GB) + vLLM's 2 GB
+    assert rollouts[0]["vllm_bytes_per_gpu"] == pytest.approx(16_060_522_496 + 4.295e9 + 2e9, rel=1e-3)
