@@ -88,7 +88,8 @@ def test_settings_reach_rloo_config_and_grpo_ones_stay_grpo_s(tmp_path: Path) ->
 
 
 def test_training_stage_runs_rloo_and_records_the_rewards(tiny_cache: Path, tmp_path: Path) -> None:
-    from finetune.pipeline.stages import plan_stage, resolve as resolve_cfg
+    from finetune.pipeline.stages import plan_stage
+    from finetune.pipeline.stages import resolve as resolve_cfg
     from finetune.train import stage
 
     cfg = resolve_cfg(
@@ -128,7 +129,9 @@ def test_training_stage_runs_rloo_and_records_the_rewards(tiny_cache: Path, tmp_
 
 
 def test_a_bad_reward_on_the_command_line_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    done = run_cli(*RLOO_RUN, "objective.rewards=[no_such_reward]", f"run_dir={tmp_path / 'run'}", "mode=plan")
+    done = run_cli(
+        *RLOO_RUN, "objective.rewards=[no_such_reward]", f"run_dir={tmp_path / 'run'}", "mode=plan"
+    )
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "objective.rewards" in lines[0]

@@ -70,7 +70,9 @@ def build_rloo_config(
 def build_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dtype) -> RLOOConfig:
     """GRPO's arguments for this run (the plan's batch shape in whole groups, the rewards, generation where the
     plan says), with RLOO's settings in place of GRPO's loss."""
-    return RLOOConfig(**_with_rloo_settings(grpo_trainer.rollout_kwargs(cfg, plan, run_dir, compute_dtype), cfg.objective))
+    return RLOOConfig(
+        **_with_rloo_settings(grpo_trainer.rollout_kwargs(cfg, plan, run_dir, compute_dtype), cfg.objective)
+    )
 
 
 class FinetuneRLOOTrainer(RunTrainerMixin, RLOOTrainer):

@@ -52,8 +52,6 @@ class RLOOObjective(GRPOObjective):
         super().__post_init__()
         if not 0 < self.epsilon < 1:
             raise ConfigError(f"objective.epsilon={self.epsilon} must be between 0 and 1")
-        if self.reward_clip_range is not None:
-            if len(self.reward_clip_range) != 2 or not self.reward_clip_range[0] < self.reward_clip_range[1]:
-                raise ConfigError(
-                    f"objective.reward_clip_range={list(self.reward_clip_range)} must be [min, max] with min < max"
-                )
+        clip = self.reward_clip_range
+        if clip is not None and (len(clip) != 2 or not clip[0] < clip[1]):
+            raise ConfigError(f"objective.reward_clip_range={list(clip)} must be [min, max] with min < max")
