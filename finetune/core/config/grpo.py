@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import Optional
 
 from finetune.core.config.checks import DATA_KEY, check_positive, choice
 from finetune.core.config.evaluation import check_metric_name
@@ -21,7 +21,7 @@ from finetune.core.objectives import OBJECTIVES
 
 GENERATION_MODES = ("auto", "transformers", "colocate", "server")
 # TRL 1.16's GRPOConfig.loss_type values (how the per-token losses are aggregated; `dapo` is TRL's default).
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+LOSS_TYPES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 # A format reward: the whole completion matches the pattern.
 FORMAT_PREFIX = "format:"
 
@@ -43,7 +43,7 @@ class GRPOObjective(ObjectiveConfig):
 
     name: str = choice("grpo", OBJECTIVES)
     # The `loss_type` values this objective's TRL trainer takes (a subclass on another trainer names its own).
-    loss_types: ClassVar[tuple[str, ...]] = LOSS_TYPES
+    loss_types = LOSS_TYPES
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])
     """exact_match | contains | regex:<pattern> | format:<pattern> | package.module.function (one value a completion)."""
     reward_weights: Optional[list[float]] = None

@@ -11,7 +11,7 @@ loss has one form, `sequence`, and any other value is refused. Names follow TRL'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Optional
 
 from finetune.core.config.checks import choice
 from finetune.core.config.grpo import GRPOObjective
@@ -19,20 +19,23 @@ from finetune.core.errors import ConfigError
 from finetune.core.objectives import OBJECTIVES
 
 # RLOO's one loss: the clipped policy ratio of each whole sequence times its advantage, averaged over sequences.
-SEQUENCE_LOSS = "sequence"
+SEQUENCE_LOSS: str = "sequence"
 
 
 @dataclass
 class RLOOObjective(GRPOObjective):
-    """REINFORCE leave-one-out: `objective=rloo objective.num_generations=4`."""
+    """REINFORCE leave-one-out: `objective=rloo objective.num_generations=4`. Every key of objective=grpo's
+    section applies as well (rewards, rollout, generation), except `loss_type`; these are RLOO's own or its
+    different defaults."""
 
     name: str = choice("rloo", OBJECTIVES)
-    loss_types: ClassVar[tuple[str, ...]] = (SEQUENCE_LOSS,)
+    loss_types = (SEQUENCE_LOSS,)
     num_generations: int = 8
     """Completions sampled per prompt; each one's baseline is the mean reward of the others."""
     beta: float = 0.05
     """KL penalty on the reward (TRL's RLOO default): beta x the completion's summed log-ratio to the reference
-    (with adapters: the base, adapter disabled) is subtracted from its reward; 0 runs no reference."""
+    (with adapters: TRL's frozen copy of the adapter as training started) is subtracted from its reward; 0 runs
+    no reference."""
     loss_type: str = SEQUENCE_LOSS
     """sequence only: TRL's RLOOTrainer has one loss, the clipped ratio of each whole completion times its
     advantage, averaged over the completions."""
