@@ -1,8 +1,8 @@
 """RLOO's plan against what TRL's RLOOTrainer runs: the completions a step in whole groups, the rollout (where
 generation runs and its time on a GPU), and a measured CPU step's peak against the plan's total.
 
-The measured step is the pipeline's own: `+recipe=tiny_rloo` (the tiny model, LoRA r32 on the seven
-projections, fp32 on the CPU, 8 completions of at most 8 tokens a step, transformers' generation in the
+The measured step is the pipeline's own: `+recipe=tiny_rloo` at 8 completions a step (the tiny model, LoRA r32
+on the seven projections, fp32 on the CPU, completions of at most 8 tokens, transformers' generation in the
 trainer, beta = 0.05 so the reference forward runs: TRL's "ref" copy of the starting adapter, under no_grad
 in the rollout) through `mode=data` then `mode=train` (the worker process, 3 steps), and `+recipe=tiny_grpo`
 the same way. The plan is made at the rows TRL trains on (the longest kept prompt + max_completion_length).
@@ -22,7 +22,14 @@ from helpers import planned, run_modes
 
 def _three_steps(tmp_path: Path, recipe: str) -> tuple[dict, dict]:
     run = tmp_path / recipe
-    run_modes([f"+recipe={recipe}", "train.max_steps=3", "train.report_to=[]", f"run_dir={run}"], run)
+    args = [
+        f"+recipe={recipe}",
+        "train.batch_size=8",
+        "train.max_steps=3",
+        "train.report_to=[]",
+        f"run_dir={run}",
+    ]
+    run_modes(args, run)
     plan = json.loads((run / "plan.json").read_text())
     return plan, json.loads((run / "metrics.json").read_text())["train"]
 
