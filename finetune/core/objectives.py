@@ -404,4 +404,19 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         export="a reward model (a sequence classifier, one score a sequence): merged per the method, for vLLM's "
         "reward task, TRL's reward_funcs or objective.reward_model",
     ),
+    "rloo": ObjectiveSpec(
+        "rloo",
+        "REINFORCE leave-one-out: completions sampled per prompt, scored by verifiable rewards, each one's "
+        "baseline the mean reward of the others",
+        record_kind="prompts",
+        settings="finetune.core.config.rloo:RLOOObjective",
+        trainer="finetune.train.rloo_trainer",
+        trl_trainer="RLOOTrainer",
+        trl_config="RLOOConfig",
+        sequences_setting="num_generations",
+        reference="when_kl",
+        generates=True,
+        scores="rewards",
+        export="the RL-tuned policy, merged per the method (the reference, when beta > 0, is not exported)",
+    ),
 }

@@ -180,14 +180,20 @@ def build_grpo_config(
 
 
 def build_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dtype) -> GRPOConfig:
-    """The shared arguments plus GRPO's. A batch (micro x accumulation x ranks) counts completions; it
-    must hold whole groups of `objective.num_generations`."""
+    """The shared arguments plus GRPO's."""
+    return GRPOConfig(**rollout_kwargs(cfg, plan, run_dir, compute_dtype))
+
+
+def rollout_kwargs(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dtype) -> dict[str, Any]:
+    """The shared arguments plus GRPO's settings, for GRPOConfig and the configs of its kin (RLOO's). A batch
+    (micro x accumulation x ranks) counts completions; it must hold whole groups of `objective.num_generations`."""
     kwargs = common_kwargs(cfg, plan, run_dir, compute_dtype)
-    # TRL 1.16's GRPOConfig has no activation offloading (SFTConfig and DPOConfig do).
+    # TRL 1.16's GRPOConfig and RLOOConfig have no activation offloading (SFTConfig and DPOConfig do).
     if kwargs.pop("activation_offloading", False):
+        spec = cfg.objective.spec
         raise ConfigError(
-            "plan.json: strategy.activation_offloading=true, which TRL's GRPOTrainer does not run; "
-            "set train.activation_offloading=false for objective=grpo"
+            f"plan.json: strategy.activation_offloading=true, which TRL's {spec.trl_trainer} does not run; "
+            f"set train.activation_offloading=false for objective={spec.name}"
         )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     completions = kwargs["per_device_train_batch_size"] * kwargs["gradient_accumulation_steps"] * world
@@ -202,7 +208,7 @@ def build_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dt
     # The held-out prompts are scored by the evaluation (base, trained, merged under the same sampling),
     # not by TRL's in-training evaluation, which would sample num_generations completions of each.
     kwargs.update(eval_strategy="no", per_device_eval_batch_size=cfg.objective.num_generations)
-    return GRPOConfig(**kwargs)
+    return kwargs
 
 
 # TRL's logged keys summarised into metrics.json (train.grpo): first and last logged value, and the mean.

@@ -25,7 +25,7 @@ from finetune.core.objectives import OBJECTIVES, Companion
 
 GENERATION_MODES = ("auto", "transformers", "colocate", "server")
 # TRL 1.16's GRPOConfig.loss_type values (how the per-token losses are aggregated; `dapo` is TRL's default).
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+LOSS_TYPES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 # A format reward: the whole completion matches the pattern.
 FORMAT_PREFIX = "format:"
 
@@ -88,6 +88,8 @@ class GRPOObjective(ObjectiveConfig):
     """Group relative policy optimisation: `objective=grpo objective.num_generations=4`."""
 
     name: str = choice("grpo", OBJECTIVES)
+    # The `loss_type` values this objective's TRL trainer takes (a subclass on another trainer names its own).
+    loss_types = LOSS_TYPES
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])
     """exact_match | contains | regex:<pattern> | format:<pattern> | package.module.function (one value a completion)."""
     reward_weights: Optional[list[float]] = None
@@ -156,9 +158,9 @@ class GRPOObjective(ObjectiveConfig):
             raise ConfigError(f"objective.temperature={self.temperature} must be > 0 (the rollout samples)")
         if self.beta < 0:
             raise ConfigError(f"objective.beta={self.beta} must be >= 0")
-        if self.loss_type not in LOSS_TYPES:
+        if self.loss_type not in self.loss_types:
             raise ConfigError(
-                f"objective.loss_type={self.loss_type!r} must be one of {', '.join(LOSS_TYPES)}"
+                f"objective.loss_type={self.loss_type!r} must be one of {', '.join(self.loss_types)}"
             )
         if self.generation not in GENERATION_MODES:
             raise ConfigError(
