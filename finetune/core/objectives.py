@@ -94,6 +94,12 @@ SCORES: dict[str, ScoreKind] = {
         ("mean_reward", "pass_rate"),
         "finetune.evaluation.reward_scores:Scorer",
     ),
+    "distill": ScoreKind(
+        "the student's agreement with the teacher on the held-out assistant tokens: top-1 agreement and the mean "
+        "KL(teacher || student) per token",
+        ("teacher_top1_agreement", "teacher_kl"),
+        "finetune.evaluation.distill_scores:Scorer",
+    ),
 }
 
 
@@ -243,5 +249,18 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         generates=True,
         scores="rewards",
         export="the RL-tuned policy, merged per the method (the reference, when beta > 0, is not exported)",
+    ),
+    "distill": ObjectiveSpec(
+        "distill",
+        "knowledge distillation: the student matches a frozen teacher's next-token distributions on the assistant "
+        "turns of conversations (a forward KL, reverse KL or JSD)",
+        record_kind="conversations",
+        settings="finetune.core.config.distill:DistillObjective",
+        trainer="finetune.train.distill_trainer",
+        trl_trainer="GKDTrainer",
+        trl_config="GKDConfig",
+        scores="distill",
+        companions="finetune.core.config.distill:companions",
+        export="the distilled student, merged per the method (the teacher is not exported)",
     ),
 }

@@ -47,6 +47,7 @@ from finetune.planner.activations import (
     LayerShape,
     folded_expert_bytes,
 )
+from finetune.planner import companions
 from finetune.planner.attention import path_bytes, workspace_above_loss
 from finetune.planner.contract import GB, Memory, Strategy
 from finetune.planner.job import Job, Runtime, make_job, micro_batch_rows, rank_tokens, runtime, state_shards
@@ -198,6 +199,11 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
         + dev.allocator_fraction * _fluctuating(job, s, rt, acts, loss, above)
         + retained_heap(job, s, rt)
     )
+    shares = dict(
+        s=s, compute=rt.compute, device=rt.device, rows=micro_batch_rows(job, s), tokens=rank_tokens(job, s),
+        shards=state_shards(job, s),
+    )  # fmt: skip
+    companion_terms = companions.terms(job.companions, **shares)
     mem = Memory(
         weights=weights_gpu / GB,
         trainable_state=state_gpu / GB,
@@ -205,8 +211,10 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
         logits=loss / GB,
         attention=(masks + path) / GB,
         overhead=overhead / GB,
+        companions=tuple((name, held / GB) for name, held in companion_terms),
     )
-    return mem, weights_host + state_host + offloaded_activation_bytes(job, s, rt)
+    companions_host = companions.host_bytes(job.companions, s, rt.compute, state_shards(job, s))
+    return mem, weights_host + state_host + offloaded_activation_bytes(job, s, rt) + companions_host
 
 
 def tensors_gb(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> float:
@@ -215,4 +223,5 @@ def tensors_gb(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> float:
     rt = rt or runtime(job, s)
     mem, _ = memory(job, s, rt)
     above = max(0.0, working_set(job, s, rt) - mem.logits * GB)
-    return mem.weights + mem.trainable_state + mem.activations + mem.logits + above / GB
+    held = mem.weights + mem.trainable_state + mem.activations + mem.logits + above / GB
+    return held + sum(gb for _, gb in mem.companions)
