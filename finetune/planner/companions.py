@@ -6,10 +6,11 @@ model: `finetune.core.objectives.Companion`), as the planner counts them: each i
   DeepSpeed's bf16 stores it so too), divided over the ranks where the engine shards the policy (TRL prepares
   the teacher with the policy's engine: `prepare_deepspeed` under ZeRO-3, `accelerator.prepare_model` under
   FSDP2), and in host memory when the policy's parameters are offloaded.
-- Forward working memory: it runs under no_grad, so nothing is saved for a backward: one decoder layer's
-  forward tensors for the micro-batch's tokens, the hidden states in and out, one gathered layer under
-  sharding, and its head's output: logits over the vocabulary for every token (`head="lm"`: the loss compares
-  them whole with the policy's), or one value per sequence (`head="score"`).
+- Forward working memory: it runs under no_grad, so nothing is saved for a backward: the larger of one
+  decoder layer's live tensors and its head's (the final hidden states and the head's output: logits over
+  the vocabulary for every token with `head="lm"`, which the loss compares whole with the policy's; one value
+  per sequence with `head="score"`), the packed rows' mask and, under sharding, one gathered layer
+  (`forward_peak`).
 - Time: 2 FLOPs a weight a token plus attention, every step (a forward only).
 
 Pure: no torch, no I/O. The companions arrive resolved to their shapes (finetune/modeling/companions.py).
@@ -20,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune.core.config import ModelConfig
-from finetune.planner.activations import LayerRun, LayerShape, layer_bytes_per_token
 from finetune.planner.contract import Strategy
 from finetune.planner.params import ParamCounts, count_params
 
@@ -49,33 +49,50 @@ class CompanionShape:
     def counts(self) -> ParamCounts:
         return count_params(self.model)
 
+    @property
+    def head_params(self) -> int:
+        """Its head's weights: the LM head ([V, h], none of its own when tied), or a score head's [1, h]."""
+        return self.counts.lm_head if self.head == "lm" else self.model.hidden_size
+
+    @property
+    def params(self) -> int:
+        """Every parameter it holds."""
+        return self.counts.total - self.counts.lm_head + self.head_params
+
 
 def weight_bytes(c: CompanionShape, compute: int, shards: int, offload: bool) -> tuple[float, float]:
     """(on each rank, in host memory per rank) bytes of the companion's weights."""
-    held = compute * c.counts.total / shards
+    held = compute * c.params / shards
     return (0.0, held) if offload else (held, 0.0)
 
 
-def forward_peak(c: CompanionShape, compute: int, device: str, rows: int, tokens: int, sharded: bool) -> float:
-    """The transient peak of its forward for a micro-batch of `rows` sequences, `tokens` in all (see the module
-    docstring): a decoder layer's forward tensors, the hidden states in and out, a gathered layer, the head."""
-    m = c.model
-    run = LayerRun(method="full", dtype_bytes=compute, device=device)
-    one_layer = layer_bytes_per_token(LayerShape.of(m), run) * tokens
-    hidden = 2 * compute * tokens * m.hidden_size
+def forward_peak(c: CompanionShape, compute: int, rows: int, seq_len: int, packed: bool, sharded: bool) -> float:
+    """The transient peak of its forward for a micro-batch of `rows` sequences of `seq_len` tokens (see the
+    module docstring). Under no_grad a tensor is freed once the next one is made, so the peak is the larger of
+    a decoder layer's and the head's live tensors: in a layer, the MLP's activated gate, up projection and
+    their product (3 x intermediate a token) beside the residual stream, its normed copy, the attention
+    output and the layer's output (4 x hidden) and the rotary cos and sin (2 x head_dim); at the head, the
+    final hidden states and their norm (2 x hidden) and its output (the vocabulary's logits, or one value per
+    sequence). Packed rows add the block-diagonal boolean mask its forward builds (one byte a token pair), a
+    sharding engine one gathered layer. Measured exactly on the tiny model (tests/test_companions.py)."""
+    m, tokens = c.model, rows * seq_len
+    layer = compute * tokens * (3 * m.intermediate_size + 4 * m.hidden_size + 2 * m.head_dim)
+    out = compute * tokens * m.vocab_size if c.head == "lm" else 4 * rows
+    head = compute * tokens * 2 * m.hidden_size + out
+    mask = rows * seq_len**2 if packed else 0
     gathered = compute * c.counts.per_layer if sharded else 0
-    head = compute * tokens * m.vocab_size if c.head == "lm" else 4 * rows
-    return float(one_layer + hidden + gathered + head)
+    return float(max(layer, head) + mask + gathered)
 
 
 def flops_per_token(c: CompanionShape, seq_len: int) -> float:
     """Its forward's FLOPs a token: 2 a weight a token (the routed experts' share), plus causal attention."""
     m, counts = c.model, c.counts
-    return 2.0 * (counts.linear - counts.unrouted + counts.head) + 2.0 * m.num_layers * seq_len * m.num_heads * m.head_dim
+    head = counts.head if c.head == "lm" else m.hidden_size
+    return 2.0 * (counts.linear - counts.unrouted + head) + 2.0 * m.num_layers * seq_len * m.num_heads * m.head_dim
 
 
 def terms(
-    companions: tuple[CompanionShape, ...], s: Strategy, compute: int, device: str, rows: int, tokens: int,
+    companions: tuple[CompanionShape, ...], s: Strategy, compute: int, rows: int, seq_len: int, packed: bool,
     shards: int,
 ) -> tuple[tuple[str, float], ...]:  # fmt: skip
     """Each companion's term on a rank: (name, bytes) of its weights and its forward's peak."""
@@ -83,7 +100,7 @@ def terms(
     out = []
     for c in companions:
         held, _ = weight_bytes(c, compute, shards if sharded else 1, s.offload_params and sharded)
-        out.append((c.term, held + forward_peak(c, compute, device, rows, tokens, sharded)))
+        out.append((c.term, held + forward_peak(c, compute, rows, seq_len, packed, sharded)))
     return tuple(out)
 
 

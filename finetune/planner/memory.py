@@ -199,11 +199,10 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
         + dev.allocator_fraction * _fluctuating(job, s, rt, acts, loss, above)
         + retained_heap(job, s, rt)
     )
-    shares = dict(
-        s=s, compute=rt.compute, device=rt.device, rows=micro_batch_rows(job, s), tokens=rank_tokens(job, s),
-        shards=state_shards(job, s),
-    )  # fmt: skip
-    companion_terms = companions.terms(job.companions, **shares)
+    rows = micro_batch_rows(job, s)
+    companion_terms = companions.terms(
+        job.companions, s, rt.compute, rows, rank_tokens(job, s) // rows, rt.packed, state_shards(job, s)
+    )
     mem = Memory(
         weights=weights_gpu / GB,
         trainable_state=state_gpu / GB,

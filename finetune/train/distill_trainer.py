@@ -64,6 +64,12 @@ class FinetuneGKDTrainer(RunTrainerMixin, GKDTrainer):
     def __init__(self, *args: Any, monitor: Optional[RunMonitor] = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._init_run(monitor)
+        self.teacher_share = teacher_share(self.teacher_model)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        # this rank's share of the teacher's parameters, as prepared: 1 whole, 1 / ranks where the engine shards
+        logs.setdefault("teacher_share", self.teacher_share)
+        super().log(logs, *args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         # GKDTrainer's step draws whether to generate (`random() <= lmbda`, true for a draw of exactly 0.0);
@@ -100,6 +106,25 @@ class FinetuneGKDTrainer(RunTrainerMixin, GKDTrainer):
 
 
 Trainer = FinetuneGKDTrainer
+
+
+def teacher_share(teacher: Any) -> float:
+    """The fraction of the teacher's parameters this rank holds: a ZeRO-3 partition (`ds_tensor`), an FSDP2
+    shard (a DTensor's local tensor), or the whole."""
+    held = total = 0
+    for p in teacher.parameters():
+        if hasattr(p, "ds_tensor"):
+            held, total = held + p.ds_tensor.numel(), total + p.ds_numel
+        else:
+            held += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+            total += p.numel()
+    return held / total if total else 1.0
+
+
+def objective_metrics(log_history: list[dict]) -> dict[str, Any]:
+    """What metrics.json keeps under `train.distill`: rank 0's share of the teacher as it trained beside it."""
+    shares = [entry["teacher_share"] for entry in log_history if "teacher_share" in entry]
+    return {"teacher_share": shares[-1] if shares else None}
 
 
 def load_teacher(cfg: Config) -> Any:
