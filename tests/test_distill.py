@@ -107,3 +107,35 @@ def test_the_student_learns_the_teachers_distributions(tmp_path, tiny_data):
     assert trained["teacher_kl"] < 0.8 * base["teacher_kl"], (base, trained)
     assert trained["teacher_top1_agreement"] > base["teacher_top1_agreement"]
     assert 0.0 <= base["teacher_top1_agreement"] <= 1.0
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_the_planned_comparison_is_what_trls_divergence_allocates(beta, dtype_name):
+    """TRL's `generalized_jsd_loss` over a micro-batch's whole logits, forward and backward, its live bytes
+    counted as ops make and free them (scripts/bench_planner.py's LiveBytes), with the teacher's logits and the
+    student's: the plan's comparison peak within 5%."""
+    import torch
+    from helpers import script_module
+
+    from finetune.planner.companions import comparison_peak
+    from finetune.train.distill_trainer import GKDTrainer
+
+    dtype = getattr(torch, dtype_name)
+    rows, seq_len, hidden, vocab = 4, 256, 64, 512
+    cfg = tiny_cfg(*STUDENT, f"objective.beta={beta}")
+    (shape,) = companions.shapes(cfg)
+    states = torch.randn(rows, seq_len, hidden, dtype=dtype, requires_grad=True)
+    head = torch.randn(vocab, hidden, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, vocab, (rows, seq_len))
+    labels[:, :8] = -100  # the prompt's positions
+    live = script_module("bench_planner").LiveBytes()
+    with live:
+        teacher = torch.randn(rows, seq_len, vocab, dtype=dtype)
+        student = states @ head.T
+        loss = GKDTrainer.generalized_jsd_loss(
+            student[:, :-1], teacher[:, :-1], labels=labels[:, 1:], beta=beta, temperature=2.0, num_items_in_batch=1
+        )
+        loss.backward()
+    compute = 2 if dtype == torch.bfloat16 else 4
+    assert comparison_peak(shape, compute, rows * seq_len) == pytest.approx(live.peak, rel=0.05)

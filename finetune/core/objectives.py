@@ -115,6 +115,9 @@ class Companion:
     model: str
     # What its forward ends in: "lm" (logits over the vocabulary) or "score" (one value per sequence).
     head: str = "lm"
+    # Where the loss compares the policy's whole logits with this companion's (distillation): the [tokens,
+    # vocabulary] copies it holds at its peak beside those two logits; 0 where nothing compares them whole.
+    logit_copies: float = 0.0
 
 
 def load(path: str) -> Any:

@@ -37,7 +37,8 @@ class Resolved:
     model: ModelConfig
 
     def shape(self) -> CompanionShape:
-        return CompanionShape(self.companion.role, self.model, self.companion.head)
+        c = self.companion
+        return CompanionShape(c.role, self.model, c.head, c.logit_copies)
 
 
 def _key(companion: Companion) -> str:

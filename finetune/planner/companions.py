@@ -11,6 +11,9 @@ model: `finetune.core.objectives.Companion`), as the planner counts them: each i
   the vocabulary for every token with `head="lm"`, which the loss compares whole with the policy's; one value
   per sequence with `head="score"`), the packed rows' mask and, under sharding, one gathered layer
   (`forward_peak`).
+- The comparison: where the loss compares the policy's whole logits with a language-model companion's
+  (distillation's divergence, no tiling), the two logits and the loss's copies of them (`logit_copies`,
+  measured per divergence by the objective), after the forward and so the larger of the two peaks.
 - Time: 2 FLOPs a weight a token plus attention, every step (a forward only).
 
 Pure: no torch, no I/O. The companions arrive resolved to their shapes (finetune/modeling/companions.py).
@@ -35,6 +38,8 @@ class CompanionShape:
     role: str
     model: ModelConfig
     head: str = "lm"
+    # the loss's copies of the [tokens, vocabulary] logits while it compares the policy's with this one's
+    logit_copies: float = 0.0
 
     def __post_init__(self) -> None:
         if self.head not in HEADS:
@@ -84,6 +89,14 @@ def forward_peak(c: CompanionShape, compute: int, rows: int, seq_len: int, packe
     return float(max(layer, head) + mask + gathered)
 
 
+def comparison_peak(c: CompanionShape, compute: int, tokens: int) -> float:
+    """Where the loss compares the policy's whole logits with the companion's (`logit_copies` > 0): both logits
+    and the loss's copies of them, [tokens, vocabulary] each in the compute dtype; 0 otherwise."""
+    if not c.logit_copies:
+        return 0.0
+    return (2 + c.logit_copies) * compute * tokens * c.model.vocab_size
+
+
 def flops_per_token(c: CompanionShape, seq_len: int) -> float:
     """Its forward's FLOPs a token: 2 a weight a token (the routed experts' share), plus causal attention."""
     m, counts = c.model, c.counts
@@ -100,7 +113,8 @@ def terms(
     out = []
     for c in companions:
         held, _ = weight_bytes(c, compute, shards if sharded else 1, s.offload_params and sharded)
-        out.append((c.term, held + forward_peak(c, compute, rows, seq_len, packed, sharded)))
+        forward = forward_peak(c, compute, rows, seq_len, packed, sharded)
+        out.append((c.term, held + max(forward, comparison_peak(c, compute, rows * seq_len))))
     return tuple(out)
 
 
