@@ -8,9 +8,10 @@ attend to each other). The student and the teacher each run a forward over the s
 forward KL, 1 reverse KL, between them the JSD; `objective.temperature` softens both). This is GKD with
 `lmbda=0`: the data's own answers (off-policy), no generation in the step.
 
-The teacher is loaded frozen in the run's dtype (finetune/modeling/companions.py) and prepared by TRL as the
-student is: `prepare_deepspeed` under DeepSpeed (partitioned under ZeRO-3), `accelerator.prepare_model(...,
-evaluation_mode=True)` otherwise (sharded under FSDP2; on CPU ranks the plugin `RunTrainerMixin` installs).
+The teacher is loaded frozen in the run's dtype (finetune/modeling/companions.py) and divided over the ranks
+like the student where the engine shards: TRL's `prepare_deepspeed` under DeepSpeed (partitioned under
+ZeRO-3); under FSDP2 `shard_teacher` (GKDTrainer's own `accelerator.prepare_model(..., evaluation_mode=True)`
+leaves it whole on every rank); unsharded engines keep it whole.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class FinetuneGKDTrainer(RunTrainerMixin, GKDTrainer):
     def __init__(self, *args: Any, monitor: Optional[RunMonitor] = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._init_run(monitor)
+        if self.is_fsdp_enabled:
+            self.teacher_model = shard_teacher(self.teacher_model, self.accelerator)
         self.teacher_share = teacher_share(self.teacher_model)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
@@ -106,6 +109,27 @@ class FinetuneGKDTrainer(RunTrainerMixin, GKDTrainer):
 
 
 Trainer = FinetuneGKDTrainer
+
+
+def shard_teacher(teacher: Any, accelerator: Any) -> Any:
+    """The teacher divided over the ranks under FSDP2 as the student is: each decoder layer its own unit (gathered
+    one at a time in the forward), then the rest with TRL's `prepare_fsdp` (what DPO's reference goes through).
+    GKDTrainer prepares the teacher with `accelerator.prepare_model(..., evaluation_mode=True)`, which under FSDP
+    wraps nothing: every rank would hold it whole."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from trl.models import prepare_fsdp
+
+    plugin = accelerator.state.fsdp_plugin
+    layers = set(plugin.transformer_cls_names_to_wrap or ())
+    settings = dict(
+        reshard_after_forward=plugin.reshard_after_forward,
+        offload_policy=plugin.cpu_offload,
+        mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+    )
+    for module in teacher.modules():
+        if type(module).__name__ in layers:
+            fully_shard(module, **settings)
+    return prepare_fsdp(teacher, accelerator)
 
 
 def teacher_share(teacher: Any) -> float:
