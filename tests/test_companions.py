@@ -73,12 +73,18 @@ def test_a_companions_forward_is_counted_in_the_time(scored_sft):
     (shape,) = resolving.shapes(cfg)
     job = make_job(cfg.model, cfg.method, cfg.hardware, cfg.train, 128, objective=scored_sft)
     with_companion = replace(job, companions=(shape,))
-    extra = executed_flops_per_token(with_companion, plan.strategy) - executed_flops_per_token(job, plan.strategy)
+    extra = executed_flops_per_token(with_companion, plan.strategy) - executed_flops_per_token(
+        job, plan.strategy
+    )
     # a forward: 2 FLOPs a weight a token (not the embedding, a lookup) and causal attention
     m, counts = shape.model, shape.counts
     # the decoder layers' projections and the score head, 2 FLOPs a weight; causal attention
-    assert extra == flops_per_token(shape, 128) == pytest.approx(
-        2 * (counts.linear + m.hidden_size) + 2 * m.num_layers * 128 * m.num_heads * m.head_dim
+    assert (
+        extra
+        == flops_per_token(shape, 128)
+        == pytest.approx(
+            2 * (counts.linear + m.hidden_size) + 2 * m.num_layers * 128 * m.num_heads * m.head_dim
+        )
     )
 
 
@@ -99,12 +105,22 @@ def test_a_companion_is_sharded_like_the_policy(scored_sft, sharding):
     # every weight in bf16 over the 8 ranks, plus one gathered layer in the forward
     expected = 2 * shape.params / 8 + forward
     assert dict(plan.gpu_memory.companions)["companion:reward_model"] == pytest.approx(expected / GB)
-    assert forward - forward_peak(shape, 2, rows, 1024, packed=True, sharded=False) == 2 * shape.counts.per_layer
+    assert (
+        forward - forward_peak(shape, 2, rows, 1024, packed=True, sharded=False) == 2 * shape.counts.per_layer
+    )
 
 
 def test_memory_without_companions_reads_old_plans():
     assert Memory.from_dict(
-        {"weights": 1, "trainable_state": 2, "activations": 3, "logits": 4, "attention": 0, "overhead": 1, "total": 11}
+        {
+            "weights": 1,
+            "trainable_state": 2,
+            "activations": 3,
+            "logits": 4,
+            "attention": 0,
+            "overhead": 1,
+            "total": 11,
+        }
     ) == Memory(1, 2, 3, 4, 0, 1)
 
 
@@ -135,6 +151,8 @@ def test_the_planned_forward_is_what_a_cpu_forward_allocates(rows, seq_len, pack
         model(input_ids=ids, position_ids=positions, use_cache=False)
     compute = 2 if dtype == torch.bfloat16 else 4
     shape = CompanionShape("teacher", model_cfg)
-    assert forward_peak(shape, compute, rows, seq_len, packed, sharded=False) == pytest.approx(live.peak, rel=0.05)
+    assert forward_peak(shape, compute, rows, seq_len, packed, sharded=False) == pytest.approx(
+        live.peak, rel=0.05
+    )
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     assert compute * shape.counts.total == held

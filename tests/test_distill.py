@@ -51,11 +51,16 @@ def test_bad_settings_are_one_line(overrides, message):
             "the teacher must share the student's tokenizer",
         ),
         ("./no/such/teacher", "objective.teacher=./no/such/teacher: no such folder"),
-        ("nonesuch", "objective.teacher=nonesuch: not a preset (configs/model/), a folder with a config.json"),
+        (
+            "nonesuch",
+            "objective.teacher=nonesuch: not a preset (configs/model/), a folder with a config.json",
+        ),
     ],
 )
 def test_a_teacher_that_cannot_teach_is_refused_in_one_line_exit_2(tmp_path, teacher, message):
-    proc = run_cli("objective=distill", f"objective.teacher={teacher}", "mode=plan", f"run_dir={tmp_path / 'r'}")
+    proc = run_cli(
+        "objective=distill", f"objective.teacher={teacher}", "mode=plan", f"run_dir={tmp_path / 'r'}"
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"finetune: error: {message}"), proc.stderr
@@ -97,7 +102,9 @@ def test_the_student_learns_the_teachers_distributions(tmp_path, tiny_data):
         *STUDENT, "objective.beta=0", "method.learning_rate=3e-3", "train.max_steps=8", "train.save_steps=1000",
         "train.warmup_ratio=0.0", run_dir=tmp_path / "run",
     )  # fmt: skip
-    metrics = train_run(cfg, tiny_data, n_train=32, n_eval=8, max_generate=2, micro_batch_size=2, grad_accum_steps=1)
+    metrics = train_run(
+        cfg, tiny_data, n_train=32, n_eval=8, max_generate=2, micro_batch_size=2, grad_accum_steps=1
+    )
     steps = last_losses(tmp_path / "run")
     assert len(steps) == 8 and all(math.isfinite(x) for x in steps)
     assert sum(steps[-2:]) < 0.8 * sum(steps[:2]), steps
@@ -134,7 +141,12 @@ def test_the_planned_comparison_is_what_trls_divergence_allocates(beta, dtype_na
         teacher = torch.randn(rows, seq_len, vocab, dtype=dtype)
         student = states @ head.T
         loss = GKDTrainer.generalized_jsd_loss(
-            student[:, :-1], teacher[:, :-1], labels=labels[:, 1:], beta=beta, temperature=2.0, num_items_in_batch=1
+            student[:, :-1],
+            teacher[:, :-1],
+            labels=labels[:, 1:],
+            beta=beta,
+            temperature=2.0,
+            num_items_in_batch=1,
         )
         loss.backward()
     compute = 2 if dtype == torch.bfloat16 else 4

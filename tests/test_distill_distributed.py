@@ -70,7 +70,11 @@ def root(tmp_path_factory, tiny_cache) -> Path:
 @pytest.fixture(scope="module")
 def reference(root) -> dict:
     run = pipeline_run(
-        root, "one-process", "hardware.gpus_per_node=1", "train.micro_batch_size=4", "train.grad_accum_steps=2"
+        root,
+        "one-process",
+        "hardware.gpus_per_node=1",
+        "train.micro_batch_size=4",
+        "train.grad_accum_steps=2",
     )
     assert run["metrics"]["train"]["engine"]["world_size"] == 1
     assert run["metrics"]["train"]["distill"]["teacher_share"] == 1.0
@@ -85,7 +89,9 @@ def test_distill_ddp_two_processes_train_like_one(root, reference):
 
 @pytest.mark.extended
 def test_distill_zero3_shards_the_teacher(root, reference):
-    run = pipeline_run(root, "zero3", "hardware.gpus_per_node=2", "train.sharding=zero3", "train.engine=zero3")
+    run = pipeline_run(
+        root, "zero3", "hardware.gpus_per_node=2", "train.sharding=zero3", "train.engine=zero3"
+    )
     engine = run["metrics"]["train"]["engine"]
     assert engine["wrapper"] == "DeepSpeedEngine" and engine["zero_stage"] == 3
     assert_like_one_process(run, reference, teacher_share=0.5)

@@ -71,7 +71,9 @@ def weight_bytes(c: CompanionShape, compute: int, shards: int, offload: bool) ->
     return (0.0, held) if offload else (held, 0.0)
 
 
-def forward_peak(c: CompanionShape, compute: int, rows: int, seq_len: int, packed: bool, sharded: bool) -> float:
+def forward_peak(
+    c: CompanionShape, compute: int, rows: int, seq_len: int, packed: bool, sharded: bool
+) -> float:
     """The transient peak of its forward for a micro-batch of `rows` sequences of `seq_len` tokens (see the
     module docstring). Under no_grad a tensor is freed once the next one is made, so the peak is the larger of
     a decoder layer's and the head's live tensors: in a layer, the MLP's activated gate, up projection and
@@ -101,7 +103,10 @@ def flops_per_token(c: CompanionShape, seq_len: int) -> float:
     """Its forward's FLOPs a token: 2 a weight a token (the routed experts' share), plus causal attention."""
     m, counts = c.model, c.counts
     head = counts.head if c.head == "lm" else m.hidden_size
-    return 2.0 * (counts.linear - counts.unrouted + head) + 2.0 * m.num_layers * seq_len * m.num_heads * m.head_dim
+    return (
+        2.0 * (counts.linear - counts.unrouted + head)
+        + 2.0 * m.num_layers * seq_len * m.num_heads * m.head_dim
+    )
 
 
 def terms(

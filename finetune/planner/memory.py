@@ -43,11 +43,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+from finetune.planner import companions
 from finetune.planner.activations import (
     LayerShape,
     folded_expert_bytes,
 )
-from finetune.planner import companions
 from finetune.planner.attention import path_bytes, workspace_above_loss
 from finetune.planner.contract import GB, Memory, Strategy
 from finetune.planner.job import Job, Runtime, make_job, micro_batch_rows, rank_tokens, runtime, state_shards
