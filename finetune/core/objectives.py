@@ -129,6 +129,12 @@ SCORES: dict[str, ScoreKind] = {
         ("pair_accuracy", "score_margin", "score_chosen", "score_rejected"),
         "finetune.evaluation.reward_model_scores:Scorer",
     ),
+    "distill": ScoreKind(
+        "the student's agreement with the teacher on the held-out assistant tokens: top-1 agreement and the mean "
+        "KL(teacher || student) per token",
+        ("teacher_top1_agreement", "teacher_kl"),
+        "finetune.evaluation.distill_scores:Scorer",
+    ),
 }
 
 
@@ -150,6 +156,9 @@ class Companion:
     model: str
     # What its forward ends in: "lm" (logits over the vocabulary) or "score" (one value per sequence).
     head: str = "lm"
+    # Where the loss compares the policy's whole logits with this companion's (distillation): the [tokens,
+    # vocabulary] copies it holds at its peak beside those two logits; 0 where nothing compares them whole.
+    logit_copies: float = 0.0
 
 
 def load(path: str) -> Any:
@@ -418,5 +427,18 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         generates=True,
         scores="rewards",
         export="the RL-tuned policy, merged per the method (the reference, when beta > 0, is not exported)",
+    ),
+    "distill": ObjectiveSpec(
+        "distill",
+        "knowledge distillation: the student matches a frozen teacher's next-token distributions on the assistant "
+        "turns of conversations (a forward KL, reverse KL or JSD)",
+        record_kind="conversations",
+        settings="finetune.core.config.distill:DistillObjective",
+        trainer="finetune.train.distill_trainer",
+        trl_trainer="GKDTrainer",
+        trl_config="GKDConfig",
+        scores="distill",
+        companions="finetune.core.config.distill:companions",
+        export="the distilled student, merged per the method (the teacher is not exported)",
     ),
 }

@@ -40,8 +40,8 @@ def print_plan(plan: Plan, title: str, console: Console | None = None) -> None:
     terms = Table(title="GPU memory per GPU (GB)" if on_gpus else "memory (GB of RAM)", show_footer=True)
     terms.add_column("term", footer="total")
     terms.add_column("GB", justify="right", footer=_gb(m.total))
-    for name in ("weights", "trainable_state", "activations", "logits", "attention", "overhead"):
-        terms.add_row(name, _gb(getattr(m, name)))
+    for name, gb in m.terms():
+        terms.add_row(console_text(name), _gb(gb))
     strategy = Table(title="strategy")
     strategy.add_column("setting")
     strategy.add_column("value")

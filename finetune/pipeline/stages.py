@@ -23,7 +23,7 @@ from finetune.data import stage as data_stage
 from finetune.export import hub
 from finetune.launch import rollout
 from finetune.launch import stage as launch_stage
-from finetune.modeling import outputs
+from finetune.modeling import companions, outputs
 from finetune.modeling.resolve import resolve_model
 from finetune.pipeline import compare
 from finetune.pipeline.plan_report import print_plan
@@ -126,6 +126,7 @@ def config_plan(
         objective=cfg.objective.spec,
         precompute_reference=_precompute_reference(cfg),
         packing=cfg.data.packing,
+        companions=companions.shapes(cfg),
     )
 
 

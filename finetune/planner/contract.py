@@ -117,6 +117,8 @@ class Memory:
     logits: float
     attention: float
     overhead: float
+    # The frozen companion models' terms (finetune/planner/companions.py): ("companion:ROLE", GB) each.
+    companions: tuple[tuple[str, float], ...] = ()
 
     @property
     def total(self) -> float:
@@ -127,12 +129,25 @@ class Memory:
             + self.logits
             + self.attention
             + self.overhead
+            + sum(gb for _, gb in self.companions)
         )
 
+    def terms(self) -> list[tuple[str, float]]:
+        """Every term by name, the companions' after the six of every plan."""
+        fixed = [(f.name, getattr(self, f.name)) for f in fields(self) if f.name != "companions"]
+        return fixed + list(self.companions)
+
     def as_dict(self) -> dict[str, float]:
-        d = {k: round(v, 3) for k, v in asdict(self).items()}
+        d = {k: round(v, 3) for k, v in self.terms()}
         d["total"] = round(self.total, 3)
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, float]) -> Memory:
+        """`as_dict`'s output back (plan.json's gpu_memory_gb)."""
+        names = {f.name for f in fields(cls)} - {"companions"}
+        companions = tuple((k, v) for k, v in d.items() if k.startswith("companion:"))
+        return cls(**{k: v for k, v in d.items() if k in names}, companions=companions)
 
 
 @dataclass(frozen=True)
@@ -265,7 +280,7 @@ class Plan:
             params_trainable=d["params"]["trainable"],
             params_active=d["params"]["active"],
             strategy=Strategy(**d["strategy"]),
-            gpu_memory=Memory(**{k: v for k, v in d["gpu_memory_gb"].items() if k != "total"}),
+            gpu_memory=Memory.from_dict(d["gpu_memory_gb"]),
             host_memory_gb=d["host_memory_gb"],
             disk_checkpoint_gb=d["disk_gb"]["checkpoint"],
             disk_export_gb=d["disk_gb"]["export"],

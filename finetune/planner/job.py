@@ -13,6 +13,7 @@ from finetune.core.objectives import OBJECTIVES, ObjectiveSpec
 from finetune.core.parallelism import Engine
 from finetune.planner.attention import takes_mask
 from finetune.planner.calibration import Calibration, DeviceCalibration
+from finetune.planner.companions import CompanionShape
 from finetune.planner.contract import Strategy
 from finetune.planner.params import ParamCounts, count_params, lora_params
 
@@ -58,6 +59,8 @@ class Job:
     precompute_reference: Optional[bool] = None
     # data.packing: rows packed from several samples (a sequence split must keep them apart)
     packing: bool = True
+    # The frozen models beside the policy (a teacher, a reward model), resolved to their shapes.
+    companions: tuple[CompanionShape, ...] = ()
 
     @property
     def sequences(self) -> int:
@@ -87,7 +90,7 @@ class Job:
         job = make_job(
             **settings, cal=self.cal, plan=self.plan, objective=self.objective, packing=self.packing
         )
-        return replace(job, precompute_reference=self.precompute_reference)
+        return replace(job, precompute_reference=self.precompute_reference, companions=self.companions)
 
 
 def make_job(

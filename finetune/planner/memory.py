@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from finetune.planner import companions
 from finetune.planner.activations import (
     LayerShape,
     folded_expert_bytes,
@@ -198,6 +199,10 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
         + dev.allocator_fraction * _fluctuating(job, s, rt, acts, loss, above)
         + retained_heap(job, s, rt)
     )
+    rows = micro_batch_rows(job, s)
+    companion_terms = companions.terms(
+        job.companions, s, rt.compute, rows, rank_tokens(job, s) // rows, rt.packed, state_shards(job, s)
+    )
     mem = Memory(
         weights=weights_gpu / GB,
         trainable_state=state_gpu / GB,
@@ -205,8 +210,10 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
         logits=loss / GB,
         attention=(masks + path) / GB,
         overhead=overhead / GB,
+        companions=tuple((name, held / GB) for name, held in companion_terms),
     )
-    return mem, weights_host + state_host + offloaded_activation_bytes(job, s, rt)
+    companions_host = companions.host_bytes(job.companions, s, rt.compute, state_shards(job, s))
+    return mem, weights_host + state_host + offloaded_activation_bytes(job, s, rt) + companions_host
 
 
 def tensors_gb(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> float:
@@ -215,4 +222,5 @@ def tensors_gb(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> float:
     rt = rt or runtime(job, s)
     mem, _ = memory(job, s, rt)
     above = max(0.0, working_set(job, s, rt) - mem.logits * GB)
-    return mem.weights + mem.trainable_state + mem.activations + mem.logits + above / GB
+    held = mem.weights + mem.trainable_state + mem.activations + mem.logits + above / GB
+    return held + sum(gb for _, gb in mem.companions)

@@ -11,6 +11,7 @@ from finetune.core.errors import PlanError
 from finetune.core.objectives import ObjectiveSpec
 from finetune.planner import advice
 from finetune.planner.calibration import Calibration
+from finetune.planner.companions import CompanionShape
 from finetune.planner.contract import Plan
 from finetune.planner.memory import make_job
 from finetune.planner.search import Unrunnable, check_model, plan_on, resolve_seq_len
@@ -29,17 +30,19 @@ def make_plan(
     objective: Optional[ObjectiveSpec] = None,
     precompute_reference: Optional[bool] = None,
     packing: bool = True,
+    companions: tuple[CompanionShape, ...] = (),
 ) -> Plan:
     """Plan the job. `profiles` are the hardware profiles to weigh as alternatives (and for `auto`).
 
     `seq_len` overrides `train.seq_len` (the data stage resolves `auto` to the longest kept sequence).
     `objective` (default SFT) says how many sequences an example puts through the model and whether a
-    reference model runs; `precompute_reference` fixes full fine-tuning's reference (None: chosen here).
+    reference model runs; `precompute_reference` fixes full fine-tuning's reference (None: chosen here);
+    `companions` are the frozen models beside the policy, resolved to their shapes.
     """
     check_model(model, method)
     n = resolve_seq_len(model, train, seq_len)
     job = make_job(model, method, hardware, train, n, calibration, plan_cfg, objective, packing)
-    job = replace(job, precompute_reference=precompute_reference)
+    job = replace(job, precompute_reference=precompute_reference, companions=companions)
     gpu_profiles = [p for p in profiles.values() if p.device == "cuda" and p.gpu_memory_gb is not None]
     notes: list[str] = []
     if hardware.is_auto:

@@ -19,6 +19,7 @@ from typing import Optional
 from finetune.core.config import ModelConfig
 from finetune.core.config.hardware import HOURS_PER_MONTH
 from finetune.core.methods import METHODS
+from finetune.planner.companions import flops_per_token as companion_flops_per_token
 from finetune.planner.contract import GB, Estimate, Strategy
 from finetune.planner.job import Job, rank_tokens, runtime
 from finetune.planner.params import count_params
@@ -81,7 +82,8 @@ def executed_flops_per_token(job: Job, s: Strategy) -> float:
         flops -= per_weight * (count_params(m).head - job.counts.head)
     elif not s.chunked_loss:
         flops += job.device.trl_loss_extra_hv_flops * m.hidden_size * m.vocab_size
-    return flops + reference_flops_per_token(job, s)
+    companions = sum(companion_flops_per_token(c, job.seq_len) for c in job.companions)
+    return flops + reference_flops_per_token(job, s) + companions
 
 
 def reference_flops_per_token(job: Job, s: Strategy) -> float:

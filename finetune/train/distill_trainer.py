@@ -1,0 +1,170 @@
+"""Knowledge distillation: TRL's `GKDTrainer` (generalized knowledge distillation, an `SFTTrainer`) with a
+`GKDConfig` built from the typed config and the plan, and the teacher the settings name beside the student.
+
+The conversations arrive tokenized and packed from the data stage (the `conversations` record kind), batched by
+the project's `PackedCollator` (position ids restarting at every sample, no attention mask: packed samples never
+attend to each other). The student and the teacher each run a forward over the same rows; TRL's
+`generalized_jsd_loss` compares their next-token distributions at the assistant tokens (`objective.beta`: 0
+forward KL, 1 reverse KL, between them the JSD; `objective.temperature` softens both). This is GKD with
+`lmbda=0`: the data's own answers (off-policy), no generation in the step.
+
+The teacher is loaded frozen in the run's dtype (finetune/modeling/companions.py) and divided over the ranks
+like the student where the engine shards: TRL's `prepare_deepspeed` under DeepSpeed (partitioned under
+ZeRO-3); under FSDP2 `shard_teacher` (GKDTrainer's own `accelerator.prepare_model(..., evaluation_mode=True)`
+leaves it whole on every rank); unsharded engines keep it whole.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from finetune.core.config import Config
+from finetune.modeling import companions
+from finetune.modeling.collator import NUM_TOKENS_KEY, PackedCollator
+from finetune.modeling.dtypes import training_dtype
+from finetune.planner import Plan
+from finetune.train.base_trainer import RunTrainerMixin, common_kwargs
+from finetune.train.callbacks import RunMonitor
+from finetune.train.sft_trainer import split_row_width
+
+with warnings.catch_warnings():
+    # GKD lives in trl.experimental, which warns on import; the API used is the one checked (ARCHITECTURE.md)
+    warnings.filterwarnings("ignore", message=r".*trl\.experimental.*")
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+
+def build_config(cfg: Config, plan: Plan, run_dir: Path, compute_dtype: torch.dtype) -> GKDConfig:
+    """Every knob of the run in one place: the shared arguments plus the divergence (`objective.*`)."""
+    kwargs = common_kwargs(cfg, plan, run_dir, compute_dtype)
+    d = cfg.objective
+    kwargs.update(
+        # Data: pre-tokenized, packed, in the data stage's order.
+        dataset_kwargs={"skip_prepare_dataset": True},
+        packing=False,
+        padding_free=False,
+        max_length=None,
+        # The loss is the tokens' mean over the whole accumulated batch.
+        average_tokens_across_devices=True,
+        temperature=d.temperature,
+        beta=d.beta,
+        # Off-policy: the data's answers, no generation inside the step.
+        lmbda=0.0,
+        seq_kd=False,
+        disable_dropout=True,
+    )
+    return GKDConfig(**kwargs)
+
+
+class FinetuneGKDTrainer(RunTrainerMixin, GKDTrainer):
+    """GKDTrainer on the data stage's packed rows, counting tokens for throughput."""
+
+    def __init__(self, *args: Any, monitor: Optional[RunMonitor] = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._init_run(monitor)
+        if self.is_fsdp_enabled:
+            self.teacher_model = shard_teacher(self.teacher_model, self.accelerator)
+        self.teacher_share = teacher_share(self.teacher_model)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        # this rank's share of the teacher's parameters, as prepared: 1 whole, 1 / ranks where the engine shards
+        logs.setdefault("teacher_share", self.teacher_share)
+        super().log(logs, *args, **kwargs)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        # GKDTrainer's step draws whether to generate (`random() <= lmbda`, true for a draw of exactly 0.0);
+        # with lmbda=0 nothing is generated, so the step is the SFT trainer's.
+        return super(GKDTrainer, self).training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        num_tokens = inputs.pop(NUM_TOKENS_KEY, None)
+        if self.model.training and self.monitor is not None and num_tokens is not None:
+            self.monitor.add_tokens(int(num_tokens))
+        rows = dict(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False)
+        student = model(**rows)
+        self.teacher_model.eval()
+        with torch.no_grad():
+            teacher = self.teacher_model(**rows)
+        # Position i predicts token i + 1; labels are -100 outside the assistant turns (and at a sample's start).
+        loss = self.generalized_jsd_loss(
+            student_logits=student.logits[:, :-1, :],
+            teacher_logits=teacher.logits[:, :-1, :],
+            labels=inputs["labels"][:, 1:],
+            beta=self.beta,
+            temperature=self.temperature,
+            num_items_in_batch=num_items_in_batch,
+        )
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            # As `Trainer.compute_loss`: `num_items_in_batch` counts every rank's tokens and DDP averages gradients.
+            loss = loss * self.accelerator.num_processes
+        return (loss, student) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        with torch.no_grad():
+            loss = self.compute_loss(model, dict(inputs))
+        return loss.detach(), None, None
+
+
+Trainer = FinetuneGKDTrainer
+
+
+def shard_teacher(teacher: Any, accelerator: Any) -> Any:
+    """The teacher divided over the ranks under FSDP2 as the student is: each decoder layer its own unit (gathered
+    one at a time in the forward), then the rest with TRL's `prepare_fsdp` (what DPO's reference goes through).
+    GKDTrainer prepares the teacher with `accelerator.prepare_model(..., evaluation_mode=True)`, which under FSDP
+    wraps nothing: every rank would hold it whole."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from trl.models import prepare_fsdp
+
+    plugin = accelerator.state.fsdp_plugin
+    layers = set(plugin.transformer_cls_names_to_wrap or ())
+    settings = dict(
+        reshard_after_forward=plugin.reshard_after_forward,
+        offload_policy=plugin.cpu_offload,
+        mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+    )
+    for module in teacher.modules():
+        if type(module).__name__ in layers:
+            fully_shard(module, **settings)
+    return prepare_fsdp(teacher, accelerator)
+
+
+def teacher_share(teacher: Any) -> float:
+    """The fraction of the teacher's parameters this rank holds: a ZeRO-3 partition (`ds_tensor`), an FSDP2
+    shard (a DTensor's local tensor), or the whole."""
+    held = total = 0
+    for p in teacher.parameters():
+        if hasattr(p, "ds_tensor"):
+            held, total = held + p.ds_tensor.numel(), total + p.ds_numel
+        else:
+            held += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+            total += p.numel()
+    return held / total if total else 1.0
+
+
+def objective_metrics(log_history: list[dict]) -> dict[str, Any]:
+    """What metrics.json keeps under `train.distill`: rank 0's share of the teacher as it trained beside it."""
+    shares = [entry["teacher_share"] for entry in log_history if "teacher_share" in entry]
+    return {"teacher_share": shares[-1] if shares else None}
+
+
+def load_teacher(cfg: Config) -> Any:
+    """The settings' teacher, frozen, in the run's dtype."""
+    (teacher,) = companions.resolve_all(cfg)
+    return companions.load_frozen(cfg, teacher, training_dtype(cfg))
+
+
+def trainer_kwargs(cfg: Config, plan: Plan, tokenizer: Any, eval_dataset: Any) -> dict[str, Any]:
+    """Distillation's own arguments of the trainer: the teacher, the packed collator, the held-out rows."""
+    return dict(
+        teacher_model=load_teacher(cfg),
+        data_collator=PackedCollator(
+            pad_token_id=tokenizer.pad_token_id,
+            pad_to_multiple_of=split_row_width(plan),
+            flatten=cfg.train.attention == "flash",
+        ),
+        eval_dataset=eval_dataset,
+    )
