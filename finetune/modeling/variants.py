@@ -86,7 +86,7 @@ def load_base(cfg: Config, dtype: torch.dtype, quantized: bool = False, devices:
         cfg.model,
         source,
         dtype=dtype,
-        quantization_config=quantization_config(cfg.method, dtype),
+        quantization_config=quantization_config(cfg.method, dtype, model=cfg.model),
         device_map=devices if devices is not None else {"": "cpu"},
     )
     disable_cpu_bf16_packing(model)
