@@ -33,18 +33,28 @@ def open_image(data: Any) -> Any:
 
 
 def with_images(messages: list[dict], images: Sequence[Any]) -> list[dict]:
-    """The messages with each image placeholder filled, in order, by the next image."""
+    """The messages with each empty image placeholder filled, in order, by the next image."""
     pictures = iter(open_image(i) for i in images)
     out = []
     for message in messages:
         content = message["content"]
         if isinstance(content, list):
             content = [
-                {"type": "image", "image": next(pictures)} if part["type"] == "image" else part
+                {"type": "image", "image": next(pictures)}
+                if part["type"] == "image" and "image" not in part
+                else part
                 for part in content
             ]
         out.append({**message, "content": content})
     return out
+
+
+def prompt_text(messages: list[dict]) -> str:
+    """The last user turn's text (its text parts, for a turn with images), as reports show the prompt."""
+    content = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+    if isinstance(content, str):
+        return content
+    return " ".join(p["text"] for p in content if p["type"] == "text")
 
 
 def rendered(
