@@ -223,5 +223,7 @@ def refusal(model_type: str) -> Optional[str]:
         return f"{model_type} {REFUSED[model_type]}"
     if model_type in REFUSED_VISION:
         vlms = ", ".join(name for name, a in ARCHITECTURES.items() if a.takes_images)
-        return f"{model_type} is a vision-language family whose image side the planner does not model ({vlms})"
+        return (
+            f"{model_type} is a vision-language family whose image side the planner does not model ({vlms})"
+        )
     return f"model_type {model_type!r} is not one the planner models ({', '.join(PLANNED)})"

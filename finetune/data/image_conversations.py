@@ -93,7 +93,9 @@ def _sample(record: sources.Record) -> Sample:
                     images.append(file.read_bytes())
                     parts.append({"type": "image"})
             else:
-                raise DataError(f"{where}: a content part is {{type: text, text}} or {{type: image, image: PATH}}")
+                raise DataError(
+                    f"{where}: a content part is {{type: text, text}} or {{type: image, image: PATH}}"
+                )
         if message["role"] == "assistant" and any(p["type"] == "image" for p in parts):
             raise DataError(f"{where}: an assistant turn holds an image; images go in user turns")
         out.append({"role": message["role"], "content": parts})
@@ -165,7 +167,10 @@ def prepare(
             **{k: overall[k] for k in ("min", "p50", "p95", "p99", "max")},
         },
         "splits": {"train": stats.summary(train_lengths), "eval": stats.summary(eval_lengths)},
-        "trainable_tokens": {"train": sum(s.trainable for s in train), "eval": sum(s.trainable for s in evals)},
+        "trainable_tokens": {
+            "train": sum(s.trainable for s in train),
+            "eval": sum(s.trainable for s in evals),
+        },
         "images": {
             "train": sum(len(s.images) for s in train),
             "eval": sum(len(s.images) for s in evals),
@@ -183,9 +188,7 @@ def prepare(
 def _dataset(samples: list[Sample]) -> Any:
     from datasets import Dataset, Features, Image, List, Value
 
-    features = Features(
-        {"messages": Value("string"), "images": List(Image()), "tokens": Value("int32")}
-    )
+    features = Features({"messages": Value("string"), "images": List(Image()), "tokens": Value("int32")})
     return Dataset.from_dict(
         {
             "messages": [json.dumps(s.messages) for s in samples],

@@ -95,5 +95,9 @@ def write(out: Path, num_images: int = NUM_IMAGES, seed: int = SEED) -> Path:
 def bundled_path() -> Path:
     """The bundled image set's JSONL file, generated once into the cache."""
     key = hashlib.sha256(f"v{VERSION};seed={SEED};n={NUM_IMAGES};side={SIDE}".encode()).hexdigest()[:16]
-    folder = cache.build_once(cache.root() / "shapes" / key, lambda out: write(out))
+
+    def build(out: Path) -> None:
+        write(out)
+
+    folder = cache.build_once(cache.root() / "shapes" / key, build)
     return folder / "shapes.jsonl"

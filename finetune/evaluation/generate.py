@@ -50,7 +50,10 @@ def generate(
     if not conversations:
         return []
     device = next(model.parameters()).device
-    processor, tokenizer = tokenizer, getattr(tokenizer, "tokenizer", tokenizer)  # a VLM's processor: its tokenizer
+    processor, tokenizer = (
+        tokenizer,
+        getattr(tokenizer, "tokenizer", tokenizer),
+    )  # a VLM's processor: its tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -74,7 +77,8 @@ def generate(
                     )
                 # pixel values in the model's dtype (a bf16 model)
                 enc = {
-                    k: v.to(device, model.dtype) if v.is_floating_point() else v.to(device) for k, v in enc.items()
+                    k: v.to(device, model.dtype) if v.is_floating_point() else v.to(device)
+                    for k, v in enc.items()
                 }
                 # a mixture of experts whose config asks for router logits (TRL sets it for the auxiliary
                 # loss): transformers' load-balancing loss cannot take a cached step's logits with the whole

@@ -64,7 +64,9 @@ def vision_heldout_loss(model: Any, dataset: Any, processor: Any, batch_size: in
         n = int((batch["labels"][:, 1:] != -100).sum())
         if n == 0:
             continue
-        inputs = {k: v.to(device, model.dtype) if v.is_floating_point() else v.to(device) for k, v in batch.items()}
+        inputs = {
+            k: v.to(device, model.dtype) if v.is_floating_point() else v.to(device) for k, v in batch.items()
+        }
         total += float(model(**inputs, use_cache=False).loss) * n  # the model's mean over its labelled tokens
         count += n
     return total / count if count else None

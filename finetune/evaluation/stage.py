@@ -66,7 +66,9 @@ def task_items(eval_ds: Any, num_samples: Optional[int]) -> list[dict]:
         return []
     n = len(eval_ds) if num_samples is None else min(num_samples, len(eval_ds))
     items = []
-    images = "images" in eval_ds.column_names  # a vision-language model's rows: the pictures go with the prompt
+    images = (
+        "images" in eval_ds.column_names
+    )  # a vision-language model's rows: the pictures go with the prompt
     for i, conversation, reference in answered(eval_ds, n):
         if images:
             conversation = vision.with_images(conversation, eval_ds[i]["images"])

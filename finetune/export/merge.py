@@ -72,7 +72,10 @@ def check_inputs(
         processor = hasattr(tokenizer, "image_processor")  # a VLM's processor renders a batch
         for messages in fallback[:samples]:
             ids = tokenizer.apply_chat_template(
-                [messages] if processor else messages, add_generation_prompt=True, tokenize=True, return_dict=True
+                [messages] if processor else messages,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
             )["input_ids"]
             rows.append(list(ids[0] if processor else ids))
     if not rows:

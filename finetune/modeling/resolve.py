@@ -268,7 +268,9 @@ def model_from_hf_config(model: ModelConfig, hf: Any, key: str, name: str) -> Mo
             head_dim=int(getattr(hf, "head_dim", None) or hidden // heads),
             intermediate_size=int(hf.intermediate_size),
             vocab_size=int(hf.vocab_size),
-            tie_embeddings=bool(getattr(hf, "tie_word_embeddings", None) or getattr(full, "tie_word_embeddings", False)),
+            tie_embeddings=bool(
+                getattr(hf, "tie_word_embeddings", None) or getattr(full, "tie_word_embeddings", False)
+            ),
             attention_bias=bool(getattr(hf, "attention_bias", arch.attention_bias) or arch.attention_bias),
             max_position_embeddings=int(hf.max_position_embeddings),
             rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", model.rope_theta))),
@@ -287,7 +289,7 @@ def model_from_hf_config(model: ModelConfig, hf: Any, key: str, name: str) -> Mo
     return read
 
 
-def _vision_fields(model: ModelConfig, full: Any, key: str) -> dict[str, int]:
+def _vision_fields(model: ModelConfig, full: Any, key: str) -> dict[str, Any]:
     """A vision-language config's image side (Idefics3: SigLIP's keys and `scale_factor`; Qwen2.5-VL: `depth`,
     `spatial_merge_size`, no fixed image size: `model.image_size` or 448 pixels, its processor resizing
     any picture to about that many patches)."""

@@ -88,7 +88,6 @@ def hf_config(model_cfg: ModelConfig, tok: Any) -> Any:
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         scale_factor=math.isqrt(model_cfg.vision_token_merge),
         tie_word_embeddings=model_cfg.tie_embeddings,
-        pad_token_id=tok.pad_token_id,
     )
 
 

@@ -125,8 +125,21 @@ def vision_layer_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
     d, f = m.vision_hidden_size, m.vision_intermediate_size
     tower = ARCHITECTURES[m.architecture].vision
     if tower is not None and tower.gated_mlp:  # Qwen2.5-VL: fused qkv, proj, gated MLP
-        return {"qkv": (d, 3 * d), "proj": (d, d), "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
-    return {"q_proj": (d, d), "k_proj": (d, d), "v_proj": (d, d), "out_proj": (d, d), "fc1": (d, f), "fc2": (f, d)}
+        return {
+            "qkv": (d, 3 * d),
+            "proj": (d, d),
+            "gate_proj": (d, f),
+            "up_proj": (d, f),
+            "down_proj": (f, d),
+        }
+    return {
+        "q_proj": (d, d),
+        "k_proj": (d, d),
+        "v_proj": (d, d),
+        "out_proj": (d, d),
+        "fc1": (d, f),
+        "fc2": (f, d),
+    }
 
 
 def vision_params(m: ModelConfig) -> int:
