@@ -104,13 +104,3 @@ class VisionCollator:
         )
         batch[NUM_TOKENS_KEY] = batch["attention_mask"].sum()
         return batch
-
-
-def load_processor(source: str, trust_remote_code: bool = False) -> Any:
-    """The model's own processor (its image rules, tokenizer and chat template) from a folder or hub id."""
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(source, trust_remote_code=trust_remote_code)
-    if processor.tokenizer.pad_token is None:
-        processor.tokenizer.pad_token = processor.tokenizer.eos_token
-    return processor
