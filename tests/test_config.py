@@ -69,7 +69,7 @@ def test_stable_names():
         "tiny", "llama8b_lora", "llama8b_lora_128k", "llama8b_qlora", "llama70b_qlora", "llama70b_lora",
         "llama70b_full", "qwen32b_lora", "qwen32b_full", "tiny_dpo", "llama8b_dpo", "llama70b_qlora_dpo",
         "tiny_grpo", "llama8b_grpo", "tiny_reward", "llama8b_reward", "llama8b_grpo_8gpu", "smollm2_135m_lora", "smollm2_135m_dpo", "tiny_moe", "qwen3_30b_a3b_lora",
-        "tiny_mixtral", "mixtral_8x7b_lora", "gpt_oss_20b_lora", "tiny_rloo", "llama8b_rloo",
+        "tiny_mixtral", "mixtral_8x7b_lora", "gpt_oss_20b_lora", "tiny_rloo", "llama8b_rloo", "tiny_vlm", "qwen25vl_7b_lora",
     }  # fmt: skip
     assert set(group_choices("model")) == {
         "tiny",
@@ -88,6 +88,7 @@ def test_stable_names():
         "mixtral_8x7b",
         "gpt_oss_20b",
         "gpt_oss_120b",
+        "qwen2_5_vl_7b",
     }
     assert set(group_choices("method")) == {"full", "lora", "qlora"}
     assert set(group_choices("objective")) == set(OBJECTIVES)

@@ -23,6 +23,24 @@ FUSED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
+class VisionTower:
+    """A vision-language family's image side, as transformers builds it: where its vision encoder, projector
+    and language model sit in the module tree, and the encoder's linear layers (LoRA's targets where
+    `method.lora_vision` adapts it; otherwise it stays frozen)."""
+
+    encoder: str  # the vision encoder's module path
+    projector: str  # the projector from the encoder's width into the language model's
+    language_model: str  # the text decoder, whose projections LoRA adapts
+    encoder_layer: str  # the encoder's layer class (FSDP wraps one unit per layer)
+    encoder_projections: tuple[str, ...]  # an encoder layer's linear modules
+    text_architecture: str  # the family of its text decoder (a key of ARCHITECTURES, or transformers' name)
+    # the encoder's MLP is gated (gate/up/down, three matrices) rather than fc1/fc2 (two)
+    gated_mlp: bool = False
+    # transformers' processor builds the image placeholders itself (no video processor, so no torchvision)
+    processor_without_torchvision: bool = True
+
+
+@dataclass(frozen=True)
 class Architecture:
     name: str  # transformers' model_type
     decoder_layer: str  # the class FSDP wraps, one unit per layer
@@ -60,6 +78,12 @@ class Architecture:
     softmax_after_topk: bool = False
     # gpt-oss's SwiGLU: gate and up clamped, gate x sigmoid(1.702 gate) x (up + 1), each step a saved tensor
     clamped_swiglu: bool = False
+    # a vision-language model: its image side (its text decoder is the rest of this entry); None: text only
+    vision: Optional[VisionTower] = None
+
+    @property
+    def takes_images(self) -> bool:
+        return self.vision is not None
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -132,6 +156,39 @@ ARCHITECTURES: dict[str, Architecture] = {
         "qwen2_moe", "Qwen2MoeDecoderLayer", ("q_proj", "k_proj", "v_proj", "o_proj"), True, True
     ),
 }
+# Vision-language families: the text decoder above plus an image side. Idefics3 (SmolVLM's architecture): a
+# SigLIP encoder (fc1/fc2 MLP), a pixel-shuffle projector and a Llama decoder; Qwen2.5-VL: a windowed ViT
+# with a gated MLP, a patch-merger MLP and Qwen2's decoder (q/k/v biases, multimodal rotary positions).
+ARCHITECTURES["idefics3"] = Architecture(
+    "idefics3",
+    "LlamaDecoderLayer",
+    LLAMA_PROJECTIONS,
+    False,
+    vision=VisionTower(
+        "model.vision_model",
+        "model.connector",
+        "model.text_model",
+        "Idefics3EncoderLayer",
+        ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+        "llama",
+    ),
+)
+ARCHITECTURES["qwen2_5_vl"] = Architecture(
+    "qwen2_5_vl",
+    "Qwen2_5_VLDecoderLayer",
+    LLAMA_PROJECTIONS,
+    True,
+    vision=VisionTower(
+        "model.visual",
+        "model.visual.merger",
+        "model.language_model",
+        "Qwen2_5_VLVisionBlock",
+        ("qkv", "proj", "gate_proj", "up_proj", "down_proj"),
+        "qwen2_5_vl_text",
+        gated_mlp=True,
+        processor_without_torchvision=False,
+    ),
+)
 PLANNED = tuple(name for name, a in ARCHITECTURES.items() if not a.mixture_of_experts)
 
 # Families a config.json may name that the planner refuses, and why (one line each).
@@ -140,6 +197,9 @@ REFUSED: dict[str, str] = {
     "deepseek_v2": "is a mixture of experts with latent attention, which the planner does not model",
     "gemma2": "has four norms a layer and logit soft-capping, which the activation formulas do not model",
 }
+# Vision-language families whose image side the planner does not model: their config.json is refused whole
+# (Gemma 3's is planned as its text decoder, gemma3_text, as before its images were modelled).
+REFUSED_VISION = ("qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "smolvlm", "idefics2", "mllama", "llava")
 
 
 # Config options whose other values change what a layer computes in ways nothing here measured: a config
@@ -168,4 +228,9 @@ def refusal(model_type: str) -> Optional[str]:
         return None
     if model_type in REFUSED:
         return f"{model_type} {REFUSED[model_type]}"
+    if model_type in REFUSED_VISION:
+        vlms = ", ".join(name for name, a in ARCHITECTURES.items() if a.takes_images)
+        return (
+            f"{model_type} is a vision-language family whose image side the planner does not model ({vlms})"
+        )
     return f"model_type {model_type!r} is not one the planner models ({', '.join(PLANNED)})"

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Optional
 
+from finetune.core.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class RecordKind:
@@ -33,6 +35,11 @@ class RecordKind:
     module: str
     # The data set shipped for it under finetune/data/bundled/ (what the tiny model trains on by default).
     bundled: str
+    # The kind the same records become for a model that takes images (finetune/core/architectures.py's
+    # `vision`): its messages carry image parts. None: this kind has no image counterpart.
+    with_images: Optional[str] = None
+    # "module:function" returning the bundled data's path where it is generated rather than shipped.
+    generated: Optional[str] = None
 
 
 RECORD_KINDS: dict[str, RecordKind] = {
@@ -40,6 +47,14 @@ RECORD_KINDS: dict[str, RecordKind] = {
         "messages with assistant turns to learn, tokenized with masked labels and packed",
         "finetune.data.conversations",
         "chat.jsonl",
+        with_images="image_conversations",
+    ),
+    "image_conversations": RecordKind(
+        "messages with image parts (local files) and assistant turns to learn, one conversation a row, its "
+        "images rendered by the model's processor as it trains",
+        "finetune.data.image_conversations",
+        "shapes/shapes.jsonl",
+        generated="finetune.data.shapes:bundled_path",
     ),
     "preferences": RecordKind(
         "prompt + chosen + rejected, tokenized as TRL's prompt_ids / chosen_ids / rejected_ids",
@@ -289,9 +304,22 @@ class ObjectiveSpec:
         """The frozen models the settings put beside the policy (none for most objectives)."""
         return tuple(load(self.companions)(settings)) if self.companions else ()
 
-    def record_module(self) -> ModuleType:
+    def record_kind_for(self, takes_images: bool) -> str:
+        """The record kind the data stage prepares: the objective's, or its image counterpart for a model that
+        takes images (refused where the objective has none)."""
+        if not takes_images:
+            return self.record_kind
+        kind = RECORD_KINDS[self.record_kind].with_images
+        if kind is None:
+            raise ConfigError(
+                f"objective={self.name} has no image data ({self.record_kind} records): a vision-language model "
+                "trains with an objective whose records carry images (sft)"
+            )
+        return kind
+
+    def record_module(self, takes_images: bool = False) -> ModuleType:
         """The data module that prepares and saves this objective's records."""
-        return load(RECORD_KINDS[self.record_kind].module)
+        return load(RECORD_KINDS[self.record_kind_for(takes_images)].module)
 
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {

@@ -43,7 +43,7 @@ def run(cfg: Config, run_dir: Path, *, tokenizer: Any = None) -> dict:
     rundir.check_replaceable(run_dir / rundir.DATA_DIR, cache.published_before_markers)
     console = _console()
     tokenizer = tokenizer if tokenizer is not None else models.load_tokenizer(cfg.model)
-    path = cfg.data.path or str(tiny.bundled_data_path(cfg.objective.spec.record_kind))
+    path = cfg.data.path or str(tiny.bundled_data_path(cfg.record_kind))
     entry, key, hit = _published_entry(cfg, tokenizer, path, run_dir, console)
     data = run_dir / rundir.DATA_DIR
     result = json.loads((data / cache.STATS_FILE).read_text())
@@ -146,7 +146,7 @@ def _build(
         with cache.building(cache_root, key) as tmp:
             inp = inp if inp is not None else sources.open_input(path, input_fp, cfg.data)[0]
             # The objective's record kind (finetune/core/objectives.py) chooses the preparation.
-            kind = cfg.objective.spec.record_module()
+            kind = cfg.record_module()
             # Its scratch files (texts, MinHash rows, token ids) live in the entry being built, gone before the manifest.
             prepared = kind.prepare(cfg, tokenizer, inp, path, console, scratch=tmp / ".scratch")
             prepared.stats["input"]["fingerprint"] = input_fp
@@ -168,7 +168,7 @@ def _fingerprint(cfg: Config, input_fp: str, tokenizer: Any) -> str:
     return cache.fingerprint(
         {
             "version": PREPARED_VERSION,
-            "record_kind": cfg.objective.spec.record_kind,
+            "record_kind": cfg.record_kind,
             "input": input_fp,
             "tokenizer": _tokenizer_fingerprint(tokenizer),
             "template": tokenizer.chat_template,
@@ -179,6 +179,11 @@ def _fingerprint(cfg: Config, input_fp: str, tokenizer: Any) -> str:
 
 def _tokenizer_fingerprint(tokenizer: Any) -> str:
     h = hashlib.sha256()
+    # a processor (a model that takes images): its image rules, then its tokenizer
+    image_processor = getattr(tokenizer, "image_processor", None)
+    if image_processor is not None:
+        h.update(image_processor.to_json_string().encode())
+        tokenizer = tokenizer.tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None)
     h.update(
         backend.to_str().encode()

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from finetune.core.config.evaluation import EvalConfig
+from finetune.modeling import vision
 
 
 def sampling_kwargs(cfg: EvalConfig) -> dict[str, Any]:
@@ -49,6 +50,10 @@ def generate(
     if not conversations:
         return []
     device = next(model.parameters()).device
+    processor, tokenizer = (
+        tokenizer,
+        getattr(tokenizer, "tokenizer", tokenizer),
+    )  # a VLM's processor: its tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -62,10 +67,19 @@ def generate(
             task = progress.add_task(label, total=len(conversations))
             for start in range(0, len(conversations), cfg.batch_size):
                 chunk = [list(c) for c in conversations[start : start + cfg.batch_size]]
-                enc = tokenizer.apply_chat_template(
-                    chunk, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
-                )
-                enc = {k: v.to(device) for k, v in enc.items()}
+                if processor is not tokenizer:  # the prompts' images through the model's processor
+                    enc = vision.rendered(
+                        processor, chunk, [[] for _ in chunk], add_generation_prompt=True, padding_side="left"
+                    )
+                else:
+                    enc = tokenizer.apply_chat_template(
+                        chunk, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
+                    )
+                # pixel values in the model's dtype (a bf16 model)
+                enc = {
+                    k: v.to(device, model.dtype) if v.is_floating_point() else v.to(device)
+                    for k, v in enc.items()
+                }
                 # a mixture of experts whose config asks for router logits (TRL sets it for the auxiliary
                 # loss): transformers' load-balancing loss cannot take a cached step's logits with the whole
                 # attention mask, and generation needs none of it

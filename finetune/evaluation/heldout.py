@@ -15,6 +15,7 @@ import torch
 
 from finetune.modeling.chunked_loss import add_chunked_loss_head
 from finetune.modeling.collator import NUM_TOKENS_KEY, PackedCollator
+from finetune.modeling.vision import VisionCollator
 
 
 @torch.no_grad()
@@ -46,6 +47,27 @@ def heldout_loss(model: Any, dataset: Any, pad_token_id: int, batch_size: int = 
             use_cache=False,
         )
         total += float(out.loss)
+        count += n
+    return total / count if count else None
+
+
+@torch.no_grad()
+def vision_heldout_loss(model: Any, dataset: Any, processor: Any, batch_size: int = 16) -> Optional[float]:
+    """`heldout_loss` for a vision-language model's rows (one conversation and its images each), batched by its
+    processor as in training (`VisionCollator`): the mean loss over every labelled token, the model's own loss."""
+    collate = VisionCollator(processor)
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for start in range(0, len(dataset), batch_size):
+        batch = collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
+        batch.pop(NUM_TOKENS_KEY)
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        if n == 0:
+            continue
+        inputs = {
+            k: v.to(device, model.dtype) if v.is_floating_point() else v.to(device) for k, v in batch.items()
+        }
+        total += float(model(**inputs, use_cache=False).loss) * n  # the model's mean over its labelled tokens
         count += n
     return total / count if count else None
 

@@ -43,9 +43,9 @@ from finetune.core.markup import console_text, terminal_text
 from finetune.data.stage import load_prepared
 from finetune.evaluation import curves, lm_eval, regression
 from finetune.evaluation.generate import generate, sampling_kwargs
-from finetune.evaluation.heldout import answered, heldout_loss
+from finetune.evaluation.heldout import answered, heldout_loss, vision_heldout_loss
 from finetune.evaluation.report import metric_names, write_report
-from finetune.modeling import outputs
+from finetune.modeling import outputs, vision
 from finetune.modeling.loading import attach_adapter, initial_output
 from finetune.modeling.models import load_tokenizer
 from finetune.modeling.variants import (
@@ -66,8 +66,13 @@ def task_items(eval_ds: Any, num_samples: Optional[int]) -> list[dict]:
         return []
     n = len(eval_ds) if num_samples is None else min(num_samples, len(eval_ds))
     items = []
+    images = (
+        "images" in eval_ds.column_names
+    )  # a vision-language model's rows: the pictures go with the prompt
     for i, conversation, reference in answered(eval_ds, n):
-        prompt = next((m["content"] for m in reversed(conversation) if m["role"] == "user"), "")
+        if images:
+            conversation = vision.with_images(conversation, eval_ds[i]["images"])
+        prompt = vision.prompt_text(conversation)
         items.append({"id": f"task-{i}", "messages": conversation, "prompt": prompt, "reference": reference})
     return items
 
@@ -84,7 +89,10 @@ def evaluate_model(
 ) -> tuple[dict[str, Any], list[str], list[str]]:
     """(metrics, task answers, regression answers) for one model."""
     model.eval()
-    loss = heldout_loss(model, eval_ds, tokenizer.pad_token_id, cfg.batch_size)
+    if "images" in eval_ds.column_names:  # a vision-language model's rows: through its processor
+        loss = vision_heldout_loss(model, eval_ds, tokenizer, cfg.batch_size)
+    else:
+        loss = heldout_loss(model, eval_ds, tokenizer.pad_token_id, cfg.batch_size)
     result: dict[str, Any] = {} if loss is None else {"loss": loss}  # None: no held-out split
     answers = generate(model, tokenizer, [it["messages"] for it in items], cfg, f"{label}: held-out prompts")
     if items:

@@ -64,18 +64,20 @@ def check_inputs(
         rows = [list(eval_dataset[i]["input_ids"]) for i in range(min(samples, len(eval_dataset)))]
     else:
         # GRPO's held-out rows are prompts with the conversation as JSON text, not token ids
-        if "messages" in columns:
+        # a vision-language model's rows hold images: the check compares the text path on `fallback`
+        if "messages" in columns and "images" not in columns:
             fallback = [
                 json.loads(eval_dataset[i]["messages"]) for i in range(min(samples, len(eval_dataset)))
             ]
+        processor = hasattr(tokenizer, "image_processor")  # a VLM's processor renders a batch
         for messages in fallback[:samples]:
-            rows.append(
-                list(
-                    tokenizer.apply_chat_template(
-                        messages, add_generation_prompt=True, tokenize=True, return_dict=True
-                    )["input_ids"]
-                )
-            )
+            ids = tokenizer.apply_chat_template(
+                [messages] if processor else messages,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+            rows.append(list(ids[0] if processor else ids))
     if not rows:
         raise ExportError("the merge check has no inputs: run the data stage (mode=data) first")
     return [torch.tensor(r[:max_tokens], dtype=torch.long) for r in rows]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,19 +77,21 @@ def check_weight_safety(model: ModelConfig, source: str) -> None:
 
 
 def load_pretrained(model: ModelConfig, source: str, head: str = "lm", seed: int = 0, **kwargs: Any) -> Any:
-    """`AutoModelForCausalLM.from_pretrained(source)` after the weight-safety check, safetensors only unless
-    `model.allow_pickle_weights`; a folder or hub id that cannot be loaded is one line (ConfigError).
+    """`AutoModelForCausalLM.from_pretrained(source)` (`AutoModelForImageTextToText` for a model that takes
+    images) after the weight-safety check, safetensors only unless `model.allow_pickle_weights`; a folder or
+    hub id that cannot be loaded is one line (ConfigError).
 
     `head="score"` (an objective that trains a score head, finetune/core/objectives.py HEADS): the same weights as
     a sequence classifier with one label; a checkpoint without that head (a base model) gets a new one drawn
     from `seed` (`new_score_head`), so every stage that loads the base sees the head training started from."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     check_weight_safety(model, source)
+    auto = AutoModelForImageTextToText if model.takes_images else AutoModelForCausalLM
     try:
         if head == "score":
             return _load_classifier(model, source, seed, **kwargs)
-        return AutoModelForCausalLM.from_pretrained(
+        return auto.from_pretrained(
             source,
             trust_remote_code=model.trust_remote_code,
             use_safetensors=None if model.allow_pickle_weights else True,
@@ -150,7 +153,10 @@ def new_score_head(model: Any, seed: int) -> None:
 
 
 def quantization_config(
-    method: MethodConfig, compute_dtype: torch.dtype, storage_dtype: Optional[torch.dtype] = None
+    method: MethodConfig,
+    compute_dtype: torch.dtype,
+    storage_dtype: Optional[torch.dtype] = None,
+    model: Optional[ModelConfig] = None,
 ) -> Any:
     """bitsandbytes' 4-bit settings: dequantized to `compute_dtype`, packed into `storage_dtype` (uint8 if None).
 
@@ -166,7 +172,17 @@ def quantization_config(
         bnb_4bit_use_double_quant=method.double_quant,
         bnb_4bit_compute_dtype=compute_dtype,
         bnb_4bit_quant_storage=storage_dtype or torch.uint8,
+        # a vision-language model's vision tower and projector stay in 16 bits (the language model is quantized)
+        llm_int8_skip_modules=vision_kept_whole(model),
     )
+
+
+def vision_kept_whole(model: Optional[ModelConfig]) -> Optional[list[str]]:
+    """The modules QLoRA leaves unquantized on a vision-language model: its vision encoder, projector and head."""
+    tower = ARCHITECTURES[model.architecture].vision if model is not None else None
+    if tower is None:
+        return None
+    return [tower.encoder.rsplit(".", 1)[-1], tower.projector.rsplit(".", 1)[-1], "lm_head"]
 
 
 def disable_cpu_bf16_packing(model: Any) -> int:
@@ -199,12 +215,37 @@ def lora_config(method: MethodConfig, model: ModelConfig, head: str = "lm") -> A
         target_parameters=experts,
         lora_alpha=method.lora_alpha,
         lora_dropout=method.lora_dropout,
-        target_modules=method.targets(model.architecture),
+        target_modules=lora_targets(method, model),
+        # a vision-language model's projector trains whole beside the vision tower's adapters
+        modules_to_save=vision_trained_whole(method, model),
         bias="none",
         task_type="SEQ_CLS" if head == "score" else "CAUSAL_LM",
         modules_to_save=["score"] if head == "score" else None,
         **dict(method.spec.lora_options),
     )
+
+
+def lora_targets(method: MethodConfig, model: ModelConfig) -> Any:
+    """PEFT's target_modules: the method's projections; for a vision-language model, as a pattern held to the
+    language model (its vision encoder has projections of the same names), and to the vision encoder's linear
+    layers too with `method.lora_vision`."""
+    targets = method.targets(model.architecture)
+    tower = ARCHITECTURES[model.architecture].vision
+    if tower is None:
+        return targets
+    pattern = rf"{re.escape(tower.language_model)}\..*\.({'|'.join(map(re.escape, targets))})"
+    if method.lora_vision:
+        names = "|".join(map(re.escape, tower.encoder_projections))
+        pattern = rf"(?:{pattern}|{re.escape(tower.encoder)}\..*\.({names}))"
+    return pattern
+
+
+def vision_trained_whole(method: MethodConfig, model: ModelConfig) -> Optional[list[str]]:
+    """The projector, trained whole (PEFT's modules_to_save) where `method.lora_vision` adapts the image side."""
+    tower = ARCHITECTURES[model.architecture].vision
+    if tower is None or not method.lora_vision:
+        return None
+    return [tower.projector.rsplit(".", 1)[-1]]
 
 
 def prepare_kbit_model(model: Any, compute_dtype: torch.dtype) -> Any:
@@ -320,7 +361,7 @@ def load_for_training(cfg: Config, sharded: bool = False) -> tuple[Any, torch.dt
         # FSDP2 and ZeRO-3 divide floating-point parameters only, and cast each to the training dtype (FSDP2's
         # param_dtype, DeepSpeed's bf16): packed in that dtype, the 4-bit weights are divided and never recast.
         storage = compute_dtype if sharded else None
-        kwargs["quantization_config"] = quantization_config(method, quant_dtype, storage)
+        kwargs["quantization_config"] = quantization_config(method, quant_dtype, storage, cfg.model)
         kwargs["device_map"] = _training_device_map(cfg, sharded)
     else:  # a frozen base in the compute dtype
         kwargs["dtype"] = compute_dtype

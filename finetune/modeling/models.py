@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from finetune.core.config import ModelConfig
 from finetune.core.errors import ConfigError, DataError
-from finetune.modeling import gguf, tiny
+from finetune.modeling import gguf, tiny, tiny_vlm
 
 # ---------------------------------------------------------------- which model, from where
 
@@ -41,7 +41,7 @@ def local_folder(model: ModelConfig) -> Optional[Path]:
 def model_source(model: ModelConfig) -> str:
     """What `from_pretrained` loads: the tiny model's folder (built on first use), a local folder, or a hub id."""
     if is_tiny(model):
-        return str(tiny.model_dir(model))
+        return str(tiny_vlm.model_dir(model) if model.takes_images else tiny.model_dir(model))
     folder = local_folder(model)
     if folder is not None:
         return str(folder)
@@ -50,8 +50,21 @@ def model_source(model: ModelConfig) -> str:
     raise ConfigError(f"model.hub_id is not set for model={model.name}: nothing to load the weights from")
 
 
+def load_processor(source: str, trust_remote_code: bool = False) -> Any:
+    """A vision-language model's own processor (its image rules, tokenizer and chat template)."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(source, trust_remote_code=trust_remote_code)
+    if processor.tokenizer.pad_token is None:
+        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    return processor
+
+
 def load_tokenizer(model: ModelConfig) -> Any:
-    """The tokenizer whose chat template renders the data: the tiny one built locally, else the model's own."""
+    """The tokenizer whose chat template renders the data: the tiny one built locally, else the model's own;
+    for a model that takes images, its processor (its image rules, tokenizer and chat template)."""
+    if model.takes_images:
+        return load_processor(model_source(model), trust_remote_code=model.trust_remote_code)
     if is_tiny(model):
         return tiny.load_tokenizer(model)
     folder = local_folder(model)

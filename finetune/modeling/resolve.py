@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from finetune.core import userfiles
-from finetune.core.architectures import ARCHITECTURES, refusal, unmodelled_option
+from finetune.core.architectures import ARCHITECTURES, REFUSED_VISION, refusal, unmodelled_option
 from finetune.core.config import ModelConfig
 from finetune.core.errors import ConfigError
 from finetune.modeling import gguf
@@ -157,12 +157,17 @@ def _auto_config(model: ModelConfig, path: Path, key: str) -> Any:
 
     check_config_json(read_config_json(path, key), key)
     try:
-        return AutoConfig.from_pretrained(
+        full = AutoConfig.from_pretrained(
             str(path), local_files_only=True, trust_remote_code=model.trust_remote_code
-        ).get_text_config()
+        )
     except Exception as exc:  # a config.json is user input: whatever transformers cannot read is bad input
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"{key}: transformers cannot read it ({first[:300]})") from None
+    # a vision-language family: the whole config (its text and vision sides); else the text model's
+    if full.model_type in REFUSED_VISION:
+        raise ConfigError(f"{key}: {refusal(full.model_type)}")
+    arch = ARCHITECTURES.get(full.model_type)
+    return full if arch is not None and arch.takes_images else full.get_text_config()
 
 
 # A model's config.json holds a few kilobytes; far more is another file (or a device) named by mistake.
@@ -248,7 +253,9 @@ def _shown(value: Any) -> str:
 def model_from_hf_config(model: ModelConfig, hf: Any, key: str, name: str) -> ModelConfig:
     """The ModelConfig of a transformers config object (its class defaults included); `key` names the source
     in errors."""
-    model_type = hf.model_type
+    model_type, full = hf.model_type, hf
+    if ARCHITECTURES.get(model_type) is not None and ARCHITECTURES[model_type].takes_images:
+        hf = hf.get_text_config()  # the text decoder's facts; the vision side is read below
     experts = int(getattr(hf, "num_local_experts", 0) or getattr(hf, "num_experts", 0) or 0)
     why = refusal(model_type) or unmodelled_option(hf)
     if why is not None:
@@ -258,7 +265,7 @@ def model_from_hf_config(model: ModelConfig, hf: Any, key: str, name: str) -> Mo
     hidden = int(hf.hidden_size)
     rope = getattr(hf, "rope_parameters", None) or {}
     try:
-        return replace(
+        read = replace(
             model,
             name=name,
             architecture=model_type,
@@ -269,7 +276,9 @@ def model_from_hf_config(model: ModelConfig, hf: Any, key: str, name: str) -> Mo
             head_dim=int(getattr(hf, "head_dim", None) or hidden // heads),
             intermediate_size=int(hf.intermediate_size),
             vocab_size=int(hf.vocab_size),
-            tie_embeddings=bool(hf.tie_word_embeddings),
+            tie_embeddings=bool(
+                getattr(hf, "tie_word_embeddings", None) or getattr(full, "tie_word_embeddings", False)
+            ),
             attention_bias=bool(getattr(hf, "attention_bias", arch.attention_bias) or arch.attention_bias),
             max_position_embeddings=int(hf.max_position_embeddings),
             rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", model.rope_theta))),
@@ -281,9 +290,33 @@ def model_from_hf_config(model: ModelConfig, hf: Any, key: str, name: str) -> Mo
             shared_expert_intermediate_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0),
             norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)) if experts else False,
             hub_id=model.hub_id,
+            **_vision_fields(model, full, key),
         )
     except (AttributeError, TypeError) as exc:
         raise ConfigError(f"{key}: {exc}") from None
+    return read
+
+
+def _vision_fields(model: ModelConfig, full: Any, key: str) -> dict[str, Any]:
+    """A vision-language config's image side (Idefics3: SigLIP's keys and `scale_factor`; Qwen2.5-VL: `depth`,
+    `spatial_merge_size`, no fixed image size: `model.image_size` or 448 pixels, its processor resizing
+    any picture to about that many patches)."""
+    if not ARCHITECTURES[full.model_type].takes_images:
+        return {}
+    vc = full.vision_config
+    try:
+        merge = int(getattr(vc, "spatial_merge_size", 0) or getattr(full, "scale_factor", 2)) ** 2
+        return dict(
+            vision_hidden_size=int(vc.hidden_size),
+            vision_layers=int(getattr(vc, "depth", None) or vc.num_hidden_layers),
+            vision_heads=int(getattr(vc, "num_heads", None) or vc.num_attention_heads),
+            vision_intermediate_size=int(vc.intermediate_size),
+            patch_size=int(vc.patch_size),
+            image_size=int(getattr(vc, "image_size", 0) or model.image_size or 448),
+            vision_token_merge=merge,
+        )
+    except (AttributeError, TypeError) as exc:
+        raise ConfigError(f"{key}: vision_config: {exc}") from None
 
 
 def _dense_layers(hf: Any, experts: int) -> int:

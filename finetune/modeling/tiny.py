@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from finetune.core.architectures import ARCHITECTURES
 from finetune.core.config import ModelConfig
 from finetune.core.errors import ConfigError
-from finetune.core.objectives import RECORD_KINDS
+from finetune.core.objectives import RECORD_KINDS, load
 from finetune.core.package import PACKAGE_DIR
 from finetune.modeling import cache
 
@@ -57,14 +57,17 @@ CHAT_TEMPLATE = (
 def bundled_data_path(record_kind: str = "conversations") -> Path:
     """The bundled data set for `record_kind`: chat conversations (messages JSONL), or the preference pairs
     built from them (scripts/make_bundled_preferences.py): the record kind's `bundled` file."""
-    return PACKAGE_DIR / "data" / "bundled" / RECORD_KINDS[record_kind].bundled
+    kind = RECORD_KINDS[record_kind]
+    if kind.generated:  # made on first use (the bundled images), not shipped
+        return Path(load(kind.generated)())
+    return PACKAGE_DIR / "data" / "bundled" / kind.bundled
 
 
 def cache_root() -> Path:
     return cache.root() / "tiny"
 
 
-def _fingerprint(model_cfg: Optional[ModelConfig]) -> str:
+def fingerprint(model_cfg: Optional[ModelConfig]) -> str:
     h = hashlib.sha256()
     h.update(f"build={BUILD_VERSION};seed={INIT_SEED}".encode())
     h.update(hashlib.sha256(bundled_data_path().read_bytes()).digest())
@@ -120,7 +123,7 @@ def tokenizer_dir(vocab_size: int) -> Path:
         raise ConfigError(
             f"model.vocab_size={vocab_size} is too small for the tiny byte-level tokenizer (>= 262)"
         )
-    return cache.build_once(cache_root() / f"tokenizer-v{vocab_size}-{_fingerprint(None)}", build)
+    return cache.build_once(cache_root() / f"tokenizer-v{vocab_size}-{fingerprint(None)}", build)
 
 
 def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerFast:
@@ -211,7 +214,7 @@ def model_dir(model_cfg: ModelConfig) -> Path:
         model.save_pretrained(out, safe_serialization=True)
         tok.save_pretrained(out)  # the model folder is self-contained, like a hub checkpoint
 
-    return cache.build_once(cache_root() / f"model-{_fingerprint(model_cfg)}", build)
+    return cache.build_once(cache_root() / f"model-{fingerprint(model_cfg)}", build)
 
 
 def load_model(model_cfg: ModelConfig, dtype: Optional[torch.dtype] = None) -> PreTrainedModel:

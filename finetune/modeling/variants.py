@@ -89,7 +89,7 @@ def load_base(cfg: Config, dtype: torch.dtype, quantized: bool = False, devices:
         source,
         **head,
         dtype=dtype,
-        quantization_config=quantization_config(cfg.method, dtype),
+        quantization_config=quantization_config(cfg.method, dtype, model=cfg.model),
         device_map=devices if devices is not None else {"": "cpu"},
     )
     disable_cpu_bf16_packing(model)

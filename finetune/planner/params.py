@@ -24,6 +24,8 @@ class ParamCounts:
     # weights a token does not run (the experts not routed to it, over all layers)
     dense_layer_adjust: int = 0
     unrouted: int = 0
+    # a vision-language model: its vision encoder and projector (kept in 16 bits under QLoRA)
+    vision: int = 0
 
     @property
     def per_layer(self) -> int:
@@ -37,7 +39,7 @@ class ParamCounts:
     @property
     def total(self) -> int:
         per_layers = self.per_layer * self.num_layers + self.dense_layer_adjust
-        return self.embedding + self.lm_head + per_layers + self.final_norm
+        return self.embedding + self.lm_head + per_layers + self.final_norm + self.vision
 
     @property
     def active(self) -> int:
@@ -114,7 +116,70 @@ def count_params(m: ModelConfig) -> ParamCounts:
         num_layers=m.num_layers,
         dense_layer_adjust=dense_adjust,
         unrouted=unrouted,
+        vision=vision_params(m),
     )
+
+
+def vision_layer_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(d_in, d_out) of each linear module of one vision encoder layer, by the family's names."""
+    d, f = m.vision_hidden_size, m.vision_intermediate_size
+    tower = ARCHITECTURES[m.architecture].vision
+    if tower is not None and tower.gated_mlp:  # Qwen2.5-VL: fused qkv, proj, gated MLP
+        return {
+            "qkv": (d, 3 * d),
+            "proj": (d, d),
+            "gate_proj": (d, f),
+            "up_proj": (d, f),
+            "down_proj": (f, d),
+        }
+    return {
+        "q_proj": (d, d),
+        "k_proj": (d, d),
+        "v_proj": (d, d),
+        "out_proj": (d, d),
+        "fc1": (d, f),
+        "fc2": (f, d),
+    }
+
+
+def vision_params(m: ModelConfig) -> int:
+    """The vision encoder's and projector's parameters, exactly as transformers builds them (0 without one).
+
+    Both families: a patch embedding, per layer the linear layers of `vision_layer_shapes` with their biases
+    and two norms, then the projector into the language model's width over `vision_token_merge` patches.
+    Idefics3 (SigLIP): a biased 2-D patch convolution, learned positions, LayerNorms (weight and bias), a final
+    LayerNorm, and one unbiased projector. Qwen2.5-VL: an unbiased 3-D patch convolution over two frames,
+    RMSNorms, and the merger's norm and two biased layers (merged width to merged width, then to h)."""
+    tower = ARCHITECTURES[m.architecture].vision
+    if tower is None:
+        return 0
+    d, p, h, merge = m.vision_hidden_size, m.patch_size, m.hidden_size, m.vision_token_merge
+    shapes = vision_layer_shapes(m)
+    linear = sum(a * b for a, b in shapes.values())
+    biases = sum(b for _, b in shapes.values())
+    if tower.gated_mlp:
+        per_layer = linear + biases + 2 * d  # two RMSNorms
+        patch = 3 * 2 * p * p * d
+        merged = d * merge
+        projector = d + merged * merged + merged + merged * h + h
+        return patch + m.vision_layers * per_layer + projector
+    per_layer = linear + biases + 4 * d  # two LayerNorms
+    patch = 3 * p * p * d + d
+    positions = (m.image_size // p) ** 2 * d
+    return patch + positions + m.vision_layers * per_layer + 2 * d + d * merge * h
+
+
+def vision_lora_params(m: ModelConfig, method: MethodConfig) -> int:
+    """`method.lora_vision`: r x (d_in + d_out) per encoder projection over its layers, plus the projector
+    trained whole (PEFT's modules_to_save); 0 otherwise."""
+    tower = ARCHITECTURES[m.architecture].vision
+    if tower is None or not method.lora_vision:
+        return 0
+    per_layer = sum(method.lora_rank * (a + b) for a, b in vision_layer_shapes(m).values())
+    d, h, merge = m.vision_hidden_size, m.hidden_size, m.vision_token_merge
+    merged = d * merge
+    projector = d + merged * merged + merged + merged * h + h if tower.gated_mlp else merged * h
+    return m.vision_layers * per_layer + projector
 
 
 def expert_storage_note(m: ModelConfig) -> Optional[str]:
@@ -158,7 +223,7 @@ def lora_params(m: ModelConfig, method: MethodConfig) -> int:
     ):  # PEFT: r x E rows of A and columns of B per 3-D weight (gate_up h -> 2I, down I -> h)
         h, i = m.hidden_size, m.expert_intermediate_size
         experts = (m.num_layers - m.dense_layers) * method.lora_rank * m.num_experts * ((h + 2 * i) + (i + h))
-    return per_layer * m.num_layers + experts
+    return per_layer * m.num_layers + experts + vision_lora_params(m, method)
 
 
 __all__ = [
@@ -168,4 +233,5 @@ __all__ = [
     "count_params",
     "expert_storage_note",
     "lora_params",
+    "vision_params",
 ]

@@ -117,6 +117,8 @@ def candidates(job: Job) -> tuple[list[Strategy], Optional[str]]:
     chunked = DEFAULT_CHUNKED_LOSS if t.chunked_loss is None else t.chunked_loss
     # An objective whose loss is not next-token cross-entropy runs TRL's own (DPO's fused log-probs).
     chunked = chunked and job.objective.chunked_loss
+    # A vision-language model's batches come from its processor and train with the model's own loss.
+    chunked = chunked and not job.model.takes_images
     # A reference copy or precomputed log-probabilities: only full fine-tuning with a per-step reference has the choice.
     has_choice = job.reference_runs and job.method.spec.trains_base_weights
     precompute = _choices(job.precompute_reference) if has_choice else [False]

@@ -31,6 +31,7 @@ from trl import SFTConfig, SFTTrainer
 from finetune.core.config import Config
 from finetune.modeling.chunked_loss import add_chunked_loss_head
 from finetune.modeling.collator import IGNORE_INDEX, NUM_TOKENS_KEY, PackedCollator
+from finetune.modeling.vision import VisionCollator
 from finetune.planner import Plan
 from finetune.train import throughput
 from finetune.train.base_trainer import RunTrainerMixin, common_kwargs, sequence_degree
@@ -147,7 +148,10 @@ Trainer = FinetuneTrainer
 
 
 def trainer_kwargs(cfg: Config, plan: Plan, tokenizer: Any, eval_dataset: Any) -> dict[str, Any]:
-    """SFT's own arguments of the trainer: the packed collator, the held-out rows, the chunked loss."""
+    """SFT's own arguments of the trainer: the packed collator, the held-out rows, the chunked loss. A model
+    that takes images: one conversation a row through its processor (`tokenizer` is the processor), TRL's loss."""
+    if cfg.model.takes_images:
+        return dict(data_collator=VisionCollator(tokenizer), eval_dataset=eval_dataset, chunked_loss=False)
     return dict(
         # flash-attn's variable-length kernel takes one row only (train/throughput.py)
         data_collator=PackedCollator(

@@ -126,6 +126,7 @@ class Config:
         if self.mode == "compare" and len(self.runs) < 1:
             raise ConfigError("mode=compare needs runs=[RUN_DIR,...]: the runs to put side by side")
         spec = self.objective.spec
+        _ = self.record_kind  # an objective without image records on a vision-language model: one line
         if spec.sequences_setting is not None:
             # GRPO: a step's sequences are completions, in whole groups of num_generations
             per_example = getattr(self.objective, spec.sequences_setting)
@@ -163,6 +164,16 @@ class Config:
                 raise ConfigError(
                     "train.liger=true needs CUDA (Liger's kernels are Triton GPU kernels); leave it off on hardware=cpu"
                 )
+
+    @property
+    def record_kind(self) -> str:
+        """What the data stage prepares: the objective's record kind, or its image counterpart where the model
+        takes images (finetune/core/objectives.py)."""
+        return self.objective.spec.record_kind_for(self.model.takes_images)
+
+    def record_module(self) -> Any:
+        """The data module that prepares and saves this run's records (`record_kind`)."""
+        return self.objective.spec.record_module(self.model.takes_images)
 
     @property
     def resolved_run_dir(self) -> Path:

@@ -34,6 +34,9 @@ class MethodConfig:
     # A mixture of experts: LoRA on the fused expert weights too (PEFT's target_parameters; no dropout there),
     # besides attention's projections; the router stays frozen.
     lora_experts: bool = False
+    # A vision-language model: LoRA on the vision encoder's linear layers too (and the projector trains);
+    # false keeps the vision tower frozen and adapts the language model only.
+    lora_vision: bool = False
     # fp32 is PEFT's default (upcast adapters); bf16 saves ~30% of activation memory.
     adapter_dtype: str = choice("fp32", ("bf16", "fp32"))
     # QLoRA base quantization (bitsandbytes). compute_dtype: the dtype the 4-bit weights are

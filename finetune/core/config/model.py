@@ -79,6 +79,17 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     # The router divides its top-k weights by their sum (Qwen-MoE's `norm_topk_prob`; Mixtral always does).
     norm_topk_prob: bool = False
+    # A vision-language family's image side (0: none). The encoder's width, layers, heads and MLP width.
+    vision_hidden_size: int = 0
+    vision_layers: int = 0
+    vision_heads: int = 0
+    vision_intermediate_size: int = 0
+    # The encoder's patch side in pixels; the image side the processor resizes to (pixels, the longest
+    # edge); how many encoder patches merge into one language-model token (Idefics3's scale_factor squared,
+    # Qwen2.5-VL's spatial_merge_size squared). Image tokens per image: (image_size / patch_size)^2 / merge.
+    patch_size: int = 14
+    image_size: int = 0
+    vision_token_merge: int = 4
     # Weights: safetensors only unless this is set (pickle files can run code).
     allow_pickle_weights: bool = False
     trust_remote_code: bool = False
@@ -115,11 +126,33 @@ class ModelConfig:
                 f"model.head_dim={self.head_dim} x model.num_heads={self.num_heads} must equal "
                 f"model.hidden_size={self.hidden_size} for {self.architecture} (its head_dim is hidden / heads)"
             )
+        if self.takes_images:
+            for key in ("vision_hidden_size", "vision_layers", "vision_heads", "vision_intermediate_size"):
+                check_positive(f"model.{key}", getattr(self, key))
+            for key in ("patch_size", "image_size", "vision_token_merge"):
+                check_positive(f"model.{key}", getattr(self, key))
+            if self.image_size % self.patch_size:
+                raise ConfigError(
+                    f"model.image_size={self.image_size} must be a multiple of model.patch_size={self.patch_size}"
+                )
         if self.num_experts and not 0 < self.num_experts_per_token <= self.num_experts:
             raise ConfigError(
                 f"model.num_experts_per_token={self.num_experts_per_token} must be in 1..{self.num_experts} "
                 "(model.num_experts)"
             )
+
+    @property
+    def takes_images(self) -> bool:
+        """A vision-language family (finetune/core/architectures.py's `vision`): its data carry images."""
+        return ARCHITECTURES[self.architecture].takes_images
+
+    @property
+    def image_tokens(self) -> int:
+        """Language-model tokens one image becomes, from the processor's resize and patch rules; 0 without images."""
+        if not self.takes_images:
+            return 0
+        patches = (self.image_size // self.patch_size) ** 2
+        return patches // self.vision_token_merge
 
     @property
     def expert_intermediate_size(self) -> int:
