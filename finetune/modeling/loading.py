@@ -216,11 +216,10 @@ def lora_config(method: MethodConfig, model: ModelConfig, head: str = "lm") -> A
         lora_alpha=method.lora_alpha,
         lora_dropout=method.lora_dropout,
         target_modules=lora_targets(method, model),
-        # a vision-language model's projector trains whole beside the vision tower's adapters
-        modules_to_save=vision_trained_whole(method, model),
+        # a score head, or a vision-language model's projector, trains whole beside the adapters
+        modules_to_save=["score"] if head == "score" else vision_trained_whole(method, model),
         bias="none",
         task_type="SEQ_CLS" if head == "score" else "CAUSAL_LM",
-        modules_to_save=["score"] if head == "score" else None,
         **dict(method.spec.lora_options),
     )
 
