@@ -27,7 +27,7 @@ def _checkpoint_config(folder, quantization):
 
 
 def test_an_mxfp4_checkpoint_loads_its_experts_dequantized(tmp_path):
-    from transformers import Mxfp4Config
+    from transformers.utils.quantization_config import Mxfp4Config
 
     _checkpoint_config(
         tmp_path, {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}

@@ -306,7 +306,8 @@ def dequantized_experts(model: ModelConfig, source: str) -> dict[str, Any]:
     packed wherever its Triton kernels are installed. Empty for a family or checkpoint without them."""
     if not ARCHITECTURES[model.architecture].expert_storage_bits:
         return {}
-    from transformers import AutoConfig, Mxfp4Config
+    from transformers import AutoConfig
+    from transformers.utils.quantization_config import Mxfp4Config
 
     checkpoint = AutoConfig.from_pretrained(source, trust_remote_code=model.trust_remote_code)
     quant = getattr(checkpoint, "quantization_config", None)
