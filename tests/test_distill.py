@@ -154,3 +154,16 @@ def test_the_planned_comparison_is_what_trls_divergence_allocates(beta, dtype_na
         loss.backward()
     compute = 2 if dtype == torch.bfloat16 else 4
     assert comparison_peak(shape, compute, rows * seq_len) == pytest.approx(live.peak, rel=0.05)
+
+
+def test_the_8b_recipe_plans_a_70b_teacher_sharded():
+    from helpers import planned
+
+    cfg, plan = planned("+recipe=llama8b_distill")
+    (shape,) = companions.shapes(cfg)
+    assert plan.fits and plan.strategy.engine.shards and cfg.hardware.total_gpus == 8
+    assert shape.model.num_layers == 80 and shape.model.vocab_size == cfg.model.vocab_size
+    teacher_gb = dict(plan.gpu_memory.companions)["companion:teacher"]
+    # its bf16 weights over the 8 GPUs (17.6 GB), plus the larger of its forward and the JSD's comparison
+    weights = 2 * shape.params / 8 / 1e9
+    assert weights == pytest.approx(17.6, abs=0.1) and weights < teacher_gb < weights + 10
