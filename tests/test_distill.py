@@ -95,12 +95,14 @@ def test_the_plan_counts_the_teacher(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_student_learns_the_teachers_distributions(tmp_path, tiny_data):
-    """Eight steps on the tiny data, forward KL: the loss falls, the student moves towards the teacher on the
-    held-out conversations (KL down, top-1 agreement up), and rank 0 held the whole teacher."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_student_learns_the_teachers_distributions(tmp_path, tiny_data, precision):
+    """Eight steps on the tiny data, forward KL, in fp32 and in bf16 (emulated on the CPU: the dtypes flow as on
+    a GPU): the loss falls, the student moves towards the teacher on the held-out conversations (KL down,
+    top-1 agreement up), and rank 0 held the whole teacher."""
     cfg = tiny_cfg(
         *STUDENT, "objective.beta=0", "method.learning_rate=3e-3", "train.max_steps=8", "train.save_steps=1000",
-        "train.warmup_ratio=0.0", run_dir=tmp_path / "run",
+        "train.warmup_ratio=0.0", f"method.precision={precision}", run_dir=tmp_path / "run",
     )  # fmt: skip
     metrics = train_run(
         cfg, tiny_data, n_train=32, n_eval=8, max_generate=2, micro_batch_size=2, grad_accum_steps=1
@@ -109,7 +111,8 @@ def test_the_student_learns_the_teachers_distributions(tmp_path, tiny_data):
     assert len(steps) == 8 and all(math.isfinite(x) for x in steps)
     assert sum(steps[-2:]) < 0.8 * sum(steps[:2]), steps
     assert metrics["train"]["distill"] == {"teacher_share": 1.0}
-    assert metrics["train"]["engine"]["loss"] == "trl"
+    assert metrics["train"]["engine"]["loss"] == "trl" and metrics["train"]["precision"] == precision
+    assert metrics["train"]["engine"]["mixed_precision"] == ("bf16" if precision == "bf16" else "no")
     base, trained = metrics["eval"]["base"], metrics["eval"]["trained"]
     assert trained["teacher_kl"] < 0.8 * base["teacher_kl"], (base, trained)
     assert trained["teacher_top1_agreement"] > base["teacher_top1_agreement"]
@@ -151,3 +154,16 @@ def test_the_planned_comparison_is_what_trls_divergence_allocates(beta, dtype_na
         loss.backward()
     compute = 2 if dtype == torch.bfloat16 else 4
     assert comparison_peak(shape, compute, rows * seq_len) == pytest.approx(live.peak, rel=0.05)
+
+
+def test_the_8b_recipe_plans_a_70b_teacher_sharded():
+    from helpers import planned
+
+    cfg, plan = planned("+recipe=llama8b_distill")
+    (shape,) = companions.shapes(cfg)
+    assert plan.fits and plan.strategy.engine.shards and cfg.hardware.total_gpus == 8
+    assert shape.model.num_layers == 80 and shape.model.vocab_size == cfg.model.vocab_size
+    teacher_gb = dict(plan.gpu_memory.companions)["companion:teacher"]
+    # its bf16 weights over the 8 GPUs (17.6 GB), plus the larger of its forward and the JSD's comparison
+    weights = 2 * shape.params / 8 / 1e9
+    assert weights == pytest.approx(17.6, abs=0.1) and weights < teacher_gb < weights + 10
