@@ -69,6 +69,7 @@ def test_stable_names():
         "llama70b_full", "qwen32b_lora", "qwen32b_full", "tiny_dpo", "llama8b_dpo", "llama70b_qlora_dpo",
         "tiny_grpo", "llama8b_grpo", "llama8b_grpo_8gpu", "smollm2_135m_lora", "smollm2_135m_dpo", "tiny_moe", "qwen3_30b_a3b_lora",
         "tiny_mixtral", "mixtral_8x7b_lora", "gpt_oss_20b_lora",
+        "tiny_kto", "llama8b_kto",
     }  # fmt: skip
     assert set(group_choices("model")) == {
         "tiny",
@@ -89,7 +90,7 @@ def test_stable_names():
         "gpt_oss_120b",
     }
     assert set(group_choices("method")) == {"full", "lora", "qlora"}
-    assert set(group_choices("objective")) == {"sft", "dpo", "grpo"}
+    assert set(group_choices("objective")) == {"sft", "dpo", "grpo", "kto"}
     assert set(group_choices("hardware")) == {
         "cpu", "h100", "h200", "b200", "b300", "h100x8", "h200x8", "b200x8", "b300x8", "auto", "local",
         "a100_40gb", "a100_80gb", "a100_40gbx8", "a100_80gbx8", "l40s", "l40sx8", "h100_nvl",
