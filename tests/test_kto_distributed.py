@@ -7,9 +7,10 @@ Driven as a user drives it (`mode=data`, then `mode=train` through the launcher)
 with LoRA. Every run takes 8 examples a step; one process takes them as micro-batch 4 x accumulation 2, two
 ranks as micro-batch 4 each, so every micro-batch holds the same 4 rows and TRL's KL pairs are the same. The
 first step's loss is exactly 0.5 everywhere (a fresh adapter: the policy is its reference, every log-ratio and
-the KL estimate 0, and 1 - sigmoid(0) = 0.5). After it the trajectories agree closely but not to the last
-digit: TRL averages the KL estimate over the ranks' micro-batches of a step (`gather_for_metrics`), where one
-process's accumulated micro-batches each use their own.
+the KL estimate 0, and 1 - sigmoid(0) = 0.5). TRL averages the KL estimate over the ranks' micro-batches of a
+step (`gather_for_metrics`) where one process's accumulated micro-batches each use their own, which would part
+the trajectories; in these four steps the estimate stays at TRL's clamp of 0 (DDP matched one process to six
+digits), and the tolerance leaves room for a step where it does not.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from helpers import losses, run_modes
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 4
-# The KL estimate's averaging over the ranks moves a loss by about 1e-3 of itself at the tiny shapes.
-LOSS_RTOL = 2e-2
+LOSS_RTOL = 1e-3
 RUN_TIMEOUT_S = 900
 
 
