@@ -86,9 +86,9 @@ class PairRows:
         if name in TEXTS:
             return pa.array((self.texts or {})[name], type=pa.string())
         ends = np.frombuffer(self._ends[name], dtype=np.int64)
-        offsets = pa.array(np.concatenate([[0], ends]), type=pa.int64())
+        offsets = pa.array(np.concatenate([[0], ends]).astype(np.int32))  # a list<> column's offsets
         values = pa.array(np.frombuffer(self._ids[name], dtype=np.int32).astype(np.int64))
-        return pa.LargeListArray.from_arrays(offsets, values).cast(pa.list_(pa.int64()))
+        return pa.ListArray.from_arrays(offsets, values)
 
 
 @dataclass
@@ -219,13 +219,10 @@ def _split_by_prompt(
     train = [p for p, k in zip(kept, keys) if k not in eval_keys]
     evals = [p for p, k in zip(kept, keys) if k in eval_keys]
     if evals and train:
-        train_keys = [clean.prompt_key(p.prompt) for p in train]
+        train_keys = [k for k in keys if k not in eval_keys]
+        del keys
         eval_sorted = sorted(eval_keys)
-        sig = (
-            clean.Signatures.of(clean.signatures(train_keys + eval_sorted), dc.near_dedup_threshold)
-            if dc.near_dedup
-            else None
-        )
+        sig = _signatures(train_keys + eval_sorted, dc.near_dedup_threshold) if dc.near_dedup else None
         rows = np.arange(len(train_keys) + len(eval_sorted))
         leak = clean.leaks(
             [clean.exact_digest(k) for k in train_keys],
@@ -237,6 +234,15 @@ def _split_by_prompt(
         tally.dropped["eval_leak"] += int(leak.sum())
         train = [p for p, bad in zip(train, leak.tolist()) if not bad]
     return train, evals
+
+
+def _signatures(keys: list[str], threshold: float) -> clean.Signatures:
+    """The MinHash rows of `keys`, computed a block at a time, as the conversations' are: the shingles of one
+    block are held, not those of every prompt at once."""
+    sig = clean.Signatures(threshold)
+    for a in range(0, len(keys), samples._BATCH):
+        sig.add(clean.signatures(keys[a : a + samples._BATCH]))
+    return sig
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
