@@ -247,3 +247,18 @@ def test_the_planned_counts_match_the_built_tiny_vlm(processor):
     assert sum(p.numel() for p in adapted.parameters() if p.requires_grad) == lora_params(
         cfg.model, cfg.method
     )
+
+
+def test_qwen25_vl_counts_match_transformers_on_meta_device(tmp_path):
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from finetune.planner.params import count_params
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN25_VL_7B))
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(str(path)))
+    visual = sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.visual"))
+    counts = count_params(compose(["model=qwen2_5_vl_7b"]).model)
+    assert (counts.vision, counts.total) == (visual, sum(p.numel() for p in model.parameters()))
