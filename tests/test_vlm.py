@@ -177,3 +177,88 @@ def test_tiny_vlm_trains_in_bf16_on_the_cpu(tmp_path, tiny_cache):
     engine = json.loads((run / "metrics.json").read_text())["train"]["engine"]
     assert engine["mixed_precision"] == "bf16"
     assert "bfloat16" in engine["parameter_dtypes"]
+
+
+QWEN25_VL_7B = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    "model_type": "qwen2_5_vl",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 128000,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 152064,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {
+        "depth": 32,
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "out_hidden_size": 3584,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+    },
+}
+
+
+def test_a_qwen25_vl_config_json_plans_in_one_command(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN25_VL_7B))
+    run = tmp_path / "plan"
+    proc = run_cli("mode=plan", f"model.config_path={path}", "hardware=h100", "method=lora", f"run_dir={run}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["params"]["total"] == 8_292_166_656  # the checkpoint's parameter count
+    assert "images: 256 tokens a picture at 448 px" in proc.stdout.replace("\n", " ")
+    # the preset states the same shape
+    preset = compose(["model=qwen2_5_vl_7b"]).model
+    from finetune.planner.params import count_params
+
+    assert count_params(preset).total == 8_292_166_656
+
+
+def test_a_vision_family_not_modelled_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**QWEN25_VL_7B, "model_type": "qwen2_vl"}))
+    proc = run_cli("mode=plan", f"model.config_path={path}", "hardware=h100", f"run_dir={tmp_path / 'r'}")
+    assert proc.returncode == 2
+    assert "qwen2_vl is a vision-language family whose image side the planner does not model" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_the_planned_counts_match_the_built_tiny_vlm(processor):
+    from finetune.modeling import models
+    from finetune.modeling.loading import add_adapters, load_pretrained
+    from finetune.planner.params import count_params, lora_params
+
+    cfg = compose([VLM])
+    model = load_pretrained(cfg.model, models.model_source(cfg.model))
+    side = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("model.vision", "model.conn")))
+    counts = count_params(cfg.model)
+    assert (counts.vision, counts.total) == (side, sum(p.numel() for p in model.parameters()))
+    adapted = add_adapters(model, cfg.method, cfg.model)
+    assert sum(p.numel() for p in adapted.parameters() if p.requires_grad) == lora_params(
+        cfg.model, cfg.method
+    )
+
+
+def test_qwen25_vl_counts_match_transformers_on_meta_device(tmp_path):
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from finetune.planner.params import count_params
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN25_VL_7B))
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(str(path)))
+    visual = sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.visual"))
+    counts = count_params(compose(["model=qwen2_5_vl_7b"]).model)
+    assert (counts.vision, counts.total) == (visual, sum(p.numel() for p in model.parameters()))

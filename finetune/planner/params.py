@@ -197,6 +197,21 @@ def expert_storage_note(m: ModelConfig) -> Optional[str]:
     )
 
 
+def vision_note(m: ModelConfig, method: MethodConfig) -> Optional[str]:
+    """The plan's line for a vision-language model: its image side's weights, what trains there, and the
+    image tokens a picture adds to the sequence (the processor's resize and patch rules)."""
+    if not ARCHITECTURES[m.architecture].takes_images:
+        return None
+    trains = "LoRA on the encoder, the projector whole" if method.lora_vision else "frozen"
+    if method.spec.trains_base_weights:
+        trains = "trained whole"
+    return (
+        f"images: {m.image_tokens} tokens a picture at {m.image_size} px (({m.image_size} / {m.patch_size})^2 "
+        f"patches / {m.vision_token_merge}), counted in seq_len; vision encoder and projector "
+        f"{vision_params(m) / 1e9:,.3f} B parameters ({trains}); the encoder's activations are not modelled"
+    )
+
+
 def check_target_modules(m: ModelConfig, method: MethodConfig) -> None:
     """Every `method.target_modules` name must be a linear module of the architecture's decoder layers."""
     valid = ARCHITECTURES[m.architecture].projections
@@ -233,5 +248,6 @@ __all__ = [
     "count_params",
     "expert_storage_note",
     "lora_params",
+    "vision_note",
     "vision_params",
 ]

@@ -30,7 +30,7 @@ from finetune.planner.activations import LayerShape, expert_weights
 from finetune.planner.contract import GB, Memory, Plan, Strategy
 from finetune.planner.engines import why_not, why_not_split
 from finetune.planner.memory import Job, load_gpu_bytes, load_host_bytes, memory
-from finetune.planner.params import count_params, expert_storage_note
+from finetune.planner.params import count_params, expert_storage_note, vision_note
 from finetune.planner.timing import disk, estimate, executed_flops_per_token
 
 # The loss when train.chunked_loss is unset: the project's chunked loss (True) or TRL's fused LM head (False).
@@ -381,7 +381,9 @@ def plan_on(job: Job) -> Plan:
             )
     if job.seq_len >= LONG_CONTEXT or train.attention is not None or s.attention != "sdpa":
         reasons.append(attention.describe(s, train.attention is not None))
-    reasons.extend(note for note in [expert_storage_note(job.model)] if note)
+    reasons.extend(
+        note for note in [expert_storage_note(job.model), vision_note(job.model, job.method)] if note
+    )
     loss = "the project's chunked loss" if s.chunked_loss else "TRL's fused LM head"
     default = train.chunked_loss is None
     if job.objective.full_logits:
