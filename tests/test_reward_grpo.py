@@ -129,6 +129,7 @@ def test_the_command_line_refuses_a_base_model_as_the_reward_model_exit_2(
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_grpo_trains_and_is_evaluated_with_the_learned_reward(tiny_cache, tiny_model_cfg, tmp_path):
     """Two GRPO steps on exact_match plus the reward model at weight 0.5: TRL's logged reward is the weighted sum
     of the two means; the evaluation's reward_model_score is the reward model's mean score of each model's answers,
