@@ -173,3 +173,27 @@ def test_grpo_trains_and_is_evaluated_with_the_learned_reward(tiny_cache, tiny_m
         assert evaluated[v]["mean_reward"] == pytest.approx(
             sum(summed) / 4 + 0.5 * sum(learned) / 4, abs=1e-5
         )
+
+
+def test_a_reward_model_run_directory_is_read_as_its_export_or_refused_until_trained(
+    tiny_cache, tiny_model_cfg, tmp_path
+):
+    import shutil
+
+    from finetune import rundir
+    from finetune.modeling import reward_model
+
+    run = tmp_path / "rm-run"
+    run.mkdir()
+    rundir.save_config(tiny_cfg("objective=reward", "method=full"), run)
+    with pytest.raises(ConfigError, match=r"the reward-model run has no trained output yet"):
+        reward_model.find(str(run))
+    shutil.copytree(_reward_model_folder(tmp_path, tiny_model_cfg), rundir.merged_dir(run))
+    source = reward_model.find(str(run))
+    assert (source.variant, source.run_config.objective.name) == ("merged", "reward")
+    model, tokenizer = reward_model.load(str(run), tiny_model_cfg, dtype=None)
+    assert type(model).__name__ == "LlamaForSequenceClassification"
+    assert model.config.pad_token_id == tokenizer.pad_token_id
+    assert OBJECTIVES["grpo"].companions_of(tiny_cfg(*GRPO_RUN, f"objective.reward_model={run}").objective)[
+        0
+    ].model == str(run)
