@@ -165,3 +165,25 @@ def test_bf16_on_the_cpu_trains_the_score_head_under_autocast(tiny_cache, tmp_pa
     assert train["engine"]["parameter_dtypes"] == ["bfloat16", "float32"]
     steps = last_losses(run)
     assert len(steps) == 2 and all(math.isfinite(x) for x in steps)
+
+
+@pytest.mark.slow
+def test_qlora_trains_its_score_head_beside_the_4_bit_base(tiny_cache, tmp_path):
+    """QLoRA: the 4-bit base computes in fp32 on the CPU while the trained head is kept in the adapters' bf16;
+    the head's input is cast to its dtype, and the head is saved with the adapter."""
+    import math
+
+    from helpers import last_losses
+    from safetensors import safe_open
+
+    from finetune.pipeline.stages import plan_stage, resolve
+    from finetune.train import stage
+
+    cfg = resolve(tiny_cfg(*REWARD_RUN, "method=qlora", "train.max_steps=2", run_dir=tmp_path / "run"))
+    run = prepare_run(cfg)
+    train = stage.run(cfg, run, plan_stage(cfg, run, quiet=True))["train"]
+    assert train["method"] == "qlora" and all(math.isfinite(x) for x in last_losses(run))
+    with safe_open(str(run / "adapter" / "adapter_model.safetensors"), framework="pt") as f:
+        names = f.keys()
+        head = [f.get_tensor(k) for k in names if "score" in k]
+    assert [str(t.dtype) for t in head] == ["torch.bfloat16"]
