@@ -150,12 +150,12 @@ def test_grpo_trains_and_is_evaluated_with_the_learned_reward(tiny_cache, tiny_m
     run = prepare_run(cfg)
     metrics = stage.run(cfg, run, plan_stage(cfg, run, quiet=True))
     grpo = metrics["train"]["grpo"]
-    assert set(grpo["rewards"]) == {"exact_match", folder.name}
+    assert set(grpo["rewards"]) == {"exact_match", "reward_model"}
     for which in ("first", "last"):
-        expected = grpo["rewards"]["exact_match"][which] + 0.5 * grpo["rewards"][folder.name][which]
+        expected = grpo["rewards"]["exact_match"][which] + 0.5 * grpo["rewards"]["reward_model"][which]
         assert grpo["reward"][which] == pytest.approx(expected, abs=1e-4)
     # an untrained head scores every completion, not a constant
-    assert grpo["rewards"][folder.name]["first"] != 0.0
+    assert grpo["rewards"]["reward_model"]["first"] != 0.0
     cfg = replace(cfg, eval=replace(cfg.eval, num_samples=4, regression=False))
     evaluated = eval_stage.run(cfg, run)
     rows = [json.loads(x) for x in (run / "eval" / "samples.jsonl").read_text().splitlines()]
