@@ -102,6 +102,7 @@ def test_the_base_loads_as_a_classifier_with_the_head_training_starts_from(tiny_
     assert not torch.equal(other_seed.score.weight, base.score.weight)
 
 
+@pytest.mark.slow
 def test_training_and_evaluation_rank_the_held_out_pairs(tiny_cache, tmp_path):
     """Four LoRA steps through the training stage, then the eval stage: the score head trained in full beside the
     adapters and saved with them, and each model's pair accuracy and margin recomputed from its scores."""
@@ -142,3 +143,47 @@ def test_training_and_evaluation_rank_the_held_out_pairs(tiny_cache, tmp_path):
     report = (run / "eval" / "report.md").read_text()
     assert "pair_accuracy" in report
     assert json.loads((run / "metrics.json").read_text())["eval"]["trained"] == evaluated["trained"]
+
+
+@pytest.mark.slow
+def test_bf16_on_the_cpu_trains_the_score_head_under_autocast(tiny_cache, tmp_path):
+    """bf16 on the CPU (emulated) runs as on a GPU: a bf16 base under accelerate's autocast, the adapters and the
+    trained score head in fp32 (PEFT's default), finite losses."""
+    import math
+
+    from helpers import last_losses
+
+    from finetune.pipeline.stages import plan_stage, resolve
+    from finetune.train import stage
+
+    cfg = resolve(
+        tiny_cfg(*REWARD_RUN, "train.max_steps=2", "method.precision=bf16", run_dir=tmp_path / "run")
+    )
+    run = prepare_run(cfg)
+    train = stage.run(cfg, run, plan_stage(cfg, run, quiet=True))["train"]
+    assert train["precision"] == "bf16" and train["engine"]["mixed_precision"] == "bf16"
+    assert train["engine"]["parameter_dtypes"] == ["bfloat16", "float32"]
+    steps = last_losses(run)
+    assert len(steps) == 2 and all(math.isfinite(x) for x in steps)
+
+
+@pytest.mark.slow
+def test_qlora_trains_its_score_head_beside_the_4_bit_base(tiny_cache, tmp_path):
+    """QLoRA: the 4-bit base computes in fp32 on the CPU while the trained head is kept in the adapters' bf16;
+    the head's input is cast to its dtype, and the head is saved with the adapter."""
+    import math
+
+    from helpers import last_losses
+    from safetensors import safe_open
+
+    from finetune.pipeline.stages import plan_stage, resolve
+    from finetune.train import stage
+
+    cfg = resolve(tiny_cfg(*REWARD_RUN, "method=qlora", "train.max_steps=2", run_dir=tmp_path / "run"))
+    run = prepare_run(cfg)
+    train = stage.run(cfg, run, plan_stage(cfg, run, quiet=True))["train"]
+    assert train["method"] == "qlora" and all(math.isfinite(x) for x in last_losses(run))
+    with safe_open(str(run / "adapter" / "adapter_model.safetensors"), framework="pt") as f:
+        names = f.keys()
+        head = [f.get_tensor(k) for k in names if "score" in k]
+    assert [str(t.dtype) for t in head] == ["torch.bfloat16"]

@@ -84,7 +84,8 @@ def reference(root) -> dict:
         "train.grad_accum_steps=2",
     )
     assert run["metrics"]["train"]["engine"]["world_size"] == 1
-    assert all(0 < loss < 2 for loss in run["losses"])  # -log sigmoid of score differences near 0: about log 2
+    # -log sigmoid of score differences near 0: about log 2
+    assert all(0 < loss < 2 for loss in run["losses"])
     return run
 
 

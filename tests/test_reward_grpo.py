@@ -129,6 +129,7 @@ def test_the_command_line_refuses_a_base_model_as_the_reward_model_exit_2(
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_grpo_trains_and_is_evaluated_with_the_learned_reward(tiny_cache, tiny_model_cfg, tmp_path):
     """Two GRPO steps on exact_match plus the reward model at weight 0.5: TRL's logged reward is the weighted sum
     of the two means; the evaluation's reward_model_score is the reward model's mean score of each model's answers,
@@ -149,12 +150,12 @@ def test_grpo_trains_and_is_evaluated_with_the_learned_reward(tiny_cache, tiny_m
     run = prepare_run(cfg)
     metrics = stage.run(cfg, run, plan_stage(cfg, run, quiet=True))
     grpo = metrics["train"]["grpo"]
-    assert set(grpo["rewards"]) == {"exact_match", folder.name}
+    assert set(grpo["rewards"]) == {"exact_match", "reward_model"}
     for which in ("first", "last"):
-        expected = grpo["rewards"]["exact_match"][which] + 0.5 * grpo["rewards"][folder.name][which]
+        expected = grpo["rewards"]["exact_match"][which] + 0.5 * grpo["rewards"]["reward_model"][which]
         assert grpo["reward"][which] == pytest.approx(expected, abs=1e-4)
     # an untrained head scores every completion, not a constant
-    assert grpo["rewards"][folder.name]["first"] != 0.0
+    assert grpo["rewards"]["reward_model"]["first"] != 0.0
     cfg = replace(cfg, eval=replace(cfg.eval, num_samples=4, regression=False))
     evaluated = eval_stage.run(cfg, run)
     rows = [json.loads(x) for x in (run / "eval" / "samples.jsonl").read_text().splitlines()]
@@ -172,3 +173,27 @@ def test_grpo_trains_and_is_evaluated_with_the_learned_reward(tiny_cache, tiny_m
         assert evaluated[v]["mean_reward"] == pytest.approx(
             sum(summed) / 4 + 0.5 * sum(learned) / 4, abs=1e-5
         )
+
+
+def test_a_reward_model_run_directory_is_read_as_its_export_or_refused_until_trained(
+    tiny_cache, tiny_model_cfg, tmp_path
+):
+    import shutil
+
+    from finetune import rundir
+    from finetune.modeling import reward_model
+
+    run = tmp_path / "rm-run"
+    run.mkdir()
+    rundir.save_config(tiny_cfg("objective=reward", "method=full"), run)
+    with pytest.raises(ConfigError, match=r"the reward-model run has no trained output yet"):
+        reward_model.find(str(run))
+    shutil.copytree(_reward_model_folder(tmp_path, tiny_model_cfg), rundir.merged_dir(run))
+    source = reward_model.find(str(run))
+    assert (source.variant, source.run_config.objective.name) == ("merged", "reward")
+    model, tokenizer = reward_model.load(str(run), tiny_model_cfg, dtype=None)
+    assert type(model).__name__ == "LlamaForSequenceClassification"
+    assert model.config.pad_token_id == tokenizer.pad_token_id
+    assert OBJECTIVES["grpo"].companions_of(tiny_cfg(*GRPO_RUN, f"objective.reward_model={run}").objective)[
+        0
+    ].model == str(run)

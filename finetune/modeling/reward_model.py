@@ -25,6 +25,8 @@ from finetune.modeling.variants import load_variant
 
 # Pairs per forward when scoring: both sequences of each go through the model together (twice the rows).
 BATCH_PAIRS = 8
+# The name a learned reward is logged under beside the configured rewards.
+LOGGED_NAME = "reward_model"
 
 
 def pair_sequences(rows: Sequence[dict]) -> list[dict]:
@@ -148,5 +150,7 @@ def load(path: str, policy: ModelConfig, dtype: Any, devices: Optional[Any] = No
         check_tokenizer(path, tokenizer, load_tokenizer(policy))
         model = load_pretrained(policy, str(source.path), head="score", dtype=dtype, device_map=devices)
     model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+    # TRL logs a model reward under its config's name (rewards/reward_model/mean), not the folder's ("merged")
+    model.config._name_or_path = LOGGED_NAME
     model.requires_grad_(False)
     return model.eval(), tokenizer

@@ -1,6 +1,7 @@
 """GRPO through TRL's `GRPOTrainer`: the project's rewards, its settings, generation where the plan says.
 
-TRL samples `num_generations` completions per prompt, scores each with the reward functions, and
+TRL samples `num_generations` completions per prompt, scores each with the reward functions (and a
+learned reward model: `objective.reward_model`, a frozen sequence classifier; `reward_sources`), and
 trains on the advantages within each group. What is ours: the rewards (`finetune/core/rewards.py`,
 one finite number per completion or a one-line `RewardError`), the mapping of `GRPOObjective` onto
 `GRPOConfig`, and the generation mode (`transformers` inside the trainer on the CPU and wherever vLLM is

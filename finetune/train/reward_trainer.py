@@ -55,6 +55,18 @@ class FinetuneRewardTrainer(RunTrainerMixin, RewardTrainer):
     def __init__(self, *args: Any, monitor: Optional[RunMonitor] = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._init_run(monitor)
+        for name, module in self.model.named_modules():
+            # the head itself, or PEFT's trainable copy of it and the frozen original (score.modules_to_save...)
+            if "score" in name.split(".") and isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(_in_head_dtype)
+
+
+def _in_head_dtype(module: Any, args: tuple) -> tuple:
+    """The hidden states in the score head's dtype: QLoRA's trainable head is kept in the adapters' dtype
+    (`method.adapter_dtype`, bf16), while the frozen base may compute in fp32 (QLoRA on the CPU)."""
+    return tuple(
+        a.to(module.weight.dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args
+    )
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         """As prepared by the data stage (rendered, cleaned, limited, tokenized): the collator joins each side."""
