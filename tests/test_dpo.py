@@ -74,9 +74,11 @@ def test_every_objective_names_what_the_stages_read():
         assert issubclass(trainer.Trainer, trl_trainer) and trl_config.__module__.startswith("trl.")
         assert callable(trainer.build_config) and callable(trainer.trainer_kwargs)
         settings = spec.settings_class()  # the `objective` section's schema, named after it
-        assert issubclass(settings, ObjectiveConfig) and settings().name == name
+        assert issubclass(settings, ObjectiveConfig)
+        assert settings.__dataclass_fields__["name"].default == name
         assert (REPO / "configs" / "objective" / f"{name}.yaml").is_file()
-    assert {s.record_kind for s in OBJECTIVES.values()} == set(RECORD_KINDS)
+    kinds = {s.record_kind for s in OBJECTIVES.values()}
+    assert kinds | {RECORD_KINDS[k].with_images for k in kinds} - {None} == set(RECORD_KINDS)
     with pytest.raises(ValueError, match="record_kind"):
         ObjectiveSpec(
             "x", "x", record_kind="images", settings="m:C", trainer="m", trl_trainer="T", trl_config="C"
