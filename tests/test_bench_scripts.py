@@ -164,7 +164,7 @@ def test_bench_library_parts_measures_each_kept_part(tmp_path: Path):
     assert "| TRL DataCollatorForLanguageModeling (padded, position ids) | (3, 128) | NO |" in out
     assert "| TRL DataCollatorForLanguageModeling (padding_free) | (1, 312) | yes |" in out
     assert "0.27 GB for rows kept apart and 1.07 GB (4x)" in out
-    assert '| include_num_input_tokens_seen="non_padding" (ids != pad) | 58,834 | -9.4% |' in out
+    assert '| include_num_input_tokens_seen="non_padding" (ids != pad) | 58,870 | -9.4% |' in out
     assert "| reduce_bucket_size | 500,000,000 | 67,108,864 | 67,108,864 |" in out
     assert "| transformers get_last_checkpoint | checkpoint-2 (truncated) |" in out
     assert "| finetune checkpoints.last_complete (manifest sizes + SHA-256) | checkpoint-1 |" in out

@@ -51,6 +51,22 @@ def test_a_reward_model_is_a_companion_of_the_plan(tiny_cache, tiny_model_cfg, t
     assert GRPOObjective(rewards=[], reward_model=str(folder)).rewards == []
 
 
+@pytest.mark.parametrize("objective", ["grpo", "rloo"])
+def test_the_plan_counts_the_reward_model_beside_the_policy(objective, tiny_cache, tiny_model_cfg, tmp_path):
+    """GRPO's and RLOO's learned reward is a planned term of its own: the frozen classifier's weights and forward."""
+    from finetune.pipeline.stages import config_plan, resolve
+
+    folder = _reward_model_folder(tmp_path, tiny_model_cfg)
+    run = [a.replace("objective=grpo", f"objective={objective}") for a in GRPO_RUN]
+    without = config_plan(resolve(tiny_cfg(*run)))
+    cfg = resolve(tiny_cfg(*run, f"objective.reward_model={folder}"))
+    planned = config_plan(cfg)
+    terms = dict(planned.gpu_memory.terms())
+    assert "companion:reward_model" not in dict(without.gpu_memory.terms())
+    assert terms["companion:reward_model"] > 0
+    assert planned.gpu_memory.total == pytest.approx(sum(terms.values()))
+
+
 def test_grpo_ranks_by_the_rewards_and_the_reward_model_weighted(tiny_cache, tiny_model_cfg, tmp_path):
     from finetune.modeling.models import load_tokenizer
     from finetune.pipeline.stages import resolve

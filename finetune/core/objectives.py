@@ -454,6 +454,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         reference="when_kl",
         generates=True,
         scores="rewards",
+        companions="finetune.core.config.grpo:companions",  # a learned reward model, as GRPO's
         export="the RL-tuned policy, merged per the method (the reference, when beta > 0, is not exported)",
     ),
     "distill": ObjectiveSpec(
