@@ -36,7 +36,9 @@ def test_rloo_is_grpo_settings_less_the_loss_type_and_its_spec_is_grpo_shaped() 
     assert isinstance(cfg.objective, RLOOObjective) and isinstance(cfg.objective, GRPOObjective)
     assert (spec.record_kind, spec.trl_trainer, spec.trl_config) == ("prompts", "RLOOTrainer", "RLOOConfig")
     assert spec.generates and spec.reference == "when_kl" and spec.sequences_setting == "num_generations"
-    assert spec.eval_metrics == OBJECTIVES["grpo"].eval_metrics  # mean reward, pass rate, a learned reward's score
+    assert (
+        spec.eval_metrics == OBJECTIVES["grpo"].eval_metrics
+    )  # mean reward, pass rate, a learned reward's score
     # every GRPO setting is kept; RLOO adds its own
     grpo, rloo = {f.name for f in fields(GRPOObjective)}, {f.name for f in fields(RLOOObjective)}
     assert grpo < rloo and rloo - grpo == {"epsilon", "normalize_advantages", "reward_clip_range"}
