@@ -140,3 +140,24 @@ def test_q4_k_m_is_quantized_by_llama_cpp(tmp_path, tiny_model_dir, converter):
     assert meta["general.file_type"] == 15 and len(tensors) == len(f16_tensors)
     assert written["size_bytes"] < f16["size_bytes"]
     assert sorted(p.name for p in (tmp_path / "q4").iterdir()) == [written["path"]]
+
+
+def test_a_converter_that_hangs_is_stopped_at_its_timeout_and_nothing_is_exported(tmp_path):
+    """A user's llama.cpp checkout runs as its own process under export.gguf_timeout_s: past it the process is
+    stopped, the partial file removed, and the export fails in one line."""
+    from finetune.export.merge import ExportError
+
+    fake = tmp_path / "llama.cpp"
+    fake.mkdir()
+    (fake / "convert_hf_to_gguf.py").write_text("import time\ntime.sleep(60)\n")
+    cfg = tiny_cfg("export.gguf=f16", f"export.gguf_converter={fake}", "export.gguf_timeout_s=1")
+    out = tmp_path / "gguf"
+    with pytest.raises(ExportError) as err:
+        gguf.convert(cfg, fake, tmp_path, out)
+    assert str(err.value) == (
+        "llama.cpp's converter ran past export.gguf_timeout_s=1 s and was stopped; nothing was exported"
+    )
+    assert list(out.iterdir()) == []
+    for bad in ("0", "-5", "inf", "nan"):
+        with pytest.raises(ConfigError, match=rf"export.gguf_timeout_s={bad}.* must be a finite number"):
+            tiny_cfg(f"export.gguf_timeout_s={bad}")

@@ -145,7 +145,16 @@ def convert(cfg: Config, converter: Path, model_dir: Path, out_dir: Path) -> dic
             "--outfile", str(converted), "--outtype", first]  # fmt: skip
     # The converter with its own gguf-py (NO_LOCAL_GGUF would make it use the installed gguf package instead).
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
+    try:
+        proc = subprocess.run(
+            argv, capture_output=True, text=True, env=env, timeout=cfg.export.gguf_timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        converted.unlink(missing_ok=True)
+        raise ExportError(
+            f"llama.cpp's converter ran past export.gguf_timeout_s={cfg.export.gguf_timeout_s:g} s and was "
+            "stopped; nothing was exported"
+        ) from None
     if proc.returncode != 0 or not converted.is_file():
         said = [line for line in proc.stderr.splitlines() if line.strip()][-3:]
         raise ExportError(f"llama.cpp's converter failed ({' | '.join(said)}); nothing was exported")

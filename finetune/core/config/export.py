@@ -3,6 +3,7 @@ llama.cpp and Ollama, the model card and the Hub."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -57,6 +58,9 @@ class ExportConfig:
     # A llama.cpp checkout (the folder holding convert_hf_to_gguf.py); None: llama.cpp as llama-cpp-python's
     # source release on PyPI ships it, fetched once into $FINETUNE_CACHE/llama.cpp.
     gguf_converter: Optional[str] = None
+    # Seconds llama.cpp's converter may run before it is stopped and nothing is exported (a user's checkout is
+    # code run as a process: it is fenced like the other user code).
+    gguf_timeout_s: float = 3600.0
     # Upload export/ (the merged model, its card and GGUF) to this Hub repository (org/name); None: no upload.
     push_to_hub: Optional[str] = None
     hub_private: bool = True
@@ -80,6 +84,10 @@ class ExportConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"export.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
+        if not (math.isfinite(self.gguf_timeout_s) and self.gguf_timeout_s > 0):
+            raise ConfigError(
+                f"export.gguf_timeout_s={self.gguf_timeout_s} must be a finite number of seconds > 0"
             )
         if not self.max_shard_size.strip():
             raise ConfigError("export.max_shard_size is empty (e.g. 5GB)")
