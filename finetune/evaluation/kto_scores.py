@@ -18,15 +18,14 @@ Every model is scored against the same reference log-probabilities, computed onc
 from __future__ import annotations
 
 import bisect
-import gc
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
 
-from finetune.modeling.variants import load_variant
+from finetune.evaluation.preference import ReferenceScorer
 
 # Examples per forward: a batch of 16 sequences, as the preference scores' 8 pairs.
 BATCH_EXAMPLES = 16
@@ -96,30 +95,18 @@ def scores(
     }
 
 
-class Scorer:
-    """The `kto` scores of each model, against one reference: the base's log-probabilities, from the base as
-    scored in this evaluation, or loaded once when the base is not among the models scored."""
+class Scorer(ReferenceScorer):
+    """The `kto` scores of each model against the base's log-probabilities of the held-out completions."""
+
+    def rows_apply(self, eval_dataset: Any) -> bool:
+        return applies(eval_dataset)
+
+    def row_log_probs(self, model: Any, dataset: Any, pad_token_id: int) -> list[Any]:
+        return log_probs(model, dataset, pad_token_id)
 
     def __init__(self, cfg: Any, run_dir: Path, eval_dataset: Any, tokenizer: Any, variants: Sequence[str]):
-        self.beta = cfg.objective.beta
-        self.dataset = eval_dataset if applies(eval_dataset) else None
+        super().__init__(cfg, run_dir, eval_dataset, tokenizer, variants)
         self.labels = [bool(x) for x in self.dataset["label"]] if self.dataset is not None else []
-        self.pad_token_id = tokenizer.pad_token_id
-        self.reference: Optional[list[float]] = None
-        if self.dataset is not None and "base" not in variants:
-            model = load_variant(cfg, run_dir, "base")
-            try:
-                self.reference = log_probs(model, self.dataset, self.pad_token_id)
-            finally:
-                del model
-                gc.collect()
 
-    def score(
-        self, model: Any, variant: str, items: Sequence[dict], answers: Sequence[str]
-    ) -> dict[str, float]:
-        if self.dataset is None:
-            return {}
-        mine = log_probs(model, self.dataset, self.pad_token_id)
-        if self.reference is None:  # the base, scored first: the reference of the models after it
-            self.reference = mine
-        return scores(mine, self.reference, self.labels, self.beta)
+    def compare(self, mine: list[Any], reference: list[Any]) -> dict[str, float]:
+        return scores(mine, reference, self.labels, self.beta)

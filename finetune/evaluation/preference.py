@@ -86,19 +86,27 @@ def scores(policy: list[list[float]], reference: list[list[float]], beta: float)
     }
 
 
-class Scorer:
-    """The `preference` scores of each model, against one reference: the base's log-probabilities, from the
-    base as scored in this evaluation, or loaded once when the base is not among the models scored."""
+class ReferenceScorer:
+    """An objective's scores against one reference: the base's log-probabilities of the held-out rows, from the
+    base as scored in this evaluation, or loaded once when the base is not among the models scored. A subclass
+    says which held-out rows it scores (`rows_apply`), their log-probabilities (`row_log_probs`) and the scores
+    of a model's against the reference's (`compare`)."""
+
+    def rows_apply(self, eval_dataset: Any) -> bool:
+        return applies(eval_dataset)
+
+    def row_log_probs(self, model: Any, dataset: Any, pad_token_id: int) -> list[Any]:
+        return log_probs(model, dataset, pad_token_id)
 
     def __init__(self, cfg: Any, run_dir: Path, eval_dataset: Any, tokenizer: Any, variants: Sequence[str]):
         self.beta = cfg.objective.beta
-        self.dataset = eval_dataset if applies(eval_dataset) else None
+        self.dataset = eval_dataset if self.rows_apply(eval_dataset) else None
         self.pad_token_id = tokenizer.pad_token_id
-        self.reference: Optional[list[list[float]]] = None
+        self.reference: Optional[list[Any]] = None
         if self.dataset is not None and "base" not in variants:
             model = load_variant(cfg, run_dir, "base")
             try:
-                self.reference = log_probs(model, self.dataset, self.pad_token_id)
+                self.reference = self.row_log_probs(model, self.dataset, self.pad_token_id)
             finally:
                 del model
                 gc.collect()
@@ -108,7 +116,14 @@ class Scorer:
     ) -> dict[str, float]:
         if self.dataset is None:
             return {}
-        mine = log_probs(model, self.dataset, self.pad_token_id)
+        mine = self.row_log_probs(model, self.dataset, self.pad_token_id)
         if self.reference is None:  # the base, scored first: the reference of the models after it
             self.reference = mine
-        return scores(mine, self.reference, self.beta)
+        return self.compare(mine, self.reference)
+
+    def compare(self, mine: list[Any], reference: list[Any]) -> dict[str, float]:
+        return scores(mine, reference, self.beta)
+
+
+class Scorer(ReferenceScorer):
+    """The `preference` scores: DPO's implicit rewards of each held-out pair's two answers."""
