@@ -136,3 +136,42 @@ def test_serve_script_runs_each_variant_from_anywhere(tmp_path):
         assert ["vllm", *seen["argv"]] == parsed[variant or "merged"]
     bad = subprocess.run(["bash", str(export / "serve.sh"), "nope"], env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_a_reward_model_is_served_merged_by_the_pooling_runner(tmp_path):
+    cfg, plan = _job(
+        "model=llama3_1_8b", "method=lora", "objective=reward", "hardware=h100", "train.seq_len=2048"
+    )
+    assert cfg.objective.spec.head == "score"
+    commands = serve.serve_commands(
+        cfg, plan, merged=True, adapter=True, base_source="meta-llama/Llama-3.1-8B"
+    )
+    # the score head is trained whole beside the adapter: no base-plus-adapter variant
+    assert [c.variant for c in commands] == ["merged", "fp8"]
+    for c in commands:
+        argv = list(c.argv)
+        assert argv[:3] == ["vllm", "serve", "./merged"]
+        f = flags(argv)
+        assert f["--runner"] == "pooling" and f["--convert"] == "classify"
+    serve.write(cfg, tmp_path / "serve.sh", commands)
+    text = (tmp_path / "serve.sh").read_text()
+    assert (
+        serve.POOLING_NOTE in text
+        and subprocess.run(["bash", "-n", str(tmp_path / "serve.sh")]).returncode == 0
+    )
+    assert parse_script(text) == {c.variant: list(c.argv) for c in commands}
+
+    # a policy keeps vLLM's default runner
+    policy, plan = _job("model=llama3_1_8b", "method=lora", "hardware=h100", "train.seq_len=2048")
+    for c in serve.serve_commands(policy, plan, merged=True, adapter=True, base_source="b"):
+        assert "--runner" not in c.argv
+
+
+def test_a_reward_model_exported_without_merging_is_refused_in_one_line(tmp_path):
+    from finetune.export import merge
+    from finetune.export import stage as export_stage
+
+    cfg = compose(["objective=reward", "export.merge=false", f"run_dir={tmp_path}"])
+    with pytest.raises(merge.ExportError, match=r"^export.merge=false: objective=reward trains a score head"):
+        export_stage.run(cfg, tmp_path, plan_for(cfg))
+    assert list(tmp_path.iterdir()) == []  # refused before anything is read or written

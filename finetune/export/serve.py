@@ -10,6 +10,11 @@ Variants (each a `case` branch of serve.sh, one command each):
 - fp8:    the merged weights quantized to FP8 when vLLM loads them (`--quantization
   fp8`): half the memory, so a merged 70B (141 GB in bf16) fits one H200.
 
+A model whose forward ends in a score head (a reward model) is served by vLLM's pooling
+runner (`--runner pooling --convert classify`: one value a sequence through `/classify` and
+`/pooling`, no text generation), and merged only: its head is trained in full beside the
+adapter (PEFT's modules_to_save), which vLLM's LoRA loading does not take.
+
 Paths are relative to the export folder (serve.sh changes into it), so the folder
 can be copied to the serving machine as is. vLLM is not needed to write them.
 """
@@ -34,6 +39,18 @@ EXPERT_ADAPTER_NOTE = (
     "(vllm-project/vllm#21229) loads PEFT's fused 3-D adapter layout was not checked, and users report it "
     "does not (#33259)"
 )
+# vLLM's arguments for each head the trained model's forward can end in (finetune/core/objectives.py HEADS): an LM
+# head generates text (vLLM's default runner); a score head (AutoModelForSequenceClassification) is a pooling model.
+HEAD_RUNNER: dict[str, tuple[str, ...]] = {
+    "lm": (),
+    "score": ("--runner", "pooling", "--convert", "classify"),
+}
+POOLING_NOTE = (
+    "A score head (a reward model): vLLM's pooling runner, one value a sequence; POST the text to /classify "
+    "(or /pooling), no /v1/completions."
+)
+# Heads whose adapter vLLM can serve on the base (a score head is trained whole beside the adapter: merged only).
+ADAPTER_SERVED_HEADS = ("lm",)
 # vLLM's accepted --max-lora-rank values.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # Share of vLLM's GPU budget the weights may take; the rest is left for the KV cache and activations.
@@ -85,6 +102,7 @@ def tensor_parallel(cfg: Config, weights: float) -> tuple[int, bool]:
 def _common(cfg: Config, plan: Plan, tp: int) -> list[str]:
     x = cfg.export
     return [
+        *HEAD_RUNNER[cfg.objective.spec.head],
         "--dtype", x.serve_dtype,
         "--max-model-len", str(x.max_model_len or plan.seq_len),
         "--tensor-parallel-size", str(tp),
@@ -145,7 +163,8 @@ def serve_commands(
             )
         commands.append(ServeCommand("merged", tuple(argv), note))
     # an adapter on the fused experts: the merged model only, where there is one (EXPERT_ADAPTER_NOTE)
-    if adapter and base_source and not (cfg.method.lora_experts and merged):
+    served_adapter = cfg.objective.spec.head in ADAPTER_SERVED_HEADS
+    if adapter and base_source and served_adapter and not (cfg.method.lora_experts and merged):
         bf16 = weights_gb(cfg, plan)
         tp, fits = tensor_parallel(cfg, bf16)
         tp = x.tensor_parallel_size or tp
@@ -193,6 +212,7 @@ def script(cfg: Config, commands: list[ServeCommand], made_from: Optional[Identi
         "#   lora:   the base model with ./adapter on top (clients ask for the run's name; NAME-base is the base)",
         "#   fp8:    ./merged quantized to FP8 at load: half the weight memory (a merged 70B fits one H200)",
         *([rundir.shell_comment(EXPERT_ADAPTER_NOTE + ".")] if cfg.method.lora_experts else []),
+        *([rundir.shell_comment(POOLING_NOTE)] if HEAD_RUNNER[cfg.objective.spec.head] else []),
         "# Paths are relative to this folder: copy the folder, run the script from anywhere.",
         "set -euo pipefail",
         'cd "$(dirname "$0")"',

@@ -65,6 +65,13 @@ def run(cfg: Config, run_dir: Path, plan: Plan, *, eval_dataset: Any = None) -> 
     """Export per `cfg.export`; returns export.json's content. `eval_dataset` replaces the data stage's (tests)."""
     run_dir = Path(run_dir)
     x = cfg.export
+    merges = x.merge or not cfg.method.uses_adapters
+    if not merges and cfg.objective.spec.head not in serve.ADAPTER_SERVED_HEADS:
+        raise merge.ExportError(
+            f"export.merge=false: objective={cfg.objective.name} trains a {cfg.objective.spec.head} head whole "
+            "beside the adapter, which vLLM serves merged only; set export.merge=true (the adapter is exported "
+            "beside the merged model)"
+        )
     hub.check_reachable(cfg)  # before anything is read, merged or written: nothing is half-uploaded
     source = trained_dir(cfg, run_dir)
     identity = outputs.identity_of(source)
