@@ -4,6 +4,7 @@ with the conversation kept between turns; a model the run does not have is one l
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,55 @@ def subprocess_run(args: tuple[str, ...], text: str, env: dict) -> subprocess.Co
         text=True,
         timeout=300,
     )
+
+
+def test_image_pictures_go_with_the_next_message_of_a_vision_model(tmp_path, tiny_cache, monkeypatch) -> None:
+    from dataclasses import replace
+
+    from PIL import Image
+
+    from finetune.data import shapes
+    from finetune.evaluation import chat
+    from finetune.evaluation.generate import generate
+    from finetune.modeling import models, variants, vision
+    from finetune.pipeline.cli import compose
+
+    cfg = compose(["+recipe=tiny_vlm", "chat.model=base", "eval.max_new_tokens=4", f"run_dir={tmp_path}"])
+    data = shapes.bundled_path()
+    record = json.loads(data.read_text().splitlines()[0])
+    picture = data.parent / record["messages"][0]["content"][0]["image"]
+    lines = f"/image {tmp_path / 'missing.png'}\n/image {picture}\nWhat shape is it?\n/exit\n"
+    out, err = io.StringIO(), io.StringIO()
+    asked = []
+    monkeypatch.setattr(
+        chat,
+        "generate",
+        lambda m, t, convs, s: asked.append([list(c) for c in convs]) or generate(m, t, convs, s),
+    )
+    assert chat.run(cfg, tmp_path, stdin=io.StringIO(lines), stdout=out, stderr=err) == 0
+    assert len(asked) == 1 and len(asked[0]) == 1  # one question, one conversation
+    turn_seen = asked[0][0][-1]
+    assert [p["type"] for p in turn_seen["content"]] == ["image", "text"]
+    with Image.open(picture) as sent:
+        assert turn_seen["content"][0]["image"].size == sent.size
+    (answer,) = [line.removeprefix(chat.ANSWER) for line in out.getvalue().splitlines()]
+    assert f"image {tmp_path / 'missing.png'} is not a file" in err.getvalue()  # said; the chat went on
+    assert "(1 image(s) go with your next message)" in err.getvalue()
+
+    # the answer is the one the evaluation generates for that picture and question
+    model = variants.load_variant(cfg, tmp_path, "base")
+    parts = [{"type": "image"}, {"type": "text", "text": "What shape is it?"}]
+    turn = vision.with_images([{"role": "user", "content": parts}], [picture.read_bytes()])
+    settings = replace(cfg.eval, batch_size=1, progress=False)
+    assert [answer] == generate(model, models.load_tokenizer(cfg.model), [turn], settings)
+
+
+def test_image_on_a_text_model_is_said_and_the_chat_goes_on(adapter_run) -> None:
+    from finetune.evaluation import chat
+    from finetune.pipeline.stages import resolve
+
+    cfg = resolve(adapter_run)
+    out, err = io.StringIO(), io.StringIO()
+    lines = "/image x.png\nwhat is 2+2?\n"
+    assert chat.run(cfg, Path(cfg.run_dir), stdin=io.StringIO(lines), stdout=out, stderr=err) == 0
+    assert "takes no images" in err.getvalue() and len(out.getvalue().splitlines()) == 1

@@ -66,6 +66,11 @@ def _image_files(value: Any, base: Path, where: str) -> list[Path]:
     return [path]
 
 
+def read_images(value: Any, base: Path, where: str) -> list[bytes]:
+    """The bytes of each image an image part names (a file, or a folder's images in name order)."""
+    return [file.read_bytes() for file in _image_files(value, base, where)]
+
+
 def _sample(record: sources.Record) -> Sample:
     """A record's messages with image placeholders and its images' bytes; malformed ones one line."""
     where = f"{record.source}:{record.line}"

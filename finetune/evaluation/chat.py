@@ -8,7 +8,8 @@ The model is the run's (`chat.model`: base, trained or merged, as the evaluation
 evaluation loads it, and each answer is generated as the evaluation generates (transformers' `generate`
 through the model's chat template, `eval.greedy`, `eval.temperature`, `eval.top_p`, `eval.seed`,
 `eval.max_new_tokens`). The conversation is kept between turns; `/reset` starts it again, `/exit` or the
-end of input ends the chat.
+end of input ends the chat. With a model that takes images, `/image PATH` (a file or a folder of images, read
+as the data stage reads them) puts the pictures before the text of the next message.
 """
 
 from __future__ import annotations
@@ -20,12 +21,22 @@ from typing import Any, Optional, TextIO
 
 from finetune import rundir
 from finetune.core.config import Config
-from finetune.core.errors import LaunchError
+from finetune.core.errors import DataError, LaunchError
+from finetune.data.image_conversations import read_images
 from finetune.evaluation.generate import generate
-from finetune.modeling import models, variants
+from finetune.modeling import models, variants, vision
 
 PROMPT = "you> "
 ANSWER = "assistant> "
+IMAGE = "/image"
+
+
+def _user_turn(text: str, images: list[bytes]) -> dict:
+    """The user's message: the text, after the pictures `/image` named (as the data's image parts are)."""
+    if not images:
+        return {"role": "user", "content": text}
+    parts = [*({"type": "image"} for _ in images), {"type": "text", "text": text}]
+    return vision.with_images([{"role": "user", "content": parts}], images)[0]
 
 
 def _run_config(cfg: Config, run_dir: Path) -> Config:
@@ -75,6 +86,7 @@ def run(
         file=stderr,
     )
     conversation = list(start)
+    images: list[bytes] = []  # named by /image, sent with the next message
     while True:
         if interactive:
             stdout.write(PROMPT)
@@ -86,10 +98,22 @@ def run(
         if not text:
             continue
         if text == "/reset":
-            conversation = list(start)
+            conversation, images = list(start), []
             print("(conversation cleared)", file=stderr)
             continue
-        conversation.append({"role": "user", "content": text})
+        if text == IMAGE or text.startswith(IMAGE + " "):
+            if not cfg.model.takes_images:
+                print(f"(model={cfg.model.name} takes no images)", file=stderr)
+                continue
+            try:  # a bad path is said and the chat goes on
+                images += read_images(text.removeprefix(IMAGE).strip(), Path.cwd(), IMAGE)
+            except (DataError, OSError) as exc:
+                print(f"({exc})", file=stderr)
+                continue
+            print(f"({len(images)} image(s) go with your next message)", file=stderr)
+            continue
+        conversation.append(_user_turn(text, images))
+        images = []
         (answer,) = generate(model, tokenizer, [conversation], settings)
         conversation.append({"role": "assistant", "content": answer})
         print(f"{ANSWER}{answer}", file=stdout, flush=True)
