@@ -13,9 +13,11 @@ which loads none of the heavy libraries.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Optional
 
+from finetune.core.architectures import ARCHITECTURES
 from finetune.core.config import ModelConfig
 from finetune.core.errors import ConfigError, DataError
 from finetune.modeling import gguf, tiny, tiny_vlm
@@ -64,6 +66,16 @@ def load_tokenizer(model: ModelConfig) -> Any:
     """The tokenizer whose chat template renders the data: the tiny one built locally, else the model's own;
     for a model that takes images, its processor (its image rules, tokenizer and chat template)."""
     if model.takes_images:
+        tower = ARCHITECTURES[model.architecture].vision
+        if (
+            tower is not None
+            and not tower.processor_without_torchvision
+            and importlib.util.find_spec("torchvision") is None
+        ):
+            raise ConfigError(
+                f"model.architecture={model.architecture}: its processor needs torchvision, which is not "
+                "installed (pip install '.[vision]', torchvision built for the installed torch)"
+            )
         return load_processor(model_source(model), trust_remote_code=model.trust_remote_code)
     if is_tiny(model):
         return tiny.load_tokenizer(model)
