@@ -1,0 +1,175 @@
+"""Vision-language families beyond the tiny VLM: SmolVLM, Gemma 3 (image-text) and Qwen3-VL. Each preset's
+counts equal transformers' own model built from the hub's config.json on the meta device (no download); the
+config.json plans in one command with the preset's totals; image tokens a picture follow the processor's
+resize and patch rules, checked against the processor itself where it builds offline. Llama 3.2 Vision is
+refused in one line naming what is not modelled."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import run_cli
+
+from finetune.core.config import MethodConfig
+from finetune.pipeline.cli import compose
+from finetune.planner.params import count_params, lora_params, vision_lora_params, vision_params
+
+# The hub's config.json of each model (the keys it states; transformers' class defaults fill the rest).
+SMOLVLM2_500M = {
+    "architectures": ["SmolVLMForConditionalGeneration"],
+    "image_token_id": 49190,
+    "model_type": "smolvlm",
+    "pad_token_id": 128002,
+    "scale_factor": 4,
+    "text_config": {
+        "head_dim": 64,
+        "hidden_size": 960,
+        "intermediate_size": 2560,
+        "max_position_embeddings": 8192,
+        "model_type": "llama",
+        "num_attention_heads": 15,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 5,
+        "pad_token_id": 2,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 100000,
+        "vocab_size": 49280,
+    },
+    "tie_word_embeddings": False,
+    "vision_config": {
+        "hidden_size": 768,
+        "image_size": 512,
+        "max_image_size": {"longest_edge": 512},
+        "model_type": "smolvlm_vision",
+        "num_attention_heads": 12,
+        "patch_size": 16,
+        "size": {"longest_edge": 2048},
+    },
+    "vocab_size": 49280,
+}
+GEMMA3_12B = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "boi_token_index": 255999,
+    "eoi_token_index": 256000,
+    "eos_token_id": [1, 106],
+    "image_token_index": 262144,
+    "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {
+        "hidden_size": 3840,
+        "intermediate_size": 15360,
+        "model_type": "gemma3_text",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 8,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    "vision_config": {
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+}
+QWEN3_VL_8B = {
+    "architectures": ["Qwen3VLForConditionalGeneration"],
+    "image_token_id": 151655,
+    "model_type": "qwen3_vl",
+    "text_config": {
+        "attention_bias": False,
+        "head_dim": 128,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "max_position_embeddings": 262144,
+        "model_type": "qwen3_vl_text",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+        "rope_theta": 5000000,
+        "tie_word_embeddings": False,
+        "vocab_size": 151936,
+    },
+    "tie_word_embeddings": False,
+    "video_token_id": 151656,
+    "vision_config": {
+        "deepstack_visual_indexes": [8, 16, 24],
+        "depth": 27,
+        "hidden_size": 1152,
+        "in_channels": 3,
+        "intermediate_size": 4304,
+        "model_type": "qwen3_vl",
+        "num_heads": 16,
+        "num_position_embeddings": 2304,
+        "out_hidden_size": 4096,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+    "vision_end_token_id": 151653,
+    "vision_start_token_id": 151652,
+}
+# preset: (its hub config.json, the encoder and projector's module prefixes, total, vision, image tokens)
+FAMILIES = {
+    "smolvlm2_500m": (SMOLVLM2_500M, ("model.vision_model", "model.connector"), 507_482_304, 98_229_504, 1088),
+    "gemma3_12b_vision": (
+        GEMMA3_12B,
+        ("model.vision_tower", "model.multi_modal_projector"),
+        12_187_325_040,
+        421_290_864,
+        256,
+    ),
+    "qwen3_vl_8b": (QWEN3_VL_8B, ("model.visual",), 8_767_123_696, 576_388_336, 196),
+}
+
+
+def _write(tmp_path, config: dict):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_preset_counts_match_transformers_on_meta_device(tmp_path, preset):
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config, prefixes, total, vision, _ = FAMILIES[preset]
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(str(_write(tmp_path, config))))
+    side = sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes))
+    built = sum(p.numel() for p in model.parameters())
+    counts = count_params(compose([f"model={preset}"]).model)
+    assert (counts.vision, counts.total) == (side, built) == (vision, total)
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_hub_config_json_plans_as_its_preset_in_one_command(tmp_path, preset):
+    config, _, total, vision, image_tokens = FAMILIES[preset]
+    run = tmp_path / "plan"
+    path = _write(tmp_path, config)
+    proc = run_cli("mode=plan", f"model.config_path={path}", "hardware=h100", "method=lora", f"run_dir={run}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["params"]["total"] == total
+    assert f"images: {image_tokens} tokens a picture" in proc.stdout.replace("\n", " ")
+    # the preset plans too, and states what the config.json says
+    preset_run = tmp_path / "preset"
+    proc = run_cli("mode=plan", f"model={preset}", "hardware=h100", "method=lora", f"run_dir={preset_run}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((preset_run / "plan.json").read_text())["params"]["total"] == total
+    from finetune.core.config import ModelConfig
+    from finetune.modeling.resolve import model_from_config_json
+
+    read = model_from_config_json(ModelConfig(config_path=str(path)))
+    stated = compose([f"model={preset}"]).model
+    assert read.image_tokens == stated.image_tokens == image_tokens
+    assert vision_params(read) == vision
+
