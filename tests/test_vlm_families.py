@@ -152,6 +152,11 @@ def test_preset_counts_match_transformers_on_meta_device(tmp_path, preset):
 
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_hub_config_json_plans_as_its_preset_in_one_command(tmp_path, preset):
+    from helpers import planned
+
+    from finetune.core.config import ModelConfig
+    from finetune.modeling.resolve import model_from_config_json
+
     config, _, total, vision, image_tokens = FAMILIES[preset]
     run = tmp_path / "plan"
     path = _write(tmp_path, config)
@@ -160,16 +165,109 @@ def test_hub_config_json_plans_as_its_preset_in_one_command(tmp_path, preset):
     plan = json.loads((run / "plan.json").read_text())
     assert plan["params"]["total"] == total
     assert f"images: {image_tokens} tokens a picture" in proc.stdout.replace("\n", " ")
-    # the preset plans too, and states what the config.json says
-    preset_run = tmp_path / "preset"
-    proc = run_cli("mode=plan", f"model={preset}", "hardware=h100", "method=lora", f"run_dir={preset_run}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads((preset_run / "plan.json").read_text())["params"]["total"] == total
-    from finetune.core.config import ModelConfig
-    from finetune.modeling.resolve import model_from_config_json
-
+    # the preset plans the same model: what the config.json says, field for field
     read = model_from_config_json(ModelConfig(config_path=str(path)))
-    stated = compose([f"model={preset}"]).model
-    assert read.image_tokens == stated.image_tokens == image_tokens
-    assert vision_params(read) == vision
+    cfg, preset_plan = planned(f"model={preset}", "hardware=h100", "method=lora")
+    assert preset_plan.to_dict()["params"]["total"] == total
+    fields = ("architecture", "hidden_size", "num_layers", "vision_layers", "vision_token_merge", "image_crops")
+    assert [getattr(read, f) for f in fields] == [getattr(cfg.model, f) for f in fields]
+    assert (read.image_tokens, vision_params(read)) == (cfg.model.image_tokens, vision)
 
+
+def _square(side: int):
+    from PIL import Image
+
+    return Image.new("RGB", (side, side), (200, 30, 30))
+
+
+@pytest.mark.parametrize("side", [300, 512, 1000])
+def test_smolvlm_image_tokens_are_the_processors(side):
+    """SmolVLM's image processor (its hub settings) tiles a square picture of any size into 4 x 4 crops and a
+    whole view; its prompt builder writes 64 image tokens a crop: the preset's 1,088."""
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    model = compose(["model=smolvlm2_500m"]).model
+    images = SmolVLMImageProcessorPil(
+        do_image_splitting=True, size={"longest_edge": 2048}, max_image_size={"longest_edge": 512}
+    )(_square(side), return_row_col_info=True)
+    per_crop = model.image_tokens // model.image_crops
+    assert per_crop == 64  # the hub processor's image_seq_len
+    assert images["pixel_values"].shape[1] == model.image_crops == 17
+    prompt = get_image_prompt_string(
+        images["rows"][0][0],
+        images["cols"][0][0],
+        per_crop,
+        fake_token_around_image="<fake_token_around_image>",
+        image_token="<image>",
+        global_image_token="<global-img>",
+    )
+    assert prompt.count("<image>") == model.image_tokens == 1088
+
+
+def test_gemma3_image_tokens_are_the_pooled_patches():
+    """Gemma 3's image processor resizes any picture to 896 x 896: 64 x 64 patches of 14 pixels, pooled to the
+    config's 256 (mm_tokens_per_image), which its processor writes as 256 image tokens."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    model = compose(["model=gemma3_12b_vision"]).model
+    processor = Gemma3ImageProcessorPil(size={"height": 896, "width": 896})
+    pixels = processor(_square(500), return_tensors="pt")["pixel_values"]
+    patches = (pixels.shape[-1] // model.patch_size) * (pixels.shape[-2] // model.patch_size)
+    assert patches // model.vision_token_merge == model.image_tokens == GEMMA3_12B["mm_tokens_per_image"]
+
+
+def test_qwen3_vl_image_tokens_are_the_processors():
+    """Qwen3-VL's image processor (16-pixel patches, 2 x 2 merged) on a picture of model.image_size: its grid
+    over the merge is the planned count."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    model = compose(["model=qwen3_vl_8b"]).model
+    images = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2)(_square(model.image_size))
+    assert int(images["image_grid_thw"].prod()) // 4 == model.image_tokens == 196
+
+
+def test_lora_vision_counts_peft_on_a_small_qwen3_vl():
+    """`method.lora_vision` on Qwen3-VL: PEFT's adapters on the encoder's qkv/proj/fc1/fc2 and the merger
+    trained whole (not the deepstack mergers, whose linears share the names) are what the plan counts."""
+    import dataclasses
+
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from finetune.modeling.loading import lora_config
+
+    small = json.loads(json.dumps(QWEN3_VL_8B))
+    small["text_config"].update(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=256)
+    small["text_config"].update(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    small["vision_config"].update(hidden_size=32, intermediate_size=48, depth=3, num_heads=2, out_hidden_size=64)
+    small["vision_config"].update(deepstack_visual_indexes=[0, 2], num_position_embeddings=16)
+    hf = AutoConfig.from_pretrained(str(_write(_tmp(), small)))
+    from finetune.core.config import ModelConfig
+    from finetune.modeling.resolve import model_from_hf_config
+
+    m = model_from_hf_config(ModelConfig(), hf, "test", name="small-qwen3-vl")
+    method = dataclasses.replace(MethodConfig(name="lora"), lora_vision=True)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(hf)
+    assert sum(p.numel() for p in model.parameters()) == count_params(m).total
+    adapted = get_peft_model(model, lora_config(method, m))
+    trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    assert trainable == lora_params(m, method)
+    assert vision_lora_params(m, method) > 0
+
+
+def _tmp():
+    import tempfile
+    from pathlib import Path
+
+    return Path(tempfile.mkdtemp())
+
+
+def test_llama_32_vision_is_refused_naming_its_cross_attention(tmp_path):
+    path = _write(tmp_path, {"model_type": "mllama", "architectures": ["MllamaForConditionalGeneration"]})
+    proc = run_cli("mode=plan", f"model.config_path={path}", "hardware=h100", f"run_dir={tmp_path / 'r'}")
+    assert proc.returncode == 2
+    assert "mllama is a vision-language family" in proc.stderr and "cross-attention layers" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
