@@ -118,7 +118,13 @@ QWEN3_VL_8B = {
 }
 # preset: (its hub config.json, the encoder and projector's module prefixes, total, vision, image tokens)
 FAMILIES = {
-    "smolvlm2_500m": (SMOLVLM2_500M, ("model.vision_model", "model.connector"), 507_482_304, 98_229_504, 1088),
+    "smolvlm2_500m": (
+        SMOLVLM2_500M,
+        ("model.vision_model", "model.connector"),
+        507_482_304,
+        98_229_504,
+        1088,
+    ),
     "gemma3_12b_vision": (
         GEMMA3_12B,
         ("model.vision_tower", "model.multi_modal_projector"),
@@ -143,7 +149,9 @@ def test_preset_counts_match_transformers_on_meta_device(tmp_path, preset):
 
     config, prefixes, total, vision, _ = FAMILIES[preset]
     with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(str(_write(tmp_path, config))))
+        model = AutoModelForImageTextToText.from_config(
+            AutoConfig.from_pretrained(str(_write(tmp_path, config)))
+        )
     side = sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes))
     built = sum(p.numel() for p in model.parameters())
     counts = count_params(compose([f"model={preset}"]).model)
@@ -169,7 +177,14 @@ def test_hub_config_json_plans_as_its_preset_in_one_command(tmp_path, preset):
     read = model_from_config_json(ModelConfig(config_path=str(path)))
     cfg, preset_plan = planned(f"model={preset}", "hardware=h100", "method=lora")
     assert preset_plan.to_dict()["params"]["total"] == total
-    fields = ("architecture", "hidden_size", "num_layers", "vision_layers", "vision_token_merge", "image_crops")
+    fields = (
+        "architecture",
+        "hidden_size",
+        "num_layers",
+        "vision_layers",
+        "vision_token_merge",
+        "image_crops",
+    )
     assert [getattr(read, f) for f in fields] == [getattr(cfg.model, f) for f in fields]
     assert (read.image_tokens, vision_params(read)) == (cfg.model.image_tokens, vision)
 
@@ -223,7 +238,9 @@ def test_qwen3_vl_image_tokens_are_the_processors():
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     model = compose(["model=qwen3_vl_8b"]).model
-    images = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2)(_square(model.image_size))
+    images = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2)(
+        _square(model.image_size)
+    )
     assert int(images["image_grid_thw"].prod()) // 4 == model.image_tokens == 196
 
 
@@ -241,7 +258,9 @@ def test_lora_vision_counts_peft_on_a_small_qwen3_vl():
     small = json.loads(json.dumps(QWEN3_VL_8B))
     small["text_config"].update(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=256)
     small["text_config"].update(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    small["vision_config"].update(hidden_size=32, intermediate_size=48, depth=3, num_heads=2, out_hidden_size=64)
+    small["vision_config"].update(
+        hidden_size=32, intermediate_size=48, depth=3, num_heads=2, out_hidden_size=64
+    )
     small["vision_config"].update(deepstack_visual_indexes=[0, 2], num_position_embeddings=16)
     hf = AutoConfig.from_pretrained(str(_write(_tmp(), small)))
     from finetune.core.config import ModelConfig
