@@ -244,44 +244,51 @@ def test_qwen3_vl_image_tokens_are_the_processors():
     assert int(images["image_grid_thw"].prod()) // 4 == model.image_tokens == 196
 
 
-def test_lora_vision_counts_peft_on_a_small_qwen3_vl():
-    """`method.lora_vision` on Qwen3-VL: PEFT's adapters on the encoder's qkv/proj/fc1/fc2 and the merger
-    trained whole (not the deepstack mergers, whose linears share the names) are what the plan counts."""
+def _small(preset: str) -> dict:
+    """The preset's hub config.json at a few dozen units a side: the same modules, built on the CPU in seconds."""
+    small = json.loads(json.dumps(FAMILIES[preset][0]))
+    text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=256, head_dim=16)
+    small["text_config"].update(text, num_attention_heads=4, num_key_value_heads=2)
+    vision = small["vision_config"]
+    vision.update(hidden_size=32, intermediate_size=48)
+    if preset == "qwen3_vl_8b":
+        vision.update(depth=3, num_heads=2, out_hidden_size=64, deepstack_visual_indexes=[0, 2])
+        vision.update(num_position_embeddings=16)
+    else:
+        vision.update(num_hidden_layers=2, num_attention_heads=2, image_size=64)
+    if preset == "gemma3_12b_vision":
+        small["mm_tokens_per_image"] = 4  # 56 / 14 is 4 patches a side: pooled 2 x 2
+        vision.update(image_size=56)
+    return small
+
+
+@pytest.mark.parametrize("lora_vision", [False, True])
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_lora_counts_are_pefts_on_a_small_model_of_the_family(tmp_path, preset, lora_vision):
+    """LoRA as the trainer sets it up (finetune.modeling.loading.lora_config) on transformers' own class of a
+    small config of the family: the trainable parameters are the plan's count. With `method.lora_vision`, the
+    encoder's projections and the projector trained whole (Qwen3-VL: its merger, not the deepstack mergers,
+    whose linears share the names); without, the language model's projections alone."""
     import dataclasses
 
     import torch
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from finetune.modeling.loading import lora_config
-
-    small = json.loads(json.dumps(QWEN3_VL_8B))
-    small["text_config"].update(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=256)
-    small["text_config"].update(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    small["vision_config"].update(
-        hidden_size=32, intermediate_size=48, depth=3, num_heads=2, out_hidden_size=64
-    )
-    small["vision_config"].update(deepstack_visual_indexes=[0, 2], num_position_embeddings=16)
-    hf = AutoConfig.from_pretrained(str(_write(_tmp(), small)))
     from finetune.core.config import ModelConfig
+    from finetune.modeling.loading import lora_config
     from finetune.modeling.resolve import model_from_hf_config
 
-    m = model_from_hf_config(ModelConfig(), hf, "test", name="small-qwen3-vl")
-    method = dataclasses.replace(MethodConfig(name="lora"), lora_vision=True)
+    hf = AutoConfig.from_pretrained(str(_write(tmp_path, _small(preset))))
+    m = model_from_hf_config(ModelConfig(), hf, "test", name=f"small-{preset}")
+    method = dataclasses.replace(MethodConfig(name="lora"), lora_vision=lora_vision)
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(hf)
     assert sum(p.numel() for p in model.parameters()) == count_params(m).total
     adapted = get_peft_model(model, lora_config(method, m))
     trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
     assert trainable == lora_params(m, method)
-    assert vision_lora_params(m, method) > 0
-
-
-def _tmp():
-    import tempfile
-    from pathlib import Path
-
-    return Path(tempfile.mkdtemp())
+    assert (vision_lora_params(m, method) > 0) == lora_vision
 
 
 def test_llama_32_vision_is_refused_naming_its_cross_attention(tmp_path):
