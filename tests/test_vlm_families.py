@@ -12,6 +12,7 @@ import pytest
 from helpers import run_cli
 
 from finetune.core.config import MethodConfig
+from finetune.core.errors import ConfigError
 from finetune.pipeline.cli import compose
 from finetune.planner.params import count_params, lora_params, vision_lora_params, vision_params
 
@@ -168,7 +169,8 @@ def test_hub_config_json_plans_as_its_preset_in_one_command(tmp_path, preset):
     config, _, total, vision, image_tokens = FAMILIES[preset]
     run = tmp_path / "plan"
     path = _write(tmp_path, config)
-    proc = run_cli("mode=plan", f"model.config_path={path}", "hardware=h100", "method=lora", f"run_dir={run}")
+    # `model=FOLDER`: the folder save_pretrained (or the hub) gives, holding the config.json
+    proc = run_cli("mode=plan", f"model={path.parent}", "hardware=h100", "method=lora", f"run_dir={run}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     plan = json.loads((run / "plan.json").read_text())
     assert plan["params"]["total"] == total
@@ -297,3 +299,20 @@ def test_llama_32_vision_is_refused_naming_its_cross_attention(tmp_path):
     assert proc.returncode == 2
     assert "mllama is a vision-language family" in proc.stderr and "cross-attention layers" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_gemma3_text_preset_accepts_another_gemma3_checkpoint(tmp_path, monkeypatch):
+    """model=gemma3_12b (the text decoder) given another Gemma 3 checkpoint of its shape (the hub's are
+    image-text, model_type gemma3): checked against that checkpoint's text decoder, kept as the text preset."""
+    import dataclasses
+
+    from finetune.modeling import resolve
+
+    monkeypatch.setattr(resolve, "hub_config_json", lambda hub_id: _write(tmp_path, GEMMA3_12B))
+    text = dataclasses.replace(
+        compose(["model=gemma3_12b"]).model, hub_id="google/gemma-3-12b-pt", shape="checked"
+    )
+    assert resolve.checked_against_hub(text) == text
+    wider = dataclasses.replace(text, hidden_size=4096)
+    with pytest.raises(ConfigError, match="hidden_size 3840 not 4096"):
+        resolve.checked_against_hub(wider)

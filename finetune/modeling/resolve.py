@@ -84,6 +84,11 @@ def checked_against_hub(model: ModelConfig) -> ModelConfig:
             "model.config_path=PATH/config.json"
         )
     read = model_from_hf_config(model, _auto_config(model, path, key), key, name=model.name)
+    tower = ARCHITECTURES[read.architecture].vision
+    if tower is not None and not model.takes_images and tower.text_architecture == model.architecture:
+        read = replace(
+            read, architecture=model.architecture
+        )  # a text preset of an image-text model: its decoder
     differ = [
         f"{f} {getattr(read, f)} not {getattr(model, f)}"
         for f in SHAPE_FIELDS
