@@ -316,3 +316,16 @@ def test_a_gemma3_text_preset_accepts_another_gemma3_checkpoint(tmp_path, monkey
     wider = dataclasses.replace(text, hidden_size=4096)
     with pytest.raises(ConfigError, match="hidden_size 3840 not 4096"):
         resolve.checked_against_hub(wider)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.image_crops=0", "model.image_crops=0 must be > 0"),
+        ("model.vision_deepstack=-1", "model.vision_deepstack=-1 must be >= 0"),
+        ("model.vision_positions=-4", "model.vision_positions=-4 must be >= 0"),
+    ],
+)
+def test_bad_image_side_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        compose(["model=qwen3_vl_8b", override])

@@ -140,6 +140,8 @@ class ModelConfig:
                 check_positive(f"model.{key}", getattr(self, key))
             for key in ("patch_size", "image_size", "vision_token_merge", "image_crops"):
                 check_positive(f"model.{key}", getattr(self, key))
+            for key in ("vision_positions", "vision_deepstack"):
+                check_positive(f"model.{key}", getattr(self, key), allow_zero=True)
             if self.image_size % self.patch_size:
                 raise ConfigError(
                     f"model.image_size={self.image_size} must be a multiple of model.patch_size={self.patch_size}"
