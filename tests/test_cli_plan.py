@@ -122,7 +122,7 @@ def test_local_config_json(tmp_path: Path):
         (["mode=plan", "train.seq_len=0"], "train.seq_len=0"),
         (["mode=plan", "method.lora_rank=-1"], "method.lora_rank=-1"),
         (["+recipe=does_not_exist"], "choose from gpt_oss_20b_lora, llama70b_full"),
-        (["mode=plan", "model=gpt5"], "choose from gemma3_12b, gpt_oss_120b, gpt_oss_20b, llama2_70b"),
+        (["mode=plan", "model=gpt5"], "choose from gemma3_12b, gemma3_12b_vision, gpt_oss_120b, gpt_oss_20b"),
         (["mode=plan", "hardware=tpu_v5"], "unknown hardware; choose from a100_40gb"),
         (["mode=plan", "train.bogus=1"], "train.bogus: unknown key"),
         (["mode=plan", "train.batch_size=many"], "train.batch_size"),

@@ -90,6 +90,9 @@ def test_stable_names():
         "gpt_oss_20b",
         "gpt_oss_120b",
         "qwen2_5_vl_7b",
+        "smolvlm2_500m",
+        "gemma3_12b_vision",
+        "qwen3_vl_8b",
     }
     assert set(group_choices("method")) == {"full", "lora", "qlora"}
     assert set(group_choices("objective")) == set(OBJECTIVES)
@@ -213,7 +216,7 @@ def test_every_gpu_profile_plans(name: str):
         (["+foo=1"], "foo: unknown key"),
         (
             ["model=gpt5"],
-            "model=gpt5: unknown model; choose from gemma3_12b, gpt_oss_120b, gpt_oss_20b, llama2_70b",
+            "model=gpt5: unknown model; choose from gemma3_12b, gemma3_12b_vision, gpt_oss_120b, gpt_oss_20b",
         ),
         (["method=dora"], "method=dora: unknown method; choose from full, lora, qlora"),
         (["hardware=tpu"], "hardware=tpu: unknown hardware; choose from a100_40gb"),

@@ -23,7 +23,13 @@ def test_the_model_chooses_the_image_record_kind():
     # an objective whose records carry no images is refused on a model that takes them, in one line
     with pytest.raises(ConfigError, match="objective=dpo has no image data"):
         compose([VLM, "objective=dpo"])
-    assert [n for n, a in ARCHITECTURES.items() if a.takes_images] == ["idefics3", "qwen2_5_vl"]
+    assert [n for n, a in ARCHITECTURES.items() if a.takes_images] == [
+        "idefics3",
+        "smolvlm",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "gemma3",
+    ]
     assert "vision-language family" in (refusal("mllama") or "")
 
 

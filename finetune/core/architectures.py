@@ -22,22 +22,41 @@ LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 FUSED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+# How a vision-language family's projector maps the encoder's patches into the language model's width.
+# `shuffle_linear`: pixel shuffle (merge patches into one vector), then one unbiased linear (Idefics3, SmolVLM).
+# `merger_mlp`: a norm of the encoder's width, then two biased linears merged -> merged -> h (Qwen-VL's patch
+# merger; Qwen3-VL's deepstack mergers have its shape, their norm over the merged width).
+# `pooled_linear`: average pooling to a fixed token count, an RMSNorm and one d x h weight (Gemma 3).
+PROJECTORS = ("shuffle_linear", "merger_mlp", "pooled_linear")
+
+
 @dataclass(frozen=True)
 class VisionTower:
     """A vision-language family's image side, as transformers builds it: where its vision encoder, projector
-    and language model sit in the module tree, and the encoder's linear layers (LoRA's targets where
-    `method.lora_vision` adapts it; otherwise it stays frozen)."""
+    and language model sit in the module tree, the encoder's linear layers (LoRA's targets where
+    `method.lora_vision` adapts it; otherwise it stays frozen), and what else its weights are made of."""
 
     encoder: str  # the vision encoder's module path
     projector: str  # the projector from the encoder's width into the language model's
     language_model: str  # the text decoder, whose projections LoRA adapts
     encoder_layer: str  # the encoder's layer class (FSDP wraps one unit per layer)
-    encoder_projections: tuple[str, ...]  # an encoder layer's linear modules
+    # an encoder layer's linear modules, by the last parts of their names (all biased)
+    encoder_projections: tuple[str, ...]
     text_architecture: str  # the family of its text decoder (a key of ARCHITECTURES, or transformers' name)
     # the encoder's MLP is gated (gate/up/down, three matrices) rather than fc1/fc2 (two)
     gated_mlp: bool = False
     # transformers' processor builds the image placeholders itself (no video processor, so no torchvision)
     processor_without_torchvision: bool = True
+    projector_kind: str = "shuffle_linear"  # one of PROJECTORS
+    # LayerNorms (weight and bias) in the encoder and projector; False: RMSNorms (weight only)
+    layer_norms: bool = True
+    # the patch embedding: a convolution over this many frames (Qwen-VL: 2), with a bias or not
+    temporal_patch: int = 1
+    patch_bias: bool = True
+    # learned absolute positions (SigLIP: one a patch; Qwen3-VL: `model.vision_positions`); False: rotary only
+    learned_positions: bool = True
+    # a LayerNorm after the last encoder layer (SigLIP's post_layernorm)
+    final_norm: bool = True
 
 
 @dataclass(frozen=True)
@@ -156,9 +175,12 @@ ARCHITECTURES: dict[str, Architecture] = {
         "qwen2_moe", "Qwen2MoeDecoderLayer", ("q_proj", "k_proj", "v_proj", "o_proj"), True, True
     ),
 }
-# Vision-language families: the text decoder above plus an image side. Idefics3 (SmolVLM's architecture): a
-# SigLIP encoder (fc1/fc2 MLP), a pixel-shuffle projector and a Llama decoder; Qwen2.5-VL: a windowed ViT
-# with a gated MLP, a patch-merger MLP and Qwen2's decoder (q/k/v biases, multimodal rotary positions).
+# Vision-language families: the text decoder above plus an image side. Idefics3 and SmolVLM: a SigLIP encoder
+# (fc1/fc2 MLP), a pixel-shuffle projector and a Llama decoder; Qwen2.5-VL: a windowed ViT with a gated MLP, a
+# patch-merger MLP and Qwen2's decoder (q/k/v biases, multimodal rotary positions); Qwen3-VL: a ViT with learned
+# positions, a patch merger and deepstack mergers feeding early decoder layers, and Qwen3's decoder (q/k norms);
+# Gemma 3: a SigLIP encoder pooled to a fixed token count and Gemma 3's text decoder.
+SIGLIP_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 ARCHITECTURES["idefics3"] = Architecture(
     "idefics3",
     "LlamaDecoderLayer",
@@ -169,8 +191,23 @@ ARCHITECTURES["idefics3"] = Architecture(
         "model.connector",
         "model.text_model",
         "Idefics3EncoderLayer",
-        ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+        SIGLIP_PROJECTIONS,
         "llama",
+    ),
+)
+ARCHITECTURES["smolvlm"] = Architecture(
+    "smolvlm",
+    "LlamaDecoderLayer",
+    LLAMA_PROJECTIONS,
+    False,
+    vision=VisionTower(
+        "model.vision_model",
+        "model.connector",
+        "model.text_model",
+        "SmolVLMEncoderLayer",
+        SIGLIP_PROJECTIONS,
+        "llama",
+        processor_without_torchvision=False,
     ),
 )
 ARCHITECTURES["qwen2_5_vl"] = Architecture(
@@ -187,6 +224,50 @@ ARCHITECTURES["qwen2_5_vl"] = Architecture(
         "qwen2_5_vl_text",
         gated_mlp=True,
         processor_without_torchvision=False,
+        projector_kind="merger_mlp",
+        layer_norms=False,
+        temporal_patch=2,
+        patch_bias=False,
+        learned_positions=False,
+        final_norm=False,
+    ),
+)
+ARCHITECTURES["qwen3_vl"] = Architecture(
+    "qwen3_vl",
+    "Qwen3VLTextDecoderLayer",
+    LLAMA_PROJECTIONS,
+    False,
+    qk_norm=True,
+    vision=VisionTower(
+        "model.visual",
+        "model.visual.merger",
+        "model.language_model",
+        "Qwen3VLVisionBlock",
+        # named with their parent, so LoRA's pattern leaves the mergers' linear_fc1/fc2 alone
+        ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2"),
+        "qwen3_vl_text",
+        processor_without_torchvision=False,
+        projector_kind="merger_mlp",
+        temporal_patch=2,
+        final_norm=False,
+    ),
+)
+ARCHITECTURES["gemma3"] = Architecture(
+    "gemma3",
+    "Gemma3DecoderLayer",
+    LLAMA_PROJECTIONS,
+    False,
+    fp32_norm_product=True,
+    qk_norm=True,
+    sandwich_norms=True,
+    vision=VisionTower(
+        "model.vision_tower",
+        "model.multi_modal_projector",
+        "model.language_model",
+        "SiglipEncoderLayer",
+        SIGLIP_PROJECTIONS,
+        "gemma3_text",
+        projector_kind="pooled_linear",
     ),
 )
 PLANNED = tuple(name for name, a in ARCHITECTURES.items() if not a.mixture_of_experts)
@@ -197,10 +278,18 @@ REFUSED: dict[str, str] = {
     "deepseek_v2": "is a mixture of experts with latent attention, which the planner does not model",
     "gemma2": "has four norms a layer and logit soft-capping, which the activation formulas do not model",
 }
-# Vision-language families whose image side the planner does not model: their config.json is refused whole
-# (Gemma 3's is planned as its text decoder, gemma3_text, as before its images were modelled).
-REFUSED_VISION = ("qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "smolvlm", "idefics2", "mllama", "llava")
-
+# Vision-language families whose image side the planner does not model: their config.json is refused whole,
+# in one line, with what is missing where one thing is (empty: the image side as a whole).
+REFUSED_VISION: dict[str, str] = {
+    "qwen2_vl": "",
+    "qwen3_vl_moe": "",
+    "idefics2": "",
+    "llava": "",
+    "mllama": (
+        "its language model interleaves cross-attention layers (to every tile's vision tokens, with their own "
+        "gates) among the self-attention ones, which the per-layer memory model does not describe"
+    ),
+}
 
 # Config options whose other values change what a layer computes in ways nothing here measured: a config
 # with any of them set otherwise is refused, naming the option (key: (the value the formulas assume, what
@@ -230,7 +319,9 @@ def refusal(model_type: str) -> Optional[str]:
         return f"{model_type} {REFUSED[model_type]}"
     if model_type in REFUSED_VISION:
         vlms = ", ".join(name for name, a in ARCHITECTURES.items() if a.takes_images)
+        why = f": {REFUSED_VISION[model_type]}" if REFUSED_VISION[model_type] else ""
         return (
-            f"{model_type} is a vision-language family whose image side the planner does not model ({vlms})"
+            f"{model_type} is a vision-language family whose image side the planner does not model{why} "
+            f"(modelled: {vlms})"
         )
     return f"model_type {model_type!r} is not one the planner models ({', '.join(PLANNED)})"

@@ -84,6 +84,11 @@ def checked_against_hub(model: ModelConfig) -> ModelConfig:
             "model.config_path=PATH/config.json"
         )
     read = model_from_hf_config(model, _auto_config(model, path, key), key, name=model.name)
+    tower = ARCHITECTURES[read.architecture].vision
+    if tower is not None and not model.takes_images and tower.text_architecture == model.architecture:
+        read = replace(
+            read, architecture=model.architecture
+        )  # a text preset of an image-text model: its decoder
     differ = [
         f"{f} {getattr(read, f)} not {getattr(model, f)}"
         for f in SHAPE_FIELDS
@@ -298,25 +303,45 @@ def model_from_hf_config(model: ModelConfig, hf: Any, key: str, name: str) -> Mo
 
 
 def _vision_fields(model: ModelConfig, full: Any, key: str) -> dict[str, Any]:
-    """A vision-language config's image side (Idefics3: SigLIP's keys and `scale_factor`; Qwen2.5-VL: `depth`,
-    `spatial_merge_size`, no fixed image size: `model.image_size` or 448 pixels, its processor resizing
-    any picture to about that many patches)."""
+    """A vision-language config's image side: the encoder's sizes (SigLIP's keys, or Qwen-VL's `depth` and
+    `num_heads`), how many patches become one token (Idefics3/SmolVLM: `scale_factor` squared; Qwen-VL:
+    `spatial_merge_size` squared; Gemma 3: its patches over `mm_tokens_per_image`), the crops a tiling
+    processor makes of a square picture (SmolVLM: `size` over `max_image_size`), Qwen3-VL's position table and
+    deepstack mergers. Qwen-VL has no fixed image size: `model.image_size` or 448 pixels, its processor
+    resizing any picture to about that many patches."""
     if not ARCHITECTURES[full.model_type].takes_images:
         return {}
     vc = full.vision_config
     try:
-        merge = int(getattr(vc, "spatial_merge_size", 0) or getattr(full, "scale_factor", 2)) ** 2
+        patch = int(vc.patch_size)
+        image_size = int(getattr(vc, "image_size", 0) or model.image_size or 448)
+        merge = int(getattr(vc, "spatial_merge_size", 0) or getattr(full, "scale_factor", 0) or 1) ** 2
+        if getattr(full, "mm_tokens_per_image", None):
+            merge = (image_size // patch) ** 2 // int(full.mm_tokens_per_image)
         return dict(
             vision_hidden_size=int(vc.hidden_size),
             vision_layers=int(getattr(vc, "depth", None) or vc.num_hidden_layers),
             vision_heads=int(getattr(vc, "num_heads", None) or vc.num_attention_heads),
             vision_intermediate_size=int(vc.intermediate_size),
-            patch_size=int(vc.patch_size),
-            image_size=int(getattr(vc, "image_size", 0) or model.image_size or 448),
+            patch_size=patch,
+            image_size=image_size,
             vision_token_merge=merge,
+            image_crops=_image_crops(vc),
+            vision_positions=int(getattr(vc, "num_position_embeddings", 0) or 0),
+            vision_deepstack=len(getattr(vc, "deepstack_visual_indexes", None) or ()),
         )
-    except (AttributeError, TypeError) as exc:
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError) as exc:
         raise ConfigError(f"{key}: vision_config: {exc}") from None
+
+
+def _image_crops(vc: Any) -> int:
+    """The pictures a tiling processor (SmolVLM's) gives the encoder for one square image: resized to `size`'s
+    longest edge, cut into `max_image_size` squares, plus the whole picture at that size; 1 without tiling."""
+    size, tile = getattr(vc, "size", None), getattr(vc, "max_image_size", None)
+    if not (isinstance(size, dict) and isinstance(tile, dict)):
+        return 1
+    per_side = math.ceil(int(size["longest_edge"]) / int(tile["longest_edge"]))
+    return per_side**2 + 1 if per_side > 1 else 1
 
 
 def _dense_layers(hf: Any, experts: int) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from finetune.core.architectures import ARCHITECTURES, LLAMA_PROJECTIONS
@@ -120,65 +120,84 @@ def count_params(m: ModelConfig) -> ParamCounts:
     )
 
 
+# An encoder projection's (d_in, d_out) by the last part of its name, in the encoder's width d and MLP width f.
+_VISION_SHAPES = {
+    "qkv": ("d", "3d"),
+    "proj": ("d", "d"),
+    "q_proj": ("d", "d"),
+    "k_proj": ("d", "d"),
+    "v_proj": ("d", "d"),
+    "out_proj": ("d", "d"),
+    "gate_proj": ("d", "f"),
+    "up_proj": ("d", "f"),
+    "fc1": ("d", "f"),
+    "linear_fc1": ("d", "f"),
+    "down_proj": ("f", "d"),
+    "fc2": ("f", "d"),
+    "linear_fc2": ("f", "d"),
+}
+
+
 def vision_layer_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
     """(d_in, d_out) of each linear module of one vision encoder layer, by the family's names."""
-    d, f = m.vision_hidden_size, m.vision_intermediate_size
     tower = ARCHITECTURES[m.architecture].vision
-    if tower is not None and tower.gated_mlp:  # Qwen2.5-VL: fused qkv, proj, gated MLP
-        return {
-            "qkv": (d, 3 * d),
-            "proj": (d, d),
-            "gate_proj": (d, f),
-            "up_proj": (d, f),
-            "down_proj": (f, d),
-        }
-    return {
-        "q_proj": (d, d),
-        "k_proj": (d, d),
-        "v_proj": (d, d),
-        "out_proj": (d, d),
-        "fc1": (d, f),
-        "fc2": (f, d),
-    }
+    if tower is None:
+        return {}
+    size = {"d": m.vision_hidden_size, "3d": 3 * m.vision_hidden_size, "f": m.vision_intermediate_size}
+    shapes = {}
+    for name in tower.encoder_projections:
+        d_in, d_out = _VISION_SHAPES[name.rsplit(".", 1)[-1]]
+        shapes[name] = (size[d_in], size[d_out])
+    return shapes
+
+
+def vision_projector_params(m: ModelConfig) -> int:
+    """The projector's parameters (and Qwen3-VL's deepstack mergers'), by the family's projector kind."""
+    tower = ARCHITECTURES[m.architecture].vision
+    if tower is None:
+        return 0
+    d, h = m.vision_hidden_size, m.hidden_size
+    merged = d * m.vision_token_merge
+    if tower.projector_kind == "pooled_linear":  # RMSNorm of the width, then one d x h weight
+        return d + d * h
+    if tower.projector_kind == "merger_mlp":  # a norm, then merged -> merged -> h, biased
+
+        def merger(norm_width: int) -> int:
+            norm = 2 * norm_width if tower.layer_norms else norm_width
+            return norm + merged * merged + merged + merged * h + h
+
+        return merger(d) + m.vision_deepstack * merger(merged)
+    return merged * h  # pixel shuffle, then one unbiased linear
 
 
 def vision_params(m: ModelConfig) -> int:
     """The vision encoder's and projector's parameters, exactly as transformers builds them (0 without one).
 
-    Both families: a patch embedding, per layer the linear layers of `vision_layer_shapes` with their biases
-    and two norms, then the projector into the language model's width over `vision_token_merge` patches.
-    Idefics3 (SigLIP): a biased 2-D patch convolution, learned positions, LayerNorms (weight and bias), a final
-    LayerNorm, and one unbiased projector. Qwen2.5-VL: an unbiased 3-D patch convolution over two frames,
-    RMSNorms, and the merger's norm and two biased layers (merged width to merged width, then to h)."""
+    A patch embedding (a 2-D or, over Qwen-VL's two frames, 3-D convolution, with its bias or not), learned
+    positions where the family has them (SigLIP: one a patch of image_size; Qwen3-VL: its table), per layer the
+    biased linear layers of `vision_layer_shapes` and two norms (LayerNorm: weight and bias; RMSNorm: weight),
+    SigLIP's final LayerNorm, then the projector (`vision_projector_params`)."""
     tower = ARCHITECTURES[m.architecture].vision
     if tower is None:
         return 0
-    d, p, h, merge = m.vision_hidden_size, m.patch_size, m.hidden_size, m.vision_token_merge
-    shapes = vision_layer_shapes(m)
-    linear = sum(a * b for a, b in shapes.values())
-    biases = sum(b for _, b in shapes.values())
-    if tower.gated_mlp:
-        per_layer = linear + biases + 2 * d  # two RMSNorms
-        patch = 3 * 2 * p * p * d
-        merged = d * merge
-        projector = d + merged * merged + merged + merged * h + h
-        return patch + m.vision_layers * per_layer + projector
-    per_layer = linear + biases + 4 * d  # two LayerNorms
-    patch = 3 * p * p * d + d
-    positions = (m.image_size // p) ** 2 * d
-    return patch + positions + m.vision_layers * per_layer + 2 * d + d * merge * h
+    d, p = m.vision_hidden_size, m.patch_size
+    norm = 2 * d if tower.layer_norms else d
+    shapes = vision_layer_shapes(m).values()
+    per_layer = sum(a * b + b for a, b in shapes) + 2 * norm
+    patch = 3 * tower.temporal_patch * p * p * d + (d if tower.patch_bias else 0)
+    positions = (m.vision_positions or (m.image_size // p) ** 2) * d if tower.learned_positions else 0
+    final = norm if tower.final_norm else 0
+    return patch + positions + m.vision_layers * per_layer + final + vision_projector_params(m)
 
 
 def vision_lora_params(m: ModelConfig, method: MethodConfig) -> int:
     """`method.lora_vision`: r x (d_in + d_out) per encoder projection over its layers, plus the projector
-    trained whole (PEFT's modules_to_save); 0 otherwise."""
+    trained whole (PEFT's modules_to_save: Qwen3-VL's merger, not its deepstack mergers); 0 otherwise."""
     tower = ARCHITECTURES[m.architecture].vision
     if tower is None or not method.lora_vision:
         return 0
     per_layer = sum(method.lora_rank * (a + b) for a, b in vision_layer_shapes(m).values())
-    d, h, merge = m.vision_hidden_size, m.hidden_size, m.vision_token_merge
-    merged = d * merge
-    projector = d + merged * merged + merged + merged * h + h if tower.gated_mlp else merged * h
+    projector = vision_projector_params(replace(m, vision_deepstack=0))
     return m.vision_layers * per_layer + projector
 
 
@@ -205,9 +224,10 @@ def vision_note(m: ModelConfig, method: MethodConfig) -> Optional[str]:
     trains = "LoRA on the encoder, the projector whole" if method.lora_vision else "frozen"
     if method.spec.trains_base_weights:
         trains = "trained whole"
+    crops = f"{m.image_crops} crops x " if m.image_crops > 1 else ""
     return (
-        f"images: {m.image_tokens} tokens a picture at {m.image_size} px (({m.image_size} / {m.patch_size})^2 "
-        f"patches / {m.vision_token_merge}), counted in seq_len; vision encoder and projector "
+        f"images: {m.image_tokens} tokens a picture at {m.image_size} px ({crops}({m.image_size} / "
+        f"{m.patch_size})^2 patches / {m.vision_token_merge}), counted in seq_len; vision encoder and projector "
         f"{vision_params(m) / 1e9:,.3f} B parameters ({trains}); the encoder's activations are not modelled"
     )
 

@@ -86,10 +86,19 @@ class ModelConfig:
     vision_intermediate_size: int = 0
     # The encoder's patch side in pixels; the image side the processor resizes to (pixels, the longest
     # edge); how many encoder patches merge into one language-model token (Idefics3's scale_factor squared,
-    # Qwen2.5-VL's spatial_merge_size squared). Image tokens per image: (image_size / patch_size)^2 / merge.
+    # Qwen2.5-VL's spatial_merge_size squared; Gemma 3: the patches over its mm_tokens_per_image). Image tokens
+    # per image: image_crops x (image_size / patch_size)^2 / merge.
     patch_size: int = 14
     image_size: int = 0
     vision_token_merge: int = 4
+    # The pictures the encoder sees for one image: 1, or a processor that tiles each image into crops of
+    # image_size plus one downscaled whole view (SmolVLM: its `size` over its `max_image_size`, squared, + 1).
+    image_crops: int = 1
+    # An encoder's learned position table where it is not one entry a patch of image_size (Qwen3-VL's
+    # `num_position_embeddings`, interpolated to each picture's grid; 0: (image_size / patch_size)^2 or none),
+    # and Qwen3-VL's deepstack mergers (one per `deepstack_visual_indexes` entry, each the merger's shape).
+    vision_positions: int = 0
+    vision_deepstack: int = 0
     # Weights: safetensors only unless this is set (pickle files can run code).
     allow_pickle_weights: bool = False
     trust_remote_code: bool = False
@@ -129,8 +138,10 @@ class ModelConfig:
         if self.takes_images:
             for key in ("vision_hidden_size", "vision_layers", "vision_heads", "vision_intermediate_size"):
                 check_positive(f"model.{key}", getattr(self, key))
-            for key in ("patch_size", "image_size", "vision_token_merge"):
+            for key in ("patch_size", "image_size", "vision_token_merge", "image_crops"):
                 check_positive(f"model.{key}", getattr(self, key))
+            for key in ("vision_positions", "vision_deepstack"):
+                check_positive(f"model.{key}", getattr(self, key), allow_zero=True)
             if self.image_size % self.patch_size:
                 raise ConfigError(
                     f"model.image_size={self.image_size} must be a multiple of model.patch_size={self.patch_size}"
@@ -152,7 +163,7 @@ class ModelConfig:
         if not self.takes_images:
             return 0
         patches = (self.image_size // self.patch_size) ** 2
-        return patches // self.vision_token_merge
+        return self.image_crops * (patches // self.vision_token_merge)
 
     @property
     def expert_intermediate_size(self) -> int:
