@@ -375,3 +375,62 @@ def autocast_weight_copy_bytes(linear_params: int) -> int:
     with checkpointing only the layer being recomputed holds its copies.
     """
     return 2 * linear_params
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """A vision encoder layer's shape (`model.vision_*`): what its saved bytes per patch depend on."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    # Qwen2.5-VL's gated MLP (gate, up, act(gate): three intermediate-wide tensors) instead of fc1 / GELU / fc2
+    gated_mlp: bool = False
+
+    @classmethod
+    def of(cls, model: Any) -> VisionShape:
+        tower = ARCHITECTURES[model.architecture].vision
+        return cls(
+            hidden=model.vision_hidden_size,
+            intermediate=model.vision_intermediate_size,
+            heads=model.vision_heads,
+            gated_mlp=tower is not None and tower.gated_mlp,
+        )
+
+
+def norm_stats_bytes(run: LayerRun) -> int:
+    """A LayerNorm's saved mean and rstd per row: fp32 on CUDA, the input's dtype on the CPU (measured)."""
+    return 8 if run.device == "cuda" else 2 * run.dtype_bytes
+
+
+def vision_layer_bytes_per_patch(shape: VisionShape, run: LayerRun, *, adapted: bool) -> int:
+    """Bytes one vision encoder layer keeps for backward per patch, when a gradient runs through it.
+
+    Measured on Idefics3's SigLIP layer (scripts/measure_vision_activations.py, to the byte): two LayerNorms
+    each keep their input and its mean and rstd (`norm_stats_bytes`); SDPA keeps q, k, v, its output (out_proj's input
+    is the same storage) and an fp32 logsumexp per head (no mask: every patch of a resized picture is real);
+    GELU keeps fc1's output. `adapted` (`method.lora_vision`): LoRA on its six linear layers, whose adapters
+    keep their inputs (the LayerNorms' outputs and GELU's, shared in the adapters' dtype; else each adapter's
+    own cast copy: q, k, v and fc1 on the norms' outputs, out_proj on SDPA's, fc2 on GELU's) and their lora_A
+    outputs. Full fine-tuning keeps the same inputs for the weights' gradients, without the adapters. Frozen
+    (a gradient runs through only because the trainer makes the inputs require grad), the base linear layers
+    keep nothing but their weights. With `run.checkpointing`, the layer's input alone. Qwen2.5-VL's gated MLP
+    is modelled with an intermediate-wide tensor more (gate, up, act(gate)), not measured."""
+    d, f, c = shape.hidden, shape.intermediate, run.dtype_bytes
+    if run.checkpointing:
+        return c * d
+    mlp_outputs = 2 if shape.gated_mlp else 1  # what the activation keeps: fc1's output (gate and up)
+    kept = 2 * (c * d + norm_stats_bytes(run)) + 4 * c * d + 4 * shape.heads + mlp_outputs * c * f
+    full = METHODS[run.method].trains_base_weights
+    if not (adapted or full):
+        return kept
+    adapters = 6 if not shape.gated_mlp else 5
+    a = run.adapter_bytes
+    held = 2 if run.autocast and a == 4 else a  # what each lora_A keeps of its input (bf16 under autocast)
+    if full or a == c:
+        # the norms' outputs and the MLP's activation, shared by the q/k/v (qkv), fc1 (gate, up) and fc2 inputs
+        inputs = c * (2 * d + f)
+    else:
+        inputs = held * ((4 if shape.gated_mlp else 5) * d + f)
+    lora_a_outputs = 0 if full else adapters * run.lora_rank * held
+    return kept + inputs + lora_a_outputs

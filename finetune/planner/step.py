@@ -9,12 +9,15 @@ import math
 from finetune.planner.activations import (
     LayerRun,
     LayerShape,
+    VisionShape,
     attention_mask_bytes,
     autocast_weight_copy_bytes,
     expert_weights,
     folded_expert_bytes,
     layer_bytes_per_token,
     model_bytes_per_token,
+    norm_stats_bytes,
+    vision_layer_bytes_per_patch,
 )
 from finetune.planner.contract import Strategy
 from finetune.planner.job import (
@@ -119,6 +122,43 @@ def activations(job: Job, s: Strategy, rt: Runtime) -> float:
         held += m.num_layers * mask_bias(job, s, rt)
     held += m.num_layers * split_saved_per_token(job, s, rt) * tokens
     return held + m.num_layers * adapter_copies(job, rt)
+
+
+def vision_activations(job: Job, s: Strategy, rt: Runtime) -> float:
+    """What a vision-language model's encoder keeps for backward through the step (0 without an image side).
+
+    One picture a row (`micro_batch_rows` pictures a micro-batch), each `(image_size / patch_size)^2`
+    patches through every encoder layer. A frozen tower (LoRA without `method.lora_vision`) runs without
+    saving anything while nothing needs its gradient; with activation checkpointing the trainer makes every
+    input embedding's output require grad (transformers' `enable_input_require_grads` hooks the vision
+    embeddings too), so a gradient runs through the frozen encoder and each checkpointed layer keeps its
+    input. Adapted (`method.lora_vision`) or trained whole, each layer keeps its saved tensors
+    (`vision_layer_bytes_per_patch`), or its input when checkpointed. Then the final norm keeps its input
+    and statistics, a trained projector its input, full fine-tuning the patch embedding's pixels and the
+    positions' indices; adapted without checkpointing, the first layer's first norm keeps nothing (its input
+    needs no gradient). The encoder's backward is the step's last, so all of it is held at the loss's peak.
+    Measured to the byte on the CPU (scripts/measure_vision_activations.py); autocast's copies of the
+    encoder's adapters are counted with the others (`adapter_copies`)."""
+    m = job.model
+    if not m.takes_images:
+        return 0.0
+    adapted = job.method.lora_vision
+    trained = adapted or job.method.spec.trains_base_weights
+    if not (trained or s.activation_checkpointing):
+        return 0.0
+    patches = micro_batch_rows(job, s) * (m.image_size // m.patch_size) ** 2
+    run = layer_run(job, rt, s.activation_checkpointing)
+    layer = vision_layer_bytes_per_patch(VisionShape.of(m), run, adapted=adapted)
+    c, d = rt.compute, m.vision_hidden_size
+    norm = c * d + norm_stats_bytes(run)
+    tail = norm + (c * d if trained else 0)
+    if job.method.spec.trains_base_weights:
+        # the patch embedding's input (the picture's pixels) and the positions' int64 indices
+        tail += 3 * m.patch_size**2 * c + 8
+    elif adapted and not s.activation_checkpointing:
+        # the first layer's input (the frozen patch embeddings') needs no gradient: its first norm keeps nothing
+        tail -= norm
+    return float(patches * (m.vision_layers * layer + tail))
 
 
 # TRL's activation offloading (trl/models/activation_offloading.py) copies each saved tensor to pinned host
