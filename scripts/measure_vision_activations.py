@@ -160,7 +160,9 @@ def measure(overrides: tuple[str, ...], checkpointing: bool, images: int = 8) ->
         model, dtype = loading.load_for_training(cfg, sharded=False)
         processor = models.load_tokenizer(cfg.model)
         data = rows(processor, images, cfg.model.image_size, cfg.train.seq_len)
-        trainer = build_trainer(cfg, plan, run_dir, model, processor, Dataset.from_list(data), None, dtype, [])
+        trainer = build_trainer(
+            cfg, plan, run_dir, model, processor, Dataset.from_list(data), None, dtype, []
+        )
         model = trainer.model
         model.train()
         if checkpointing:  # what Trainer.train does before the first step
@@ -190,7 +192,9 @@ def measure(overrides: tuple[str, ...], checkpointing: bool, images: int = 8) ->
                 loss = trainer.compute_loss(model, batch)
             loss.backward()
             del loss
-    job = make_job(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.train.seq_len, objective=cfg.objective.spec)
+    job = make_job(
+        cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.train.seq_len, objective=cfg.objective.spec
+    )
     # allocated bytes (what LiveBytes counts), not the resident pages of a run's peak RSS
     rt = replace(runtime(job, s), resident=False)
     mem, _ = memory(job, s, rt)
@@ -204,7 +208,9 @@ def measure(overrides: tuple[str, ...], checkpointing: bool, images: int = 8) ->
 
 
 def main(argv: list[str]) -> int:
-    print("| case | encoder saved (measured) | planned | step (measured, MB) | planned | error | encoder share |")
+    print(
+        "| case | encoder saved (measured) | planned | step (measured, MB) | planned | error | encoder share |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, (overrides, checkpointing) in CASES.items():
         r = measure((*SHAPE, *overrides, *argv), checkpointing)

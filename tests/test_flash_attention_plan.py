@@ -18,7 +18,11 @@ T = 8192
 
 def job_and_strategy(attention: str):
     cfg, plan = planned(
-        "model=llama3_1_8b", "method=lora", "hardware=h100", f"train.seq_len={T}", f"train.attention={attention}"
+        "model=llama3_1_8b",
+        "method=lora",
+        "hardware=h100",
+        f"train.seq_len={T}",
+        f"train.attention={attention}",
     )
     s = replace(plan.strategy, activation_checkpointing=False, micro_batch_size=1, sequence_parallel=1)
     job = make_job(cfg.model, cfg.method, cfg.hardware, cfg.train, T, objective=cfg.objective.spec)

@@ -20,7 +20,9 @@ VLM = "+recipe=tiny_vlm"
 def planned_bytes(*overrides: str, checkpointing: bool = False) -> float:
     cfg, plan = planned(VLM, *overrides)
     s = replace(plan.strategy, activation_checkpointing=checkpointing)
-    job = make_job(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.train.seq_len, objective=cfg.objective.spec)
+    job = make_job(
+        cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.train.seq_len, objective=cfg.objective.spec
+    )
     return vision_activations(job, s, runtime(job, s))
 
 
@@ -58,7 +60,9 @@ def test_the_term_is_named_in_the_plan_and_its_table(capsys):
 
 def test_a_frozen_tower_keeps_nothing_without_checkpointing_whatever_the_batch():
     cfg, plan = planned(VLM, "method.lora_vision=false", "train.batch_size=32")
-    job = make_job(cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.train.seq_len, objective=cfg.objective.spec)
+    job = make_job(
+        cfg.model, cfg.method, cfg.hardware, cfg.train, cfg.train.seq_len, objective=cfg.objective.spec
+    )
     mem, _ = memory(job, plan.strategy)
     assert mem.vision_activations == 0.0
 

@@ -427,10 +427,9 @@ def vision_layer_bytes_per_patch(shape: VisionShape, run: LayerRun, *, adapted: 
     adapters = 6 if not shape.gated_mlp else 5
     a = run.adapter_bytes
     held = 2 if run.autocast and a == 4 else a  # what each lora_A keeps of its input (bf16 under autocast)
-    if full or a == c:
-        # the norms' outputs and the MLP's activation, shared by the q/k/v (qkv), fc1 (gate, up) and fc2 inputs
-        inputs = c * (2 * d + f)
-    else:
-        inputs = held * ((4 if shape.gated_mlp else 5) * d + f)
+    # shared: the norms' outputs and the MLP's activation, the q/k/v (qkv), fc1 (gate, up) and fc2 inputs; else
+    # each adapter's own cast copy of its input
+    shared = full or a == c
+    inputs = c * (2 * d + f) if shared else held * ((4 if shape.gated_mlp else 5) * d + f)
     lora_a_outputs = 0 if full else adapters * run.lora_rank * held
     return kept + inputs + lora_a_outputs

@@ -226,5 +226,7 @@ def tensors_gb(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> float:
     rt = rt or runtime(job, s)
     mem, _ = memory(job, s, rt)
     above = max(0.0, working_set(job, s, rt) - mem.logits * GB)
-    held = mem.weights + mem.trainable_state + mem.activations + mem.vision_activations + mem.logits + above / GB
+    held = (
+        mem.weights + mem.trainable_state + mem.activations + mem.vision_activations + mem.logits + above / GB
+    )
     return held + sum(gb for _, gb in mem.companions)
