@@ -207,6 +207,50 @@ def measure(overrides: tuple[str, ...], checkpointing: bool, images: int = 8) ->
     }
 
 
+def measure_qwen25vl_tower(images: int = 2, side: int = 8) -> dict[str, int]:
+    """Qwen2.5-VL's vision tower (transformers' own classes, random init, fp32, every weight trained: no
+    torchvision, which only its processor needs) on `images` pictures of side x side patches: the bytes autograd
+    saves in its forward, and the planner's for the same shape (full fine-tuning)."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from finetune.planner.activations import (
+        LayerRun,
+        VisionShape,
+        vision_layer_bytes_per_patch,
+        vision_tail_bytes_per_patch,
+    )
+
+    d, f, heads, depth, patch = 64, 128, 4, 2, 14
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=300, bos_token_id=0, eos_token_id=1,
+        ),
+        vision_config=dict(
+            depth=depth, hidden_size=d, intermediate_size=f, num_heads=heads, out_hidden_size=64,
+            patch_size=patch, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+            fullatt_block_indexes=[1],
+        ),
+    )  # fmt: skip
+    config.vision_config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    visual = Qwen2_5_VLForConditionalGeneration(config).float().train().model.visual
+    g = torch.Generator().manual_seed(1)
+    pixels = torch.randn(images * side * side, 3 * 2 * patch * patch, generator=g)
+    grid = torch.tensor([[1, side, side]] * images)
+    saved = EncoderSaved(visual, [visual])
+    with saved.hooks:
+        out = visual(pixels, grid_thw=grid)
+    measured = saved.held
+    del out
+    shape, run = VisionShape(d, f, heads, gated_mlp=True), LayerRun(method="full", dtype_bytes=4)
+    per_patch = depth * vision_layer_bytes_per_patch(shape, run, adapted=False) + vision_tail_bytes_per_patch(
+        shape, run, patch_pixels=3 * 2 * patch * patch, adapted=False, checkpointing=False
+    )
+    return {"measured": measured, "planned": images * side * side * per_patch}
+
+
 def main(argv: list[str]) -> int:
     print(
         "| case | encoder saved (measured) | planned | step (measured, MB) | planned | error | encoder share |"
@@ -219,6 +263,10 @@ def main(argv: list[str]) -> int:
             f"| {name} | {r['encoder_saved']:,} | {r['encoder_planned']:,.0f} | {r['step'] / 1e6:,.1f} | "
             f"{r['step_planned'] / 1e6:,.1f} | {100 * error:+.1f}% | {100 * r['vision_share']:.0f}% |"
         )
+    qwen = measure_qwen25vl_tower()
+    print(
+        f"\nQwen2.5-VL's tower, full fine-tuning in fp32: {qwen['measured']:,} bytes saved, {qwen['planned']:,} planned"
+    )
     return 0
 
 

@@ -82,3 +82,10 @@ def test_planned_step_within_5_percent_of_the_measured_one(tiny_cache, case):
     assert r["step_planned"] == pytest.approx(r["step"], rel=0.05)
     if case in ("lora_vision", "full"):
         assert r["vision_share"] > 0.25  # the encoder is a good share of what the check holds to 5%
+
+
+def test_qwen25vl_towers_saved_bytes_are_the_planned_ones():
+    """Qwen2.5-VL's vision tower (no torchvision needed without its processor), every weight trained in fp32:
+    its fused qkv, rotary, windowed SDPA, gated MLP and patch merger, to the byte."""
+    r = script_module("measure_vision_activations").measure_qwen25vl_tower()
+    assert r["measured"] == r["planned"] == 2_165_760

@@ -16,8 +16,8 @@ from finetune.planner.activations import (
     folded_expert_bytes,
     layer_bytes_per_token,
     model_bytes_per_token,
-    norm_stats_bytes,
     vision_layer_bytes_per_patch,
+    vision_tail_bytes_per_patch,
 )
 from finetune.planner.contract import Strategy
 from finetune.planner.job import (
@@ -148,16 +148,13 @@ def vision_activations(job: Job, s: Strategy, rt: Runtime) -> float:
         return 0.0
     patches = micro_batch_rows(job, s) * (m.image_size // m.patch_size) ** 2
     run = layer_run(job, rt, s.activation_checkpointing)
-    layer = vision_layer_bytes_per_patch(VisionShape.of(m), run, adapted=adapted)
-    c, d = rt.compute, m.vision_hidden_size
-    norm = c * d + norm_stats_bytes(run)
-    tail = norm + (c * d if trained else 0)
-    if job.method.spec.trains_base_weights:
-        # the patch embedding's input (the picture's pixels) and the positions' int64 indices
-        tail += 3 * m.patch_size**2 * c + 8
-    elif adapted and not s.activation_checkpointing:
-        # the first layer's input (the frozen patch embeddings') needs no gradient: its first norm keeps nothing
-        tail -= norm
+    shape = VisionShape.of(m)
+    layer = vision_layer_bytes_per_patch(shape, run, adapted=adapted)
+    # the patch embedding's input: three colours of a patch (Qwen2.5-VL's over two frames)
+    pixels = 3 * m.patch_size**2 * (2 if shape.gated_mlp else 1)
+    tail = vision_tail_bytes_per_patch(
+        shape, run, patch_pixels=pixels, adapted=adapted, checkpointing=s.activation_checkpointing
+    )
     return float(patches * (m.vision_layers * layer + tail))
 
 
