@@ -733,6 +733,7 @@ def test_plan_contract_fields():
         "logits",
         "attention",
         "overhead",
+        "vision_activations",
         "total",
     }
     assert set(d["disk_gb"]) == {"checkpoint", "export"}

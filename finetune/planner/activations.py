@@ -375,3 +375,112 @@ def autocast_weight_copy_bytes(linear_params: int) -> int:
     with checkpointing only the layer being recomputed holds its copies.
     """
     return 2 * linear_params
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """A vision encoder layer's shape (`model.vision_*`): what its saved bytes per patch depend on."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    # Qwen2.5-VL's gated MLP (gate, up, act(gate): three intermediate-wide tensors) instead of fc1 / GELU / fc2
+    gated_mlp: bool = False
+
+    @classmethod
+    def of(cls, model: Any) -> VisionShape:
+        tower = ARCHITECTURES[model.architecture].vision
+        return cls(
+            hidden=model.vision_hidden_size,
+            intermediate=model.vision_intermediate_size,
+            heads=model.vision_heads,
+            gated_mlp=tower is not None and tower.gated_mlp,
+        )
+
+
+def norm_stats_bytes(run: LayerRun) -> int:
+    """A LayerNorm's saved mean and rstd per row: fp32 on CUDA, the input's dtype on the CPU (measured)."""
+    return 8 if run.device == "cuda" else 2 * run.dtype_bytes
+
+
+def vision_layer_bytes_per_patch(shape: VisionShape, run: LayerRun, *, adapted: bool) -> int:
+    """Bytes one vision encoder layer keeps for backward per patch, when a gradient runs through it.
+
+    Measured on Idefics3's SigLIP layer (scripts/measure_vision_activations.py, to the byte): two LayerNorms
+    each keep their input and its mean and rstd (`norm_stats_bytes`); SDPA keeps q, k, v, its output (out_proj's
+    input is the same storage) and an fp32 logsumexp per head (no mask: every patch of a resized picture is
+    real); GELU keeps fc1's output. `adapted` (`method.lora_vision`): LoRA on its six linear layers, whose
+    adapters keep their inputs (the LayerNorms' outputs and GELU's, shared in the adapters' dtype; else each
+    adapter's own cast copy: q, k, v and fc1 on the norms' outputs, out_proj on SDPA's, fc2 on GELU's) and
+    their lora_A outputs. Full fine-tuning keeps the same inputs for the weights' gradients, without the
+    adapters. Frozen (a gradient runs through only because the trainer makes the inputs require grad), the base
+    linear layers keep nothing but their weights. With `run.checkpointing`, the layer's input alone. Qwen2.5-VL's
+    block: `_gated_layer_bytes`."""
+    d, f, c = shape.hidden, shape.intermediate, run.dtype_bytes
+    if run.checkpointing:
+        return c * d
+    if shape.gated_mlp:
+        return _gated_layer_bytes(shape, run, adapted=adapted)
+    kept = 2 * (c * d + norm_stats_bytes(run)) + 4 * c * d + 4 * shape.heads + c * f
+    full = METHODS[run.method].trains_base_weights
+    if not (adapted or full):
+        return kept
+    a = run.adapter_bytes
+    held = 2 if run.autocast and a == 4 else a  # what each lora_A keeps of its input (bf16 under autocast)
+    # shared: the norms' outputs and GELU's, the q/k/v, fc1 and fc2 inputs; else each adapter's own cast copy
+    inputs = c * (2 * d + f) if full or a == c else held * (5 * d + f)
+    lora_a_outputs = 0 if full else 6 * run.lora_rank * held
+    return kept + inputs + lora_a_outputs
+
+
+def _gated_layer_bytes(shape: VisionShape, run: LayerRun, *, adapted: bool) -> int:
+    """Qwen2.5-VL's vision block per patch: two RMSNorms (each its fp32 input and rsqrt; under full fine-tuning
+    also its normalized input and output), the fused qkv's output (SDPA keeps v as a view of it), q and k after
+    rotary, SDPA's output per window and fp32 logsumexp per head, the windows' outputs joined (proj's input),
+    and the gated MLP's gate, up and act(gate) (and act(gate) x up, down's input). Measured to the byte for full
+    fine-tuning in fp32 on a 2-block tower (transformers' Qwen2_5_VisionTransformerPretrainedModel, SDPA, on the
+    CPU); LoRA follows the same inputs as Idefics3's layer (qkv, proj, gate, up, down), not measured."""
+    d, f, c = shape.hidden, shape.intermediate, run.dtype_bytes
+    norms = 2 * (4 * d + 4)
+    attention = 3 * c * d + 2 * c * d + c * d + 4 * shape.heads
+    mlp = 3 * c * f
+    kept = norms + attention + mlp
+    full = METHODS[run.method].trains_base_weights
+    if full:
+        # the norms' normalized inputs and outputs, proj's input, down's input
+        return kept + 2 * 2 * c * d + c * d + c * f
+    if not adapted:
+        return kept
+    a = run.adapter_bytes
+    held = 2 if run.autocast and a == 4 else a
+    inputs = c * (2 * d + d + f) if a == c else held * (4 * d + f)
+    return kept + inputs + 5 * run.lora_rank * held
+
+
+def vision_tail_bytes_per_patch(
+    shape: VisionShape, run: LayerRun, *, patch_pixels: int, adapted: bool, checkpointing: bool
+) -> int:
+    """What the encoder keeps per patch besides its layers, when a gradient runs through it: the final norm
+    (Idefics3's post-LayerNorm, Qwen2.5-VL's merger RMSNorm) and a trained projector's inputs; under full
+    fine-tuning the patch embedding's input (`patch_pixels` values a patch) and Idefics3's int64 positions.
+    Adapted without checkpointing, Idefics3's first layer's first norm keeps nothing (its input, the frozen
+    patch embeddings', needs no gradient). Qwen2.5-VL also keeps its rotary cos and sin (fp32, head_dim
+    each) and two int64 window orders a merged token. Measured: Idefics3's for every case of
+    `vision_layer_bytes_per_patch`; Qwen2.5-VL's for full fine-tuning in fp32."""
+    d, c = shape.hidden, run.dtype_bytes
+    full = METHODS[run.method].trains_base_weights
+    trained = full or adapted
+    if shape.gated_mlp:
+        rotary = 2 * 4 * (d // shape.heads)
+        # the merger's RMSNorm (input, rsqrt), its MLP's GELU input; trained: the norm's normalized input and
+        # output (the MLP's input) and the second linear's input
+        merger = 4 * d + 4 + (4 * c * d if trained else c * d)
+        pixels = patch_pixels * c if full else 0
+        return rotary + 4 + merger + pixels
+    norm = c * d + norm_stats_bytes(run)
+    tail = norm + (c * d if trained else 0)
+    if full:
+        tail += patch_pixels * c + 8
+    elif adapted and not checkpointing:
+        tail -= norm
+    return tail

@@ -58,9 +58,10 @@ def choose(
 
 def takes_mask(s: Strategy) -> bool:
     """Whether each layer turns the packed rows' boolean mask into a [T, T] bias (SDPA does; FlexAttention takes
-    a block mask, eager attention the model's float mask, `path_bytes`). A sequence split drops the mask
-    (causality from position_ids)."""
-    return s.split is None and s.attention not in ("flex", "eager")
+    a block mask, eager attention the model's float mask, `path_bytes`; flash-attn none: the collator flattens
+    the rows and its variable-length kernel reads the samples' bounds from position_ids). A sequence split drops
+    the mask (causality from position_ids)."""
+    return s.split is None and s.attention not in ("flex", "eager", "flash")
 
 
 def block_mask_bytes(*, tokens: int, rows: int) -> int:

@@ -117,6 +117,9 @@ class Memory:
     logits: float
     attention: float
     overhead: float
+    # A vision-language model's encoder activations (finetune/planner/step.py's `vision_activations`); 0 without
+    # an image side, and then left out of the plan's table.
+    vision_activations: float = 0.0
     # The frozen companion models' terms (finetune/planner/companions.py): ("companion:ROLE", GB) each.
     companions: tuple[tuple[str, float], ...] = ()
 
@@ -129,16 +132,19 @@ class Memory:
             + self.logits
             + self.attention
             + self.overhead
+            + self.vision_activations
             + sum(gb for _, gb in self.companions)
         )
 
     def terms(self) -> list[tuple[str, float]]:
-        """Every term by name, the companions' after the six of every plan."""
+        """Every term by name, the companions' after the six of every plan (the vision encoder's where a model has
+        one)."""
         fixed = [(f.name, getattr(self, f.name)) for f in fields(self) if f.name != "companions"]
-        return fixed + list(self.companions)
+        return [(k, v) for k, v in fixed if k != "vision_activations" or v] + list(self.companions)
 
     def as_dict(self) -> dict[str, float]:
-        d = {k: round(v, 3) for k, v in self.terms()}
+        fixed = [(f.name, getattr(self, f.name)) for f in fields(self) if f.name != "companions"]
+        d = {k: round(v, 3) for k, v in fixed + list(self.companions)}
         d["total"] = round(self.total, 3)
         return d
 

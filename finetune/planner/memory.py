@@ -63,6 +63,7 @@ from finetune.planner.step import (
     offloaded_activation_bytes,
     once_per_token,
     split_saved_per_token,
+    vision_activations,
 )
 from finetune.planner.weights import (
     load_gpu_bytes,
@@ -137,7 +138,8 @@ def fluctuating(job: Job, s: Strategy, rt: Runtime) -> float:
     gradients): what the allocator's reserved-but-unused share scales with (`allocator_fraction`), unlike the
     weights and states allocated once."""
     loss = loss_peak(job, s, rt)
-    return _fluctuating(job, s, rt, activations(job, s, rt), loss, _above_loss(job, s, rt, loss))
+    acts = activations(job, s, rt) + vision_activations(job, s, rt)
+    return _fluctuating(job, s, rt, acts, loss, _above_loss(job, s, rt, loss))
 
 
 def _above_loss(job: Job, s: Strategy, rt: Runtime, loss: float) -> float:
@@ -181,6 +183,7 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
     weights_gpu, weights_host = weights_gpu + ref_gpu, weights_host + ref_host
     state_gpu, state_host = trainable_state(job, s, rt)
     acts = activations(job, s, rt)
+    vision = vision_activations(job, s, rt)
     loss = loss_peak(job, s, rt)
     dev = job.device
     above = _above_loss(job, s, rt, loss)
@@ -196,7 +199,7 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
         dev.fixed_gb * GB
         + above
         - masks
-        + dev.allocator_fraction * _fluctuating(job, s, rt, acts, loss, above)
+        + dev.allocator_fraction * _fluctuating(job, s, rt, acts + vision, loss, above)
         + retained_heap(job, s, rt)
     )
     rows = micro_batch_rows(job, s)
@@ -210,6 +213,7 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
         logits=loss / GB,
         attention=(masks + path) / GB,
         overhead=overhead / GB,
+        vision_activations=vision / GB,
         companions=tuple((name, held / GB) for name, held in companion_terms),
     )
     companions_host = companions.host_bytes(job.companions, s, rt.compute, state_shards(job, s))
@@ -222,5 +226,7 @@ def tensors_gb(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> float:
     rt = rt or runtime(job, s)
     mem, _ = memory(job, s, rt)
     above = max(0.0, working_set(job, s, rt) - mem.logits * GB)
-    held = mem.weights + mem.trainable_state + mem.activations + mem.logits + above / GB
+    held = (
+        mem.weights + mem.trainable_state + mem.activations + mem.vision_activations + mem.logits + above / GB
+    )
     return held + sum(gb for _, gb in mem.companions)

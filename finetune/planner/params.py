@@ -228,7 +228,8 @@ def vision_note(m: ModelConfig, method: MethodConfig) -> Optional[str]:
     return (
         f"images: {m.image_tokens} tokens a picture at {m.image_size} px ({crops}({m.image_size} / "
         f"{m.patch_size})^2 patches / {m.vision_token_merge}), counted in seq_len; vision encoder and projector "
-        f"{vision_params(m) / 1e9:,.3f} B parameters ({trains}); the encoder's activations are not modelled"
+        f"{vision_params(m) / 1e9:,.3f} B parameters ({trains}); the encoder's activations are planned for one "
+        f"picture a row (the vision_activations term)"
     )
 
 

@@ -9,12 +9,15 @@ import math
 from finetune.planner.activations import (
     LayerRun,
     LayerShape,
+    VisionShape,
     attention_mask_bytes,
     autocast_weight_copy_bytes,
     expert_weights,
     folded_expert_bytes,
     layer_bytes_per_token,
     model_bytes_per_token,
+    vision_layer_bytes_per_patch,
+    vision_tail_bytes_per_patch,
 )
 from finetune.planner.contract import Strategy
 from finetune.planner.job import (
@@ -119,6 +122,40 @@ def activations(job: Job, s: Strategy, rt: Runtime) -> float:
         held += m.num_layers * mask_bias(job, s, rt)
     held += m.num_layers * split_saved_per_token(job, s, rt) * tokens
     return held + m.num_layers * adapter_copies(job, rt)
+
+
+def vision_activations(job: Job, s: Strategy, rt: Runtime) -> float:
+    """What a vision-language model's encoder keeps for backward through the step (0 without an image side).
+
+    One picture a row (`micro_batch_rows` pictures a micro-batch), each `image_crops x (image_size / patch_size)^2`
+    patches through every encoder layer. A frozen tower (LoRA without `method.lora_vision`) runs without
+    saving anything while nothing needs its gradient; with activation checkpointing the trainer makes every
+    input embedding's output require grad (transformers' `enable_input_require_grads` hooks the vision
+    embeddings too), so a gradient runs through the frozen encoder and each checkpointed layer keeps its
+    input. Adapted (`method.lora_vision`) or trained whole, each layer keeps its saved tensors
+    (`vision_layer_bytes_per_patch`), or its input when checkpointed. Then the final norm keeps its input
+    and statistics, a trained projector its input, full fine-tuning the patch embedding's pixels and the
+    positions' indices; adapted without checkpointing, the first layer's first norm keeps nothing (its input
+    needs no gradient). The encoder's backward is the step's last, so all of it is held at the loss's peak.
+    Measured to the byte on the CPU (scripts/measure_vision_activations.py); autocast's copies of the
+    encoder's adapters are counted with the others (`adapter_copies`)."""
+    m = job.model
+    if not m.takes_images:
+        return 0.0
+    adapted = job.method.lora_vision
+    trained = adapted or job.method.spec.trains_base_weights
+    if not (trained or s.activation_checkpointing):
+        return 0.0
+    patches = micro_batch_rows(job, s) * m.image_crops * (m.image_size // m.patch_size) ** 2
+    run = layer_run(job, rt, s.activation_checkpointing)
+    shape = VisionShape.of(m)
+    layer = vision_layer_bytes_per_patch(shape, run, adapted=adapted)
+    # the patch embedding's input: three colours of a patch (Qwen2.5-VL's over two frames)
+    pixels = 3 * m.patch_size**2 * (2 if shape.gated_mlp else 1)
+    tail = vision_tail_bytes_per_patch(
+        shape, run, patch_pixels=pixels, adapted=adapted, checkpointing=s.activation_checkpointing
+    )
+    return float(patches * (m.vision_layers * layer + tail))
 
 
 # TRL's activation offloading (trl/models/activation_offloading.py) copies each saved tensor to pinned host

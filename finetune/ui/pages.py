@@ -18,7 +18,10 @@ from finetune.ui.runs import RunView
 
 # plan.json's memory terms (the contract's `Memory` fields), bottom of the stack first, with their colours.
 TERMS = tuple(
-    zip((f.name for f in fields(Memory)), ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#9c9c9c", "#76b7b2"))
+    zip(
+        (f.name for f in fields(Memory)),
+        ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#9c9c9c", "#76b7b2", "#edc948"),
+    )
 )
 
 
