@@ -57,6 +57,9 @@ class Job:
     # Full fine-tuning's reference: precomputed log-probabilities (True), a frozen copy (False), or the
     # planner's choice on memory and time (None; `objective.reference=auto`).
     precompute_reference: Optional[bool] = None
+    # A `when_kl` reference runs (the settings' KL coefficient is above 0: GRPO's and RLOO's beta), its
+    # log-probabilities taken in the rollout, before the training forward.
+    kl_reference: bool = False
     # data.packing: rows packed from several samples (a sequence split must keep them apart)
     packing: bool = True
     # The frozen models beside the policy (a teacher, a reward model), resolved to their shapes.
@@ -90,7 +93,12 @@ class Job:
         job = make_job(
             **settings, cal=self.cal, plan=self.plan, objective=self.objective, packing=self.packing
         )
-        return replace(job, precompute_reference=self.precompute_reference, companions=self.companions)
+        return replace(
+            job,
+            precompute_reference=self.precompute_reference,
+            kl_reference=self.kl_reference,
+            companions=self.companions,
+        )
 
 
 def make_job(
