@@ -80,7 +80,7 @@ def assert_shows(shown: dict[str, Any], payload: dict[str, Any]) -> None:
     )
     assert int(shown["seq_len"]) == payload["seq_len"]
     assert {k: number(v) for k, v in shown["terms"].items()} == {
-        **{k: memory[k] for k in (*(term for term, _ in TERMS), "total")},
+        **memory,  # the six terms, the companions' (companion:ROLE) and the total
         "usable": payload["usable_gpu_memory_gb"],
     }
     assert {k: v for k, v in shown["strategy"].items() if k != "layout"} == {

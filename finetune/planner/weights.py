@@ -140,7 +140,7 @@ def load_gpu_bytes(job: Job, s: Strategy) -> float:
         return 0.0
     rt = runtime(job, s)
     largest = max(d_in * d_out for d_in, d_out in projection_shapes(job.model).values())
-    return _base_bytes(job, rt) + rt.compute * largest + job.device.fixed_gb * GB
+    return _base_bytes(job, rt) + rt.compute * largest + job.device.fixed_gb * GB + job.library_imports
 
 
 def one_layer_params(c: ParamCounts) -> int:
