@@ -73,4 +73,6 @@ def test_the_calibrated_import_is_what_the_worker_holds(library):
     others = tuple(name for name in Calibration.default().cpu.library_imports_gb if name != library)
     present, hidden = _worker_import_rss(others), _worker_import_rss((library, *others))
     measured = (present - hidden) / GB
-    assert measured == pytest.approx(Calibration.default().cpu.library_imports_gb[library], abs=0.006), measured
+    assert measured == pytest.approx(Calibration.default().cpu.library_imports_gb[library], abs=0.006), (
+        measured
+    )

@@ -6,9 +6,10 @@ on the seven projections, fp32 on the CPU, completions of at most 8 tokens, tran
 trainer, beta = 0.05 so the reference forward runs: TRL's "ref" copy of the starting adapter, under no_grad
 in the rollout) through `mode=data` then `mode=train` (the worker process, 3 steps), and `+recipe=tiny_grpo`
 the same way. The plan is made at the rows TRL trains on (the longest kept prompt + max_completion_length).
-Measured: RLOO 0.710 GB, GRPO 0.709 GB, both planned at 0.674 GB (+5.3% over the plan, GRPO's as RLOO's): what
-RLOO runs beyond GRPO (the policy's and the reference's log-probabilities in every rollout) adds nothing to the
-peak; the plan's gap is the CPU's fixed share (finetune/planner/MEMORY_MODEL.md, "RLOO's training side").
+Measured: RLOO 0.710 GB, GRPO 0.709 GB, both planned at 0.730 GB (the plan 2.8% over; 0.674, 5.3% under, before
+it counted the worker's imports of the installed mlflow and wandb, finetune/planner/MEMORY_MODEL.md section 6):
+what RLOO runs beyond GRPO (the policy's and the reference's log-probabilities in every rollout) adds nothing to
+the peak.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _three_steps(tmp_path: Path, recipe: str) -> tuple[dict, dict]:
 
 
 @pytest.mark.slow  # two data stages and two workers of 3 steps: about 3 minutes on 2 shared cores
-def test_cpu_step_peak_is_grpo_s_and_within_6_percent_of_the_plan(tiny_cache: Path, tmp_path: Path) -> None:
+def test_cpu_step_peak_is_grpo_s_and_within_5_percent_of_the_plan(tiny_cache: Path, tmp_path: Path) -> None:
     plan, train = _three_steps(tmp_path, "tiny_rloo")
     # one micro-batch of the step's 8 completions (2 groups of 4), at the rows TRL forms
     assert (plan["strategy"]["micro_batch_size"], plan["strategy"]["grad_accum_steps"]) == (8, 1)
@@ -45,7 +46,7 @@ def test_cpu_step_peak_is_grpo_s_and_within_6_percent_of_the_plan(tiny_cache: Pa
     grpo_plan, grpo = _three_steps(tmp_path, "tiny_grpo")
     assert grpo_plan["gpu_memory_gb"] == plan["gpu_memory_gb"]
     assert train["peak_memory_gb"] == pytest.approx(grpo["peak_memory_gb"], rel=0.02)
-    assert train["peak_memory_gb"] == pytest.approx(train["planned_memory_gb"], rel=0.06)
+    assert train["peak_memory_gb"] == pytest.approx(train["planned_memory_gb"], rel=0.05)
 
 
 def test_completions_come_in_whole_groups_and_the_rollout_is_planned_as_grpo_s(tmp_path: Path) -> None:

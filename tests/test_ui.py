@@ -287,9 +287,9 @@ def test_the_memory_bar_stacks_the_teacher_on_the_policy_s_terms(app, tmp_path):
     status, source = app.plan("recipe=llama8b_distill")
     assert status == 200
     page = Page(source)
-    assert number(page.cells(page.one("tr", within=page.one(id="terms"), data_term="companion:teacher"))[-1]) == (
-        teacher
-    )
+    assert number(
+        page.cells(page.one("tr", within=page.one(id="terms"), data_term="companion:teacher"))[-1]
+    ) == (teacher)
     bars = page.one(id="bars")
     segments = [e for e in page.all("rect", within=bars) if "term" in e.attrs.get("class", "")]
     assert [e.attrs["data-term"] for e in segments][-1] == "companion:teacher"

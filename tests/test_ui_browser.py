@@ -28,7 +28,6 @@ from helpers import HOSTILE, REPO, command_line_plan, fake_run_dir
 
 from finetune.core.config import UiConfig
 from finetune.ui import server
-from finetune.ui.pages import TERMS
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [

@@ -275,7 +275,11 @@ class ObjectiveSpec:
 
     def kl_reference(self, settings: Any) -> bool:
         """A `when_kl` reference runs under these `objective` settings (its KL coefficient is above 0)."""
-        return self.reference == "when_kl" and self.kl_setting is not None and getattr(settings, self.kl_setting) > 0
+        return (
+            self.reference == "when_kl"
+            and self.kl_setting is not None
+            and getattr(settings, self.kl_setting) > 0
+        )
 
     @property
     def generates_text(self) -> bool:
