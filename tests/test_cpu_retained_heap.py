@@ -43,7 +43,8 @@ def test_full_fine_tuning_and_cuda_retain_nothing():
     assert retained_heap(job, s, runtime(job, s)) == 0.0
     # full fine-tuning's CPU overhead is the process (with the installed libraries' imports) and the working set
     # above the loss alone
-    assert plan.gpu_memory.overhead == pytest.approx(CAL.cpu.fixed_gb + job.library_imports / GB, abs=0.01)
+    imports = sum(CAL.cpu.library_imports_gb[name] for name in CAL.installed("cpu"))
+    assert plan.gpu_memory.overhead == pytest.approx(CAL.cpu.fixed_gb + imports, abs=0.01)
     _, plan, job, s = _job_and_strategy("+recipe=tiny", "hardware=h100")
     assert plan.hardware.device == "cuda" and CAL.cuda.retained_adapter_outputs == 0.0
     assert retained_heap(job, s, runtime(job, s)) == 0.0
