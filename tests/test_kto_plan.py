@@ -33,11 +33,11 @@ def _run(root: Path, method: str) -> tuple[dict, dict]:
     return train, plan
 
 
-# Measured (4 steps, the worker's VmHWM, mlflow and wandb installed as CI installs them): LoRA 0.793-0.817 GB against
-# 0.827 planned (+1.2% to +4.3%; LoRA's peak varies ~25 MB between runs with the heap glibc keeps), full
-# fine-tuning 0.786-0.793 GB against 0.796 (+0.4% to +1.3%). Before the plan counted the worker's imports of
-# those libraries (memory.library_imports: DeepSpeed's import brings mlflow's, TRL's trainers wandb's, 56 MB),
-# the full run was 6.3% above its plan of 0.740, as SFT's and DPO's full runs were above theirs.
+# Measured (4 steps, the worker's VmHWM, mlflow and wandb installed as CI installs them): LoRA 0.807 GB against
+# 0.828 planned (earlier runs 0.789-0.817: LoRA's peak varies ~25 MB with the heap glibc keeps), full fine-tuning
+# 0.794 GB against 0.795. Before the plan counted the worker's imports of those libraries (memory.library_imports:
+# DeepSpeed's import brings mlflow's, TRL's trainers wandb's, 56 MB) the full run held 0.793 GB against 0.740
+# (6.7% above), as SFT's and DPO's full runs were above theirs.
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_tiny_kto_peak_is_planned(tmp_path, tiny_cache, method):
     train, plan = _run(tmp_path, method)
