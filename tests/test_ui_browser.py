@@ -166,6 +166,25 @@ def test_the_form_plans_what_the_shown_command_plans(site, page, tmp_path):
     assert shared.evaluate(SHOWN) == shown
 
 
+def test_the_teacher_is_a_segment_of_the_bar_and_a_row_of_the_terms(site, page, tmp_path):
+    """A distillation plan's teacher (`companion:teacher`) as the browser draws it: its row holds plan.json's figure,
+    its bar segment is drawn last, as wide for its GB as the other segments are for theirs."""
+    base, _ = site
+    page.goto(base + "/?recipe=llama8b_distill")
+    expected = command_line_plan(tmp_path, "+recipe=llama8b_distill")
+    shown = page.evaluate(SHOWN)
+    assert_shows(shown, expected)
+    teacher = expected["gpu_memory_gb"]["companion:teacher"]
+    assert number(shown["terms"]["companion:teacher"]) == teacher > 1.0
+    segments = page.evaluate(
+        """() => [...document.querySelectorAll("#bars rect.term")].map((r) => [r.dataset.term, r.getBBox().width])"""
+    )
+    assert segments[-1][0] == "companion:teacher" and segments[-1][1] > 0
+    per_gb = segments[-1][1] / teacher
+    total = sum(width for _, width in segments) / per_gb
+    assert total == pytest.approx(expected["gpu_memory_gb"]["total"], abs=0.01)
+
+
 def test_auto_hardware_picks_what_the_command_line_picks(site, page, tmp_path):
     base, _ = site
     page.goto(base + "/?recipe=llama70b_qlora&dataset_tokens=100000000")
