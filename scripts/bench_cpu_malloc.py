@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -137,20 +138,34 @@ def _by_row(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
     return groups
 
 
-def fit(runs: list[dict]) -> dict[str, float]:
+def fit(runs: list[dict], imports: Optional[float] = None) -> dict[str, float]:
     """cpu.fixed_gb, allocator_fraction and retained_adapter_outputs from the glibc-default runs.
 
     The process's share: the largest peak beyond the tensors of any full fine-tuning run (no adapters, so no
-    retained outputs). The fluctuating share: 0, since the full rows' peak beyond the tensors does not grow with
+    retained outputs), less the installed optional libraries' imports (`imports` GB; None: those installed here,
+    cpu.library_imports_gb). The fluctuating share: 0, since the full rows' peak beyond the tensors does not grow with
     their fluctuating bytes (measured at 0.06 and 0.19 GB). The adapters' retained outputs: the smallest share of
     their heap-sized outputs that keeps every adapter row's plan at most FIT_UNDER under its median peak.
     """
     default = {row: rs for (row, side), rs in _by_row(runs).items() if side == "default"}
+    if imports is None:  # the installed optional libraries' imports: their own term, not the process's
+        from finetune.planner.calibration import Calibration
+
+        cal = Calibration.default()
+        imports = sum(cal.cpu.library_imports_gb[name] for name in cal.installed("cpu"))
     fixed = max(
-        r["peak_gb"] - r["tensors_gb"] for rs in default.values() for r in rs if not r["adapter_outputs_gb"]
+        r["peak_gb"] - r["tensors_gb"] - imports
+        for rs in default.values()
+        for r in rs
+        if not r["adapter_outputs_gb"]
     )
     needed = [
-        ((1 - FIT_UNDER) * statistics.median(r["peak_gb"] for r in rs) - fixed - rs[0]["tensors_gb"])
+        (
+            (1 - FIT_UNDER) * statistics.median(r["peak_gb"] for r in rs)
+            - fixed
+            - imports
+            - rs[0]["tensors_gb"]
+        )
         / rs[0]["adapter_outputs_gb"]
         for rs in default.values()
         if rs[0]["adapter_outputs_gb"]

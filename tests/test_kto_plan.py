@@ -33,16 +33,15 @@ def _run(root: Path, method: str) -> tuple[dict, dict]:
     return train, plan
 
 
-# LoRA (the recipe's method) within 5%. Full fine-tuning's peak is 5.9% (precomputed reference) to 6.6% (a frozen
-# copy) above its plan: about 50 MB of heap that no planned term holds, the same with and without the reference
-# copy, so not the reference's; the SFT and DPO full runs are within +0.2% and +1.4%, so it comes with KTO's
-# extra forwards under no_grad (MEMORY_MODEL.md, "KTO"), not yet modelled.
-# LoRA's peak varies between runs by ~25 MB (0.793 to 0.817 GB measured against 0.771 planned), full
-# fine-tuning holds ~50 MB the plan does not model (MEMORY_MODEL.md, KTO)
-@pytest.mark.parametrize("method, rel", [("lora", 0.07), ("full", 0.08)])
-def test_tiny_kto_peak_is_planned(tmp_path, tiny_cache, method, rel):
+# Measured (4 steps, the worker's VmHWM, mlflow and wandb installed as CI installs them): LoRA 0.807 GB against
+# 0.828 planned (earlier runs 0.789-0.817: LoRA's peak varies ~25 MB with the heap glibc keeps), full fine-tuning
+# 0.794 GB against 0.795. Before the plan counted the worker's imports of those libraries (memory.library_imports:
+# DeepSpeed's import brings mlflow's, TRL's trainers wandb's, 56 MB) the full run held 0.793 GB against 0.740
+# (6.7% above), as SFT's and DPO's full runs were above theirs.
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_tiny_kto_peak_is_planned(tmp_path, tiny_cache, method):
     train, plan = _run(tmp_path, method)
     assert train["steps"] == STEPS and train["engine"]["loss"] == "trl"
     assert plan["strategy"]["micro_batch_size"] == 32 and plan["seq_len"] == 44  # the longest bundled example
     planned, measured = plan["gpu_memory_gb"]["total"], train["peak_memory_gb"]
-    assert measured == pytest.approx(planned, rel=rel), (method, planned, measured)
+    assert measured == pytest.approx(planned, rel=0.05), (method, planned, measured)

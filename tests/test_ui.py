@@ -107,9 +107,11 @@ def assert_shows(source: str, payload: dict) -> None:
     assert int(page.one(id="seq-len").text) == payload["seq_len"]
     assert int(number(page.one(id="trainable").text)) == payload["params"]["trainable"]
     terms = page.one(id="terms")
-    for term, _ in TERMS:
+    held = {k: v for k, v in payload["gpu_memory_gb"].items() if k != "total"}  # companions' terms too
+    assert {t for t, _ in TERMS} <= set(held)
+    for term, value in held.items():
         shown = page.cells(page.one("tr", within=terms, data_term=term))[-1]
-        assert number(shown) == payload["gpu_memory_gb"][term], term
+        assert number(shown) == value, term
     strategy = page.one(id="strategy")
     for key, value in payload["strategy"].items():
         assert page.cells(page.one("tr", within=strategy, data_key=key)) == [key, str(value)]
@@ -273,6 +275,29 @@ def test_user_text_is_escaped(app):
     assert HOSTILE not in source and html.escape(HOSTILE) in source
     status, source = app.plan(urlencode({"method": HOSTILE}))
     assert status == 400 and HOSTILE not in source and html.escape(HOSTILE[:60]) in source
+
+
+def test_the_memory_bar_stacks_the_teacher_on_the_policy_s_terms(app, tmp_path):
+    """A distillation plan's teacher (`companion:teacher`: its weights and forward, 70B sharded for the 8B student)
+    is a segment of the bar and a row of the table, as plan.json holds it; the bar's segments add up to the
+    total."""
+    expected = command_line_plan(tmp_path, "+recipe=llama8b_distill")
+    teacher = expected["gpu_memory_gb"]["companion:teacher"]
+    assert teacher > 1.0
+    status, source = app.plan("recipe=llama8b_distill")
+    assert status == 200
+    page = Page(source)
+    assert number(
+        page.cells(page.one("tr", within=page.one(id="terms"), data_term="companion:teacher"))[-1]
+    ) == (teacher)
+    bars = page.one(id="bars")
+    segments = [e for e in page.all("rect", within=bars) if "term" in e.attrs.get("class", "")]
+    assert [e.attrs["data-term"] for e in segments][-1] == "companion:teacher"
+    assert segments[-1].text == f"companion:teacher: {teacher:,.3f} GB"
+    width = {e.attrs["data-term"]: float(e.attrs["width"]) for e in segments}
+    scale = width["companion:teacher"] / teacher  # SVG units a GB, the same for every segment
+    assert sum(width.values()) / scale == pytest.approx(expected["gpu_memory_gb"]["total"], abs=0.01)
+    assert float(segments[-1].attrs["x"]) == pytest.approx(sum(list(width.values())[:-1]), abs=0.05)
 
 
 # ---------------------------------------------------------------- the runs pages

@@ -28,7 +28,6 @@ from helpers import HOSTILE, REPO, command_line_plan, fake_run_dir
 
 from finetune.core.config import UiConfig
 from finetune.ui import server
-from finetune.ui.pages import TERMS
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -80,7 +79,7 @@ def assert_shows(shown: dict[str, Any], payload: dict[str, Any]) -> None:
     )
     assert int(shown["seq_len"]) == payload["seq_len"]
     assert {k: number(v) for k, v in shown["terms"].items()} == {
-        **{k: memory[k] for k in (*(term for term, _ in TERMS), "total")},
+        **memory,  # the six terms, the companions' (companion:ROLE) and the total
         "usable": payload["usable_gpu_memory_gb"],
     }
     assert {k: v for k, v in shown["strategy"].items() if k != "layout"} == {
@@ -165,6 +164,25 @@ def test_the_form_plans_what_the_shown_command_plans(site, page, tmp_path):
     shared = page.context.new_page()
     shared.goto(page.url)
     assert shared.evaluate(SHOWN) == shown
+
+
+def test_the_teacher_is_a_segment_of_the_bar_and_a_row_of_the_terms(site, page, tmp_path):
+    """A distillation plan's teacher (`companion:teacher`) as the browser draws it: its row holds plan.json's figure,
+    its bar segment is drawn last, as wide for its GB as the other segments are for theirs."""
+    base, _ = site
+    page.goto(base + "/?recipe=llama8b_distill")
+    expected = command_line_plan(tmp_path, "+recipe=llama8b_distill")
+    shown = page.evaluate(SHOWN)
+    assert_shows(shown, expected)
+    teacher = expected["gpu_memory_gb"]["companion:teacher"]
+    assert number(shown["terms"]["companion:teacher"]) == teacher > 1.0
+    segments = page.evaluate(
+        """() => [...document.querySelectorAll("#bars rect.term")].map((r) => [r.dataset.term, r.getBBox().width])"""
+    )
+    assert segments[-1][0] == "companion:teacher" and segments[-1][1] > 0
+    per_gb = segments[-1][1] / teacher
+    total = sum(width for _, width in segments) / per_gb
+    assert total == pytest.approx(expected["gpu_memory_gb"]["total"], abs=0.01)
 
 
 def test_auto_hardware_picks_what_the_command_line_picks(site, page, tmp_path):

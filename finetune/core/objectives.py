@@ -215,6 +215,8 @@ class ObjectiveSpec:
     # (no second copy); with full fine-tuning a frozen copy or precomputed log-probabilities (the planner
     # chooses, or the settings' `reference`).
     reference: str = "none"
+    # The settings field whose value above 0 turns a `when_kl` reference on (GRPO's and RLOO's `beta`).
+    kl_setting: Optional[str] = None
     # Forwards of the reference a trained sequence when it runs (KTO: 2, the completion and the mismatched one of
     # its KL estimate), and forward-only passes of the policy a trained sequence beside the one it trains on
     # (KTO's KL estimate: 1); both under no_grad, their time counted, their transient peak the reference's.
@@ -270,6 +272,14 @@ class ObjectiveSpec:
     def uses_reference(self) -> bool:
         """A reference model may run (always, or when its settings ask for a KL term)."""
         return self.reference != "none"
+
+    def kl_reference(self, settings: Any) -> bool:
+        """A `when_kl` reference runs under these `objective` settings (its KL coefficient is above 0)."""
+        return (
+            self.reference == "when_kl"
+            and self.kl_setting is not None
+            and getattr(settings, self.kl_setting) > 0
+        )
 
     @property
     def generates_text(self) -> bool:
@@ -358,6 +368,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         trl_config="GRPOConfig",
         sequences_setting="num_generations",
         reference="when_kl",
+        kl_setting="beta",
         generates=True,
         scores="rewards",
         companions="finetune.core.config.grpo:companions",
@@ -452,6 +463,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         trl_config="RLOOConfig",
         sequences_setting="num_generations",
         reference="when_kl",
+        kl_setting="beta",
         generates=True,
         scores="rewards",
         companions="finetune.core.config.grpo:companions",  # a learned reward model, as GRPO's

@@ -125,6 +125,7 @@ def config_plan(
         seq_len=seq_len,
         objective=cfg.objective.spec,
         precompute_reference=_precompute_reference(cfg),
+        kl_reference=cfg.objective.spec.kl_reference(cfg.objective),
         packing=cfg.data.packing,
         companions=companions.shapes(cfg),
     )

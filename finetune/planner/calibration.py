@@ -9,6 +9,7 @@ was fitted to.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
@@ -38,6 +39,9 @@ class DeviceCalibration:
     trl_loss_extra_hv_flops: float = 0.0
     # CPU: freed outputs of each adapted projection that glibc keeps resident in its heap (memory.retained_heap).
     retained_adapter_outputs: float = 0.0
+    # CPU: resident GB the training worker's imports add for each optional library that is installed, whether or
+    # not the run uses it (DeepSpeed's autotuner imports mlflow, TRL's trainers import wandb): `memory.library_imports`.
+    library_imports_gb: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,11 @@ class Calibration:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("cpu", "cuda")}
         out["cpu"], out["cuda"] = asdict(self.cpu), asdict(self.cuda)
         return out
+
+    def installed(self, kind: str) -> tuple[str, ...]:
+        """The optional libraries with an import cost on this device kind that are installed here (found, not
+        imported)."""
+        return tuple(name for name in self.device(kind).library_imports_gb if importlib.util.find_spec(name))
 
     @staticmethod
     @lru_cache(maxsize=1)

@@ -14,7 +14,7 @@ from finetune.core.parallelism import Engine
 from finetune.planner.attention import takes_mask
 from finetune.planner.calibration import Calibration, DeviceCalibration
 from finetune.planner.companions import CompanionShape
-from finetune.planner.contract import Strategy
+from finetune.planner.contract import GB, Strategy
 from finetune.planner.params import ParamCounts, count_params, lora_params
 
 # TRL's fused LM head (trl/kernels/chunked_logprob.py): tiles of this many tokens x vocabulary entries.
@@ -57,10 +57,16 @@ class Job:
     # Full fine-tuning's reference: precomputed log-probabilities (True), a frozen copy (False), or the
     # planner's choice on memory and time (None; `objective.reference=auto`).
     precompute_reference: Optional[bool] = None
+    # A `when_kl` reference runs (the settings' KL coefficient is above 0: GRPO's and RLOO's beta), its
+    # log-probabilities taken in the rollout, before the training forward.
+    kl_reference: bool = False
     # data.packing: rows packed from several samples (a sequence split must keep them apart)
     packing: bool = True
     # The frozen models beside the policy (a teacher, a reward model), resolved to their shapes.
     companions: tuple[CompanionShape, ...] = ()
+    # The optional libraries installed where the job runs that the training worker imports whether it uses them or
+    # not (a key of the device's `library_imports_gb`; `Calibration.installed`).
+    installed: tuple[str, ...] = ()
 
     @property
     def sequences(self) -> int:
@@ -71,6 +77,12 @@ class Job:
     def reference_runs(self) -> bool:
         """A frozen reference model runs a forward every step (DPO), unless its log-probabilities are precomputed."""
         return self.objective.reference == "always"
+
+    @property
+    def library_imports(self) -> float:
+        """Bytes the worker's imports of the installed optional libraries hold on this device (the CPU's resident
+        set: DeepSpeed's autotuner imports mlflow, TRL's trainers wandb; nothing on a GPU)."""
+        return sum(self.device.library_imports_gb.get(name, 0.0) for name in self.installed) * GB
 
     @property
     def trainable(self) -> int:
@@ -90,7 +102,13 @@ class Job:
         job = make_job(
             **settings, cal=self.cal, plan=self.plan, objective=self.objective, packing=self.packing
         )
-        return replace(job, precompute_reference=self.precompute_reference, companions=self.companions)
+        return replace(
+            job,
+            precompute_reference=self.precompute_reference,
+            kl_reference=self.kl_reference,
+            companions=self.companions,
+            installed=self.installed,
+        )
 
 
 def make_job(

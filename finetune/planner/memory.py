@@ -197,6 +197,7 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
     )
     overhead = (
         dev.fixed_gb * GB
+        + job.library_imports
         + above
         - masks
         + dev.allocator_fraction * _fluctuating(job, s, rt, acts + vision, loss, above)

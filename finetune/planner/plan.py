@@ -29,20 +29,32 @@ def make_plan(
     calibration: Optional[Calibration] = None,
     objective: Optional[ObjectiveSpec] = None,
     precompute_reference: Optional[bool] = None,
+    kl_reference: bool = False,
     packing: bool = True,
     companions: tuple[CompanionShape, ...] = (),
+    installed: Optional[tuple[str, ...]] = None,
 ) -> Plan:
     """Plan the job. `profiles` are the hardware profiles to weigh as alternatives (and for `auto`).
 
     `seq_len` overrides `train.seq_len` (the data stage resolves `auto` to the longest kept sequence).
     `objective` (default SFT) says how many sequences an example puts through the model and whether a
     reference model runs; `precompute_reference` fixes full fine-tuning's reference (None: chosen here);
-    `companions` are the frozen models beside the policy, resolved to their shapes.
+    `kl_reference` says a `when_kl` reference runs (the settings' KL coefficient is above 0);
+    `companions` are the frozen models beside the policy, resolved to their shapes; `installed` the optional
+    libraries the worker imports where it runs (None: those installed here, `Calibration.installed`).
     """
     check_model(model, method)
     n = resolve_seq_len(model, train, seq_len)
     job = make_job(model, method, hardware, train, n, calibration, plan_cfg, objective, packing)
-    job = replace(job, precompute_reference=precompute_reference, companions=companions)
+    if installed is None:
+        installed = job.cal.installed(hardware.device)
+    job = replace(
+        job,
+        precompute_reference=precompute_reference,
+        kl_reference=kl_reference,
+        companions=companions,
+        installed=installed,
+    )
     gpu_profiles = [p for p in profiles.values() if p.device == "cuda" and p.gpu_memory_gb is not None]
     notes: list[str] = []
     if hardware.is_auto:

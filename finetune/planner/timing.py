@@ -90,11 +90,13 @@ def reference_flops_per_token(job: Job, s: Strategy) -> float:
     """The forwards under no_grad a trained token: the reference model's (DPO: one, KTO: two,
     `reference_forwards`), 2 FLOPs a weight plus attention each, every step, or with precomputed
     log-probabilities once over the data before training, spread over the run's tokens (once per epoch of
-    them: 1 / epochs); and the policy's own beside the trained one (KTO's KL estimate, `policy_extra_forwards`),
-    every step."""
+    them: 1 / epochs), or a `when_kl` reference's one in the rollout; and the policy's own beside the trained
+    one (KTO's KL estimate, `policy_extra_forwards`), every step."""
     m = job.model
     forward = 2.0 * job.counts.linear + 2.0 * m.num_layers * job.seq_len * m.num_heads * m.head_dim
     policy = job.objective.policy_extra_forwards * forward
+    if job.kl_reference:  # the rollout's reference log-probabilities of every trained completion
+        return policy + forward
     if not job.reference_runs:
         return policy
     reference = job.objective.reference_forwards * forward

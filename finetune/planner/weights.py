@@ -10,9 +10,12 @@ from finetune.planner.params import ParamCounts, projection_shapes
 
 
 def reference_copy(job: Job, s: Strategy) -> bool:
-    """Full fine-tuning with a per-step reference holds a frozen copy of the starting model; adapters use the
-    base with the adapter disabled, and precomputed log-probabilities need no model during training."""
-    return job.reference_runs and job.method.spec.trains_base_weights and not s.precompute_reference
+    """Full fine-tuning with a reference holds a frozen copy of the starting model: a per-step one (DPO, KTO)
+    unless its log-probabilities are precomputed, and a `when_kl` one (GRPO, RLOO with beta > 0: TRL's
+    trainers build it as DPO's) whenever it runs; adapters use the base with the adapter disabled."""
+    if not job.method.spec.trains_base_weights:
+        return False
+    return job.kl_reference or (job.reference_runs and not s.precompute_reference)
 
 
 def reference_weights(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
@@ -137,7 +140,7 @@ def load_gpu_bytes(job: Job, s: Strategy) -> float:
         return 0.0
     rt = runtime(job, s)
     largest = max(d_in * d_out for d_in, d_out in projection_shapes(job.model).values())
-    return _base_bytes(job, rt) + rt.compute * largest + job.device.fixed_gb * GB
+    return _base_bytes(job, rt) + rt.compute * largest + job.device.fixed_gb * GB + job.library_imports
 
 
 def one_layer_params(c: ParamCounts) -> int:

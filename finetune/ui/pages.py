@@ -23,6 +23,16 @@ TERMS = tuple(
         ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#9c9c9c", "#76b7b2", "#edc948"),
     )
 )
+# The companion models' terms (`companion:ROLE`: a teacher's, a reward model's weights and forward), stacked on top.
+COMPANION_COLOURS = ("#e15759", "#edc948", "#ff9da7", "#9d7660")
+
+
+def memory_terms(memory: Memory) -> list[tuple[str, float, str]]:
+    """(name, GB, colour) of every term a plan holds, as plan.json names them: the six of every plan, then one
+    per companion model."""
+    colours = dict(TERMS)
+    companions = iter(COMPANION_COLOURS * len(memory.companions))
+    return [(name, value, colours.get(name) or next(companions)) for name, value in memory.terms()]
 
 
 def esc(value: Any) -> str:
@@ -108,12 +118,11 @@ def memory_bars(plan: Plan, peak: Optional[float] = None) -> str:
     width, top, height = 800.0, 22.0, 36.0
     scale = width / (max(m.total, card, peak or 0.0) * 1.04 or 1.0)
     parts, x = [], 0.0
-    for term, colour in TERMS:
-        value = getattr(m, term)
+    for term, value, colour in memory_terms(m):
         w = value * scale
         parts.append(
-            f'<rect class=term data-term={term} x="{x:.2f}" y="{top}" width="{w:.2f}" height="{height}" '
-            f'fill="{colour}"><title>{term}: {gb(value)} GB</title></rect>'
+            f'<rect class=term data-term="{esc(term)}" x="{x:.2f}" y="{top}" width="{w:.2f}" height="{height}" '
+            f'fill="{colour}"><title>{esc(term)}: {gb(value)} GB</title></rect>'
         )
         x += w
     bottom = top + height + 8
@@ -143,9 +152,9 @@ def memory_bars(plan: Plan, peak: Optional[float] = None) -> str:
 
 def _terms_table(plan: Plan) -> str:
     rows = "".join(
-        f'<tr data-term={term}><td><svg class=swatch width="10" height="10" aria-hidden="true"><rect width="10" height="10" fill="{colour}"/></svg> {term}</td>'
-        f"<td class=num>{gb(getattr(plan.gpu_memory, term))}</td></tr>"
-        for term, colour in TERMS
+        f'<tr data-term="{esc(term)}"><td><svg class=swatch width="10" height="10" aria-hidden="true"><rect width="10" height="10" fill="{colour}"/></svg> {esc(term)}</td>'
+        f"<td class=num>{gb(value)}</td></tr>"
+        for term, value, colour in memory_terms(plan.gpu_memory)
     )
     return (
         "<table id=terms><thead><tr><th>term</th><th>GB per GPU</th></tr></thead>"
@@ -278,8 +287,8 @@ def _plan_vs_peak(view: RunView) -> str:
         return "<p id=no-plan>No readable plan.json (mode=plan writes it).</p>"
     plan = view.plan
     rows = "".join(
-        f"<tr data-term={term}><td>{term}</td><td class=num>{gb(getattr(plan.gpu_memory, term))}</td></tr>"
-        for term, _ in TERMS
+        f'<tr data-term="{esc(term)}"><td>{esc(term)}</td><td class=num>{gb(value)}</td></tr>'
+        for term, value, _ in memory_terms(plan.gpu_memory)
     )
     measured = (
         f"<tr data-term=peak><td>measured peak ({esc(view.peak_source or 'training')})</td>"
