@@ -31,9 +31,8 @@ Replan = Callable[[HardwareConfig], Plan]
 
 def settings(cfg: Config) -> Any:
     """The generating objective's settings (the `objective` section: GRPO's rollout fields)."""
-    spec = cfg.objective.spec
-    if not spec.generates:
-        raise PlanError(f"objective={spec.name} does not generate: it has no rollout")
+    if not cfg.objective.generates:
+        raise PlanError(f"objective={cfg.objective.name} does not generate here: it has no rollout")
     return cfg.objective
 
 
@@ -53,11 +52,11 @@ def training_rows(cfg: Config, run_dir: Optional[Path], seq_len: int) -> tuple[i
     longest = _prompt_lengths(run_dir).get("max")
     if not longest:
         return seq_len, None
-    rows = int(longest) + settings(cfg).max_completion_length
+    rows = settings(cfg).rollout_rows(seq_len, int(longest) + settings(cfg).max_completion_length)
     if rows >= seq_len:
         return seq_len, None
     why = (
-        f"GRPO rows: the longest prompt ({int(longest)} tokens) + max_completion_length "
+        f"{cfg.objective.name.upper()} rows: the longest prompt ({int(longest)} tokens) + max_completion_length "
         f"({settings(cfg).max_completion_length}) = {rows} tokens, planned instead of train.seq_len={seq_len}"
     )
     return rows, why
