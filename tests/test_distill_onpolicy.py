@@ -116,3 +116,77 @@ def test_the_plan_counts_the_rollout_only_where_the_step_generates(tmp_path):
         assert rollout["train_peak_bytes"] > plan["gpu_memory_gb"]["total"] * 1e9
         assert micro >= 1 and world == 1
         assert "rollout: transformers' generation inside the trainer" in proc.stdout
+
+
+def measured_generating_step(cfg, plan, run_dir, rows: int, prompt: int, answer: int) -> tuple[float, int]:
+    """One training step of the real trainer in which the student samples (lmbda=1): the bytes held before it
+    (the student's weights, gradients and Adam's moments, the teacher's weights) plus the peak of what the step
+    allocates (scripts/bench_planner.py's `LiveBytes`: the sampling, its KV cache, the student's and the teacher's
+    forwards on the sampled rows, the divergence and the backward), and the width of the rows it trained on."""
+    import torch
+    from datasets import Dataset
+    from helpers import script_module
+
+    from finetune.modeling import loading, models
+    from finetune.train.base_trainer import build_trainer
+
+    bench = script_module("bench_planner")
+    torch.manual_seed(0)
+    model, dtype = loading.load_for_training(cfg, sharded=False)
+    g = torch.Generator().manual_seed(1)
+    examples = []
+    for _ in range(rows):
+        ids = torch.randint(5, 500, (prompt + answer,), generator=g).tolist()
+        examples.append({"input_ids": ids, "labels": [IGNORE_INDEX] * prompt + ids[prompt:]})
+    tokenizer = models.load_tokenizer(cfg.model)
+    trainer = build_trainer(cfg, plan, run_dir, model, tokenizer, Dataset.from_list(examples), None, dtype, [])
+    model, teacher = trainer.model, trainer.teacher_model
+    batch = trainer._prepare_inputs(trainer.data_collator(examples))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, foreach=False)
+    for p in trainable:  # the state of a step in progress: gradients and Adam's moments held
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    held = bench.storage_bytes(
+        [*model.parameters(), *(p.grad for p in trainable), *bench.optimizer_state_tensors(opt)]
+        + [*model.buffers(), *teacher.parameters(), *teacher.buffers()]
+    )
+    trainer.current_gradient_accumulation_steps = 1  # what the training loop sets before its steps
+    # the training loop's forward runs under the accelerator's autocast (bf16 on fp32 weights)
+    with bench.LiveBytes() as live, trainer.accelerator.autocast():
+        trainer.training_step(model, batch)
+    assert trainer.generated == {"student": rows, "teacher": 0}
+    return held + live.peak, int(batch["input_ids"].shape[1])
+
+
+@pytest.mark.slow  # builds the tiny student and teacher and samples: ~30 s on 2 loaded cores
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_sampling_step_is_planned_within_5_percent(tmp_path, tiny_cache, precision):
+    """The plan of a step on sampled rows (prompt + max_completion_length wide, the rows TRL's GKDTrainer forms,
+    with the teacher beside the student and the sampling's KV cache, the rollout's term) against the bytes
+    the real step allocates on the CPU."""
+    from dataclasses import replace
+
+    from finetune.modeling import companions
+    from finetune.planner import tensors_gb
+    from finetune.planner.job import make_job, runtime
+    from finetune.planner.rollout import kv_bytes_per_token
+
+    rows, prompt, answer, completion = 8, 24, 8, 16
+    width = prompt + completion
+    cfg, plan, run_dir = planned_run_dir(
+        tmp_path, "+recipe=tiny_distill_onpolicy", "objective.lmbda=1", f"method.precision={precision}",
+        f"objective.max_completion_length={completion}", f"train.seq_len={width}",
+    )  # fmt: skip
+    plan = replace(plan, strategy=replace(plan.strategy, micro_batch_size=rows, grad_accum_steps=1))
+    write_engine(cfg, plan, run_dir)
+    job = make_job(cfg.model, cfg.method, cfg.hardware, cfg.train, width, objective=cfg.objective.spec)
+    job = replace(job, companions=companions.shapes(cfg))
+    # allocated bytes (what LiveBytes counts), not the resident pages of a run's peak RSS
+    rt = replace(runtime(job, plan.strategy), resident=False)
+    kv = rows * width * kv_bytes_per_token(cfg.model)
+    measured, trained_width = measured_generating_step(cfg, plan, run_dir, rows, prompt, answer)
+    assert trained_width == width  # random tokens: no sample stops before max_completion_length
+    planned = tensors_gb(job, plan.strategy, rt) * 1e9 + kv
+    assert planned == pytest.approx(measured, rel=0.05)

@@ -71,6 +71,11 @@ class DistillObjective(ObjectiveConfig):
         """The step samples completions: the student's (`lmbda > 0`) or the teacher's (`seq_kd`)."""
         return self.lmbda > 0 or self.seq_kd
 
+    def samplers(self) -> tuple[tuple[str, float], ...]:
+        """The student in a share `lmbda` of the micro-batches, the teacher in the others under `seq_kd`."""
+        shares = (("policy", self.lmbda), ("teacher", 1.0 - self.lmbda if self.seq_kd else 0.0))
+        return tuple((who, share) for who, share in shares if share > 0)
+
     def rollout_rows(self, data_rows: int, generated_rows: int) -> int:
         """The widest row a step trains on: the generated rows where every micro-batch samples (`lmbda=1` or
         `seq_kd`), else the data's rows too (the micro-batches on the data's answers)."""

@@ -52,6 +52,11 @@ class ObjectiveConfig:
         where every micro-batch is generated (GRPO's)."""
         return generated_rows
 
+    def samplers(self) -> tuple[tuple[str, float], ...]:
+        """Who samples a generating step's completions, and in which share of its generation rounds: `policy`
+        (the trained model) in every round, GRPO's; a companion's role samples with that companion's weights."""
+        return (("policy", 1.0),)
+
     @property
     def spec(self) -> ObjectiveSpec:
         """What this objective is (finetune/core/objectives.py): every distinction is read from it."""
