@@ -139,7 +139,9 @@ def measured_generating_step(cfg, plan, run_dir, rows: int, prompt: int, answer:
         ids = torch.randint(5, 500, (prompt + answer,), generator=g).tolist()
         examples.append({"input_ids": ids, "labels": [IGNORE_INDEX] * prompt + ids[prompt:]})
     tokenizer = models.load_tokenizer(cfg.model)
-    trainer = build_trainer(cfg, plan, run_dir, model, tokenizer, Dataset.from_list(examples), None, dtype, [])
+    trainer = build_trainer(
+        cfg, plan, run_dir, model, tokenizer, Dataset.from_list(examples), None, dtype, []
+    )
     model, teacher = trainer.model, trainer.teacher_model
     batch = trainer._prepare_inputs(trainer.data_collator(examples))
     trainable = [p for p in model.parameters() if p.requires_grad]

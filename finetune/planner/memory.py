@@ -203,8 +203,8 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
     rows = micro_batch_rows(job, s)
     companion_terms = companions.terms(
         job.companions, s, rt.compute, rows, rank_tokens(job, s) // rows, rt.packed, state_shards(job, s),
-        loss_compute=loss_dtype_bytes(rt),
-    )
+        loss_dtype_bytes(rt),
+    )  # fmt: skip
     mem = Memory(
         weights=weights_gpu / GB,
         trainable_state=state_gpu / GB,

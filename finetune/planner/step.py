@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from finetune.planner import companions
 from finetune.planner.activations import (
     LayerRun,
     LayerShape,
@@ -16,7 +17,6 @@ from finetune.planner.activations import (
     layer_bytes_per_token,
     model_bytes_per_token,
 )
-from finetune.planner import companions
 from finetune.planner.contract import Strategy
 from finetune.planner.job import (
     CPU_PAGE_BYTES,

@@ -92,7 +92,7 @@ class FinetuneGKDTrainer(RunTrainerMixin, GKDTrainer):
             return super(GKDTrainer, self).training_step(model, inputs, num_items_in_batch)
         return super().training_step(model, inputs, num_items_in_batch)
 
-    def generate_on_policy_outputs(self, model, inputs, generation_config):  # type: ignore[override]
+    def generate_on_policy_outputs(self, model, inputs, generation_config):
         """TRL's sampling of the batch's prompts, counted by who sampled (the teacher under seq_kd)."""
         by = "teacher" if model is self.accelerator.unwrap_model(self.teacher_model) else "student"
         self.generated[by] += int(inputs["prompts"].shape[0])
