@@ -11,7 +11,8 @@ Which answers: with `lmbda=0` and no `seq_kd` the data's own (off-policy), nothi
 GKDTrainer's own `training_step` samples, for a share `lmbda` of the micro-batches, the student's answers to the
 batch's prompts (on-policy), and for the others the teacher's (`seq_kd`) or the data's: `PromptCollator` adds
 each conversation's prompt (its tokens up to the first assistant token, left-padded) as TRL's `prompts` and
-`prompt_attention_mask`. The generated rows carry an attention mask instead of position ids.
+`prompt_attention_mask`. The generated rows carry an attention mask instead of position ids; their loss is
+divided by the labelled tokens the Trainer counted in the data's batch before sampling, as in TRL's GKD.
 
 The teacher is loaded frozen in the run's dtype (finetune/modeling/companions.py) and divided over the ranks
 like the student where the engine shards: TRL's `prepare_deepspeed` under DeepSpeed (partitioned under
