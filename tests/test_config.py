@@ -70,7 +70,7 @@ def test_stable_names():
         "llama70b_full", "qwen32b_lora", "qwen32b_full", "tiny_dpo", "llama8b_dpo", "llama70b_qlora_dpo",
         "tiny_grpo", "llama8b_grpo", "tiny_reward", "llama8b_reward", "llama8b_grpo_8gpu", "smollm2_135m_lora", "smollm2_135m_dpo", "tiny_moe", "qwen3_30b_a3b_lora",
         "tiny_mixtral", "mixtral_8x7b_lora", "gpt_oss_20b_lora", "tiny_rloo", "llama8b_rloo", "tiny_vlm", "qwen25vl_7b_lora",
-        "tiny_distill", "llama8b_distill", "tiny_kto", "llama8b_kto", "tiny_orpo", "tiny_simpo", "llama8b_orpo", "llama8b_simpo",
+        "tiny_distill", "tiny_distill_onpolicy", "llama8b_distill", "tiny_kto", "llama8b_kto", "tiny_orpo", "tiny_simpo", "llama8b_orpo", "llama8b_simpo",
     }  # fmt: skip
     assert set(group_choices("model")) == {
         "tiny",

@@ -22,6 +22,7 @@ from typing import Any, Optional
 from finetune import rundir
 from finetune.core.config import Config, HardwareConfig
 from finetune.core.errors import PlanError
+from finetune.modeling import companions
 from finetune.planner import Plan, rollout
 from finetune.planner.contract import GB
 
@@ -31,9 +32,8 @@ Replan = Callable[[HardwareConfig], Plan]
 
 def settings(cfg: Config) -> Any:
     """The generating objective's settings (the `objective` section: GRPO's rollout fields)."""
-    spec = cfg.objective.spec
-    if not spec.generates:
-        raise PlanError(f"objective={spec.name} does not generate: it has no rollout")
+    if not cfg.objective.generates:
+        raise PlanError(f"objective={cfg.objective.name} does not generate here: it has no rollout")
     return cfg.objective
 
 
@@ -53,17 +53,19 @@ def training_rows(cfg: Config, run_dir: Optional[Path], seq_len: int) -> tuple[i
     longest = _prompt_lengths(run_dir).get("max")
     if not longest:
         return seq_len, None
-    rows = int(longest) + settings(cfg).max_completion_length
+    rows = settings(cfg).rollout_rows(seq_len, int(longest) + settings(cfg).max_completion_length)
     if rows >= seq_len:
         return seq_len, None
     why = (
-        f"GRPO rows: the longest prompt ({int(longest)} tokens) + max_completion_length "
+        f"{cfg.objective.name.upper()} rows: the longest prompt ({int(longest)} tokens) + max_completion_length "
         f"({settings(cfg).max_completion_length}) = {rows} tokens, planned instead of train.seq_len={seq_len}"
     )
     return rows, why
 
 
-def rollout_job(cfg: Config, run_dir: Optional[Path], plan: Plan) -> rollout.RolloutJob:
+def rollout_jobs(cfg: Config, run_dir: Optional[Path], plan: Plan) -> list[rollout.RolloutJob]:
+    """One job for each model that samples (the settings' `samplers`: the policy, or a companion such as a
+    distillation teacher with its own weights and KV cache), its time per step weighted by its share of rounds."""
     s, layout = plan.strategy, plan.layout
     gen = settings(cfg)
     steps_per_generation = gen.steps_per_generation or s.grad_accum_steps
@@ -71,13 +73,23 @@ def rollout_job(cfg: Config, run_dir: Optional[Path], plan: Plan) -> rollout.Rol
     prompt_tokens = _prompt_lengths(run_dir).get("p95")
     if not prompt_tokens:
         prompt_tokens = max(1, plan.seq_len - gen.max_completion_length)
-    return rollout.rollout_job(
-        cfg.model,
-        gen,
-        generation_batch_size=s.micro_batch_size * layout.world_size * steps_per_generation,
-        prompt_tokens=int(prompt_tokens),
-        steps_per_generation=max(1, steps_per_generation // s.grad_accum_steps),
-    )
+    models = {"policy": cfg.model, **{c.role: c.model for c in companions.shapes(cfg)}}
+    return [
+        rollout.rollout_job(
+            models[who],
+            gen,
+            generation_batch_size=s.micro_batch_size * layout.world_size * steps_per_generation,
+            prompt_tokens=int(prompt_tokens),
+            # below 1 where a step takes several rounds (distillation samples each micro-batch)
+            steps_per_generation=steps_per_generation / s.grad_accum_steps / share,
+        )
+        for who, share in gen.samplers()
+    ]
+
+
+def rollout_job(cfg: Config, run_dir: Optional[Path], plan: Plan) -> rollout.RolloutJob:
+    """The rollout of the largest model that samples (GRPO's: the policy, the only one)."""
+    return max(rollout_jobs(cfg, run_dir, plan), key=lambda job: job.weight_bytes)
 
 
 def _colocated(cfg: Config, plan: Plan, replan: Replan) -> Plan:
@@ -119,20 +131,32 @@ def _beside_server(cfg: Config, plan: Plan, result: rollout.RolloutPlan, replan:
 def _rollout_plan(cfg: Config, run_dir: Path, plan: Plan) -> rollout.RolloutPlan:
     """The training side is the plan's per-GPU peak (micro-batches of completions at train.seq_len), taken as
     the same on fewer GPUs: exact for one process and DDP, an underestimate for a sharded engine."""
-    job = rollout_job(cfg, run_dir, plan)
     hw = cfg.hardware
     peak = plan.gpu_memory.total * GB
-    return rollout.plan_rollout(
-        job,
-        device=hw.device,
-        gpus=plan.layout.world_size,
-        gpu_bytes=(hw.gpu_memory_gb or 0) * GB,
-        hbm_bytes_per_s=hw.hbm_tb_per_s * 1e12 if hw.hbm_tb_per_s else None,
-        train_peak=lambda n: peak,
-        # the target machine's vLLM cannot be seen from here: on CUDA the plan assumes it is installed
-        vllm_available=hw.device == "cuda",
-        requested=settings(cfg).generation,
-        batch_size=cfg.train.batch_size,
+    results = [
+        rollout.plan_rollout(
+            job,
+            device=hw.device,
+            gpus=plan.layout.world_size,
+            gpu_bytes=(hw.gpu_memory_gb or 0) * GB,
+            hbm_bytes_per_s=hw.hbm_tb_per_s * 1e12 if hw.hbm_tb_per_s else None,
+            train_peak=lambda n: peak,
+            # the target machine's vLLM cannot be seen from here: on CUDA the plan assumes it is installed
+            vllm_available=hw.device == "cuda",
+            requested=settings(cfg).generation,
+            batch_size=cfg.train.batch_size,
+        )
+        for job in rollout_jobs(cfg, run_dir, plan)
+    ]
+    if len(results) == 1:
+        return results[0]
+    # several models sample in turn (inside the trainer): the larger KV cache at a time, their times added
+    worst = max(results, key=lambda r: r.train_peak_bytes)
+    times = [r.generation_s_per_step for r in results]
+    return replace(
+        worst,
+        fits=all(r.fits for r in results),
+        generation_s_per_step=None if None in times else sum(t for t in times if t is not None),
     )
 
 

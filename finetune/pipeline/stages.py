@@ -83,7 +83,7 @@ def data_run_length(cfg: Config, run_dir: Path) -> Optional[tuple[int, str]]:
     (planner/timing.py). With the reason the plan prints. None for an objective that generates: its step is
     counted in completions, which the prompts alone do not give."""
     spec = cfg.objective.spec
-    if cfg.train.max_steps > 0 or cfg.train.dataset_tokens is not None or spec.generates:
+    if cfg.train.max_steps > 0 or cfg.train.dataset_tokens is not None or cfg.objective.generates:
         return None
     stats = _data_stats(run_dir)
     if not stats:
@@ -136,7 +136,7 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
     under `auto` the data stage's resolution, data_stats.json), never the config's."""
     # auto without the data stage stays None: the planner refuses it, in one line
     seq_len = data_seq_len(run_dir) if cfg.train.seq_len == "auto" else None
-    generates = cfg.objective.spec.generates
+    generates = cfg.objective.generates
     rows_why = None
     if generates and (seq_len or cfg.train.seq_len != "auto"):
         # the rows the trainer forms from prompts and completions, when the data stage ran

@@ -109,17 +109,26 @@ def flops_per_token(c: CompanionShape, seq_len: int) -> float:
     )
 
 
+def loss_peak(companions: tuple[CompanionShape, ...], loss_compute: int, tokens: int) -> float:
+    """The loss's peak where it compares the policy's whole logits with a companion's (distillation): the largest
+    comparison, in the loss's dtype (fp32 under autocast, whose log-softmax runs in fp32); 0 where none does."""
+    return max((comparison_peak(c, loss_compute, tokens) for c in companions), default=0.0)
+
+
 def terms(
     companions: tuple[CompanionShape, ...], s: Strategy, compute: int, rows: int, seq_len: int, packed: bool,
-    shards: int,
+    shards: int, loss_compute: int = 0,
 ) -> tuple[tuple[str, float], ...]:  # fmt: skip
-    """Each companion's term on a rank: (name, bytes) of its weights and its forward's peak."""
+    """Each companion's term on a rank: (name, bytes) of its weights and its forward's peak. Where the loss
+    compares whole logits with it, that comparison is the loss's term (`loss_peak`), which follows its forward:
+    the term keeps only what its forward holds beyond the comparison."""
     sharded = s.engine.shards
     out = []
     for c in companions:
         held, _ = weight_bytes(c, compute, shards if sharded else 1, s.offload_params and sharded)
         forward = forward_peak(c, compute, rows, seq_len, packed, sharded)
-        out.append((c.term, held + max(forward, comparison_peak(c, compute, rows * seq_len))))
+        comparison = comparison_peak(c, loss_compute or compute, rows * seq_len)
+        out.append((c.term, held + max(0.0, forward - comparison)))
     return tuple(out)
 
 

@@ -58,6 +58,7 @@ from finetune.planner.step import (
     exchange_bytes,
     layer_bytes,
     layer_run,
+    loss_dtype_bytes,
     loss_peak,
     mask_bias,
     offloaded_activation_bytes,
@@ -205,8 +206,9 @@ def memory(job: Job, s: Strategy, rt: Optional[Runtime] = None) -> tuple[Memory,
     )
     rows = micro_batch_rows(job, s)
     companion_terms = companions.terms(
-        job.companions, s, rt.compute, rows, rank_tokens(job, s) // rows, rt.packed, state_shards(job, s)
-    )
+        job.companions, s, rt.compute, rows, rank_tokens(job, s) // rows, rt.packed, state_shards(job, s),
+        loss_dtype_bytes(rt),
+    )  # fmt: skip
     mem = Memory(
         weights=weights_gpu / GB,
         trainable_state=state_gpu / GB,

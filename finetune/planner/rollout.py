@@ -54,8 +54,9 @@ class RolloutJob:
     """Completions sampled per generation round, all ranks together (prompts x num_generations)."""
     prompt_tokens: int
     completion_tokens: int
-    steps_per_generation: int
-    """Optimizer steps trained on one generation round."""
+    steps_per_generation: float
+    """Optimizer steps trained on one generation round (below 1: rounds a step; over the share of rounds this
+    model samples where another samples the rest)."""
     num_kv_heads: int
     """Tensor parallelism splits the KV heads: its degree must divide them."""
 
@@ -90,7 +91,7 @@ def rollout_job(
     grpo: GRPOObjective,
     generation_batch_size: int,
     prompt_tokens: int,
-    steps_per_generation: int,
+    steps_per_generation: float,
 ) -> RolloutJob:
     """The rollout of `model` under `grpo`: bf16 weights and KV cache (what TRL's vLLM paths serve)."""
     return RolloutJob(

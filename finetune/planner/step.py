@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from finetune.planner import companions
 from finetune.planner.activations import (
     LayerRun,
     LayerShape,
@@ -238,6 +239,12 @@ def full_logits_peak(job: Job, rt: Runtime, tokens: int) -> float:
     return FULL_LOGITS_FP32_COPIES[rt.compute] * 4 * tokens * m.vocab_size + head_input
 
 
+def loss_dtype_bytes(rt: Runtime) -> int:
+    """Bytes a value of a loss on whole logits: fp32 under autocast (its log-softmax runs in fp32), else the
+    compute dtype's."""
+    return 4 if rt.autocast else rt.compute
+
+
 def loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
     """Peak bytes of the loss (the contract's `logits` term), on top of the saved activations.
 
@@ -263,6 +270,10 @@ def loss_peak(job: Job, s: Strategy, rt: Runtime) -> float:
     gathered = 2 * vocab * h if rt.engine.gathers_head_for_loss else 0
     if job.objective.full_logits:
         return gathered + full_logits_peak(job, rt, tokens)
+    comparison = companions.loss_peak(job.companions, loss_dtype_bytes(rt), tokens)
+    if comparison:
+        # the loss compares the whole logits with a companion's (distillation): both logits and the divergence's
+        return gathered + comparison
     if s.chunked_loss:
         rows = min(tokens, job.train.loss_chunk_size)
         chunk = (job.cal.chunked_loss_peak_factor if c == 2 else 1.0) * 4 * rows * vocab

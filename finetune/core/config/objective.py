@@ -42,6 +42,22 @@ class ObjectiveConfig:
         """Refuse settings this device cannot run (cpu | cuda | ...), in one line naming the key."""
 
     @property
+    def generates(self) -> bool:
+        """The training step samples completions (a rollout, planned by finetune/planner/rollout.py): the
+        objective's description says so, or its settings where they choose (distillation's `lmbda`, `seq_kd`)."""
+        return self.spec.generates
+
+    def rollout_rows(self, data_rows: int, generated_rows: int) -> int:
+        """The widest row a generating step trains on, of the data's rows and prompt + completion: the latter
+        where every micro-batch is generated (GRPO's)."""
+        return generated_rows
+
+    def samplers(self) -> tuple[tuple[str, float], ...]:
+        """Who samples a generating step's completions, and in which share of its generation rounds: `policy`
+        (the trained model) in every round, GRPO's; a companion's role samples with that companion's weights."""
+        return (("policy", 1.0),)
+
+    @property
     def spec(self) -> ObjectiveSpec:
         """What this objective is (finetune/core/objectives.py): every distinction is read from it."""
         return OBJECTIVES[self.name]
