@@ -17,10 +17,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Optional
+
+import pytest
 
 from finetune.core.config import Config
 from finetune.core.config.evaluation import EvalConfig
@@ -374,6 +376,109 @@ def sigkill_then_resume(run: Path, checkpoint_step: int, steps: int) -> tuple[Pa
     return last, metrics
 
 
+# ---------------------------------------------------------------- engines on CPU ranks
+
+# A short offline run of an objective on the bundled data as the engine tests drive it: 8 examples a step, a loss
+# logged each step, no dropout (so one process and two ranks see the same arithmetic), no evaluation in training.
+ENGINE_RUN = (
+    "hardware=cpu",
+    "train.seq_len=64",
+    "train.batch_size=8",
+    "train.logging_steps=1",
+    "train.warmup_ratio=0.0",
+    "method.lora_dropout=0.0",
+    "train.eval_steps=1000",
+    "train.report_to=[]",
+)
+# One process taking a step's 8 examples as the two ranks take them between them.
+ONE_PROCESS = ("train.micro_batch_size=4", "train.grad_accum_steps=2")
+# How each engine is asked for on the command line, and the wrapper its record must name.
+ENGINES = {
+    "one-process": ("hardware.gpus_per_node=1",),
+    "ddp": ("hardware.gpus_per_node=2",),
+    "zero3": ("hardware.gpus_per_node=2", "train.sharding=zero3", "train.engine=zero3"),
+    "fsdp2": ("hardware.gpus_per_node=2", "train.sharding=fsdp", "train.engine=fsdp"),
+}
+WRAPPERS = {"ddp": "DistributedDataParallel", "zero3": "DeepSpeedEngine", "fsdp2": "FSDP"}
+# ZeRO-3 and FSDP2 on two ranks: each holds about half of every parameter.
+HALF = 0.5
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """What a run on an engine left: its directory and arguments, metrics.json, the per-step losses, and what
+    each rank reported (metrics.json `train.engine`)."""
+
+    dir: Path
+    args: list[str]
+    metrics: dict
+    losses: list[float]
+
+    @property
+    def engine(self) -> dict:
+        return dict(self.metrics["train"]["engine"])
+
+    @property
+    def shares(self) -> list[float]:
+        """Each rank's share of the parameters it trains beside: 1 whole, 1/2 partitioned over two."""
+        return [r["parameters_held"] / r["parameters"] for r in self.engine["ranks"]]
+
+
+def run_on_engine(
+    root: Path, name: str, engine: str, *args: str, steps: int, timeout: float = 900
+) -> EngineRun:
+    """`args` driven as a user drives a run (`mode=data`, then `mode=train` through the launcher) in ROOT/NAME on
+    `engine` (a key of ENGINES), `steps` steps with a checkpoint at the last, the data cached in ROOT. Asserted:
+    the engine really ran (world size, gloo, one pid a rank, the wrapper, each rank's share of the parameters:
+    whole where the engine replicates, half where it shards) and a loss was logged every step."""
+    run_dir = root / name
+    argv = [
+        *args,
+        *ENGINES[engine],
+        f"train.max_steps={steps}",
+        f"train.save_steps={steps}",
+        f"run_dir={run_dir}",
+        f"data.cache_dir={root / 'data-cache'}",
+    ]
+    run_modes(argv, run_dir, timeout=timeout)
+    run = EngineRun(
+        dir=run_dir,
+        args=argv,
+        metrics=json.loads((run_dir / "metrics.json").read_text()),
+        losses=losses(run_dir / "checkpoints" / f"checkpoint-{steps}"),
+    )
+    assert len(run.losses) == steps, run.losses
+    assert_engine_ran(run, engine)
+    return run
+
+
+def assert_engine_ran(run: EngineRun, engine: str) -> None:
+    """The record shows `engine` ran: its world size, one process a rank, its wrapper, each rank's share."""
+    record = run.engine
+    ranks = 1 if engine == "one-process" else 2
+    assert record["world_size"] == ranks, record
+    assert [r["rank"] for r in record["ranks"]] == list(range(ranks))
+    assert len({r["pid"] for r in record["ranks"]}) == ranks
+    if engine == "one-process":
+        assert run.shares == [1.0]
+        return
+    assert record["backend"] == "gloo"
+    assert record["wrapper"].startswith(WRAPPERS[engine]), record["wrapper"]
+    assert record["zero_stage"] == (3 if engine == "zero3" else None)
+    if engine == "ddp":  # replicated: each rank holds every parameter
+        assert run.shares == [1.0, 1.0]
+    else:  # partitioned: each rank holds its half, and the two halves the whole
+        assert run.shares == pytest.approx([HALF, HALF], abs=0.025)
+        assert sum(r["parameters_held"] for r in record["ranks"]) >= record["ranks"][0]["parameters"]
+
+
+def assert_trains_like(run: EngineRun, reference: EngineRun, rtol: float) -> None:
+    """Step for step, `run`'s losses within `rtol` (relative) of `reference`'s."""
+    assert len(run.losses) == len(reference.losses)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(run.losses, reference.losses))
+    assert worst <= rtol, f"losses {run.losses} vs {reference.losses}"
+
+
 class Capture:
     """A process runner (the launcher's `runner`) that records what would run."""
 
@@ -399,6 +504,22 @@ def record_completions(prompts: list[str], completions: list[str], references: l
     with open(os.environ[COMPLETIONS_LOG_ENV], "a") as f:
         f.writelines(json.dumps(c) + "\n" for c in completions)
     return [0.0] * len(completions)
+
+
+def reward_model_folder(root: Path, model_cfg: Any, extra_token: bool = False) -> Path:
+    """The tiny base saved as a one-label sequence classifier (an untrained reward model: what
+    `objective.reward_model` names), with its tokenizer (`extra_token`: one token more than the policy's)."""
+    from finetune.modeling import tiny
+    from finetune.modeling.loading import load_pretrained
+
+    out = root / ("rm-other-vocab" if extra_token else "rm")
+    model = load_pretrained(model_cfg, str(tiny.model_dir(model_cfg)), head="score", seed=3)
+    model.save_pretrained(str(out))
+    tokenizer = tiny.load_tokenizer(model_cfg)
+    if extra_token:
+        tokenizer.add_tokens(["<not-the-policy's>"])
+    tokenizer.save_pretrained(str(out))
+    return out
 
 
 def command_line_plan(tmp: Path, *overrides: str) -> dict:

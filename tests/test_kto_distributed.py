@@ -19,51 +19,23 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import losses, run_modes
+from helpers import ENGINE_RUN, ONE_PROCESS, EngineRun, assert_trains_like, run_modes, run_on_engine
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 4
 LOSS_RTOL = 1e-3
-RUN_TIMEOUT_S = 900
+KTO = ("objective=kto", *ENGINE_RUN, "method.learning_rate=1e-3")
 
 
-def pipeline_run(root: Path, name: str, *extra: str) -> dict:
-    run_dir = root / name
-    args = [
-        f"run_dir={run_dir}",
-        "objective=kto",
-        "hardware=cpu",
-        "train.seq_len=64",
-        f"train.max_steps={STEPS}",
-        "train.batch_size=8",
-        "train.logging_steps=1",
-        "train.warmup_ratio=0.0",
-        "method.learning_rate=1e-3",
-        "method.lora_dropout=0.0",
-        f"train.save_steps={STEPS}",
-        "train.eval_steps=1000",
-        "train.report_to=[]",
-        f"data.cache_dir={root / 'data-cache'}",
-        *extra,
-    ]
-    run_modes(args, root / name, timeout=RUN_TIMEOUT_S)
-    return {
-        "dir": run_dir,
-        "args": args,
-        "metrics": json.loads((run_dir / "metrics.json").read_text()),
-        "losses": losses(run_dir / "checkpoints" / f"checkpoint-{STEPS}"),
-    }
+def two_ranks(root: Path, engine: str) -> EngineRun:
+    return run_on_engine(root, engine, engine, *KTO, "train.micro_batch_size=4", steps=STEPS)
 
 
-def assert_like_one_process(run: dict, reference: dict) -> None:
-    assert len(run["losses"]) == len(reference["losses"]) == STEPS
-    assert run["losses"][0] == pytest.approx(0.5, abs=1e-6)
-    worst = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], reference["losses"]))
-    assert worst <= LOSS_RTOL, f"KTO losses {run['losses']} vs one process {reference['losses']}"
-    engine = run["metrics"]["train"]["engine"]
-    assert engine["world_size"] == 2 and engine["backend"] == "gloo"
-    assert [r["rank"] for r in engine["ranks"]] == [0, 1]
+def assert_like_one_process(run: EngineRun, reference: EngineRun) -> None:
+    assert run.losses[0] == pytest.approx(0.5, abs=1e-6)
+    assert_trains_like(run, reference, LOSS_RTOL)
+    engine = run.engine
     assert engine["micro_batch_size"] == 4 and engine["grad_accum_steps"] == 1
     assert engine["loss"] == "trl"  # TRL's fused per-token log-probs; no chunked SFT loss
 
@@ -74,74 +46,44 @@ def root(tmp_path_factory, tiny_cache) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(root) -> dict:
-    run = pipeline_run(
-        root,
-        "one-process",
-        "hardware.gpus_per_node=1",
-        "train.micro_batch_size=4",
-        "train.grad_accum_steps=2",
-    )
-    engine = run["metrics"]["train"]["engine"]
-    assert engine["world_size"] == 1 and (engine["micro_batch_size"], engine["grad_accum_steps"]) == (4, 2)
+def reference(root) -> EngineRun:
+    run = run_on_engine(root, "one-process", "one-process", *KTO, *ONE_PROCESS, steps=STEPS)
+    engine = run.engine
+    assert (engine["micro_batch_size"], engine["grad_accum_steps"]) == (4, 2)
     # a fresh adapter: the policy is its reference, so every example's loss is 1 - sigmoid(0)
-    assert run["losses"][0] == pytest.approx(0.5, abs=1e-6)
-    kto = run["metrics"]["train"]["kto"]
+    assert run.losses[0] == pytest.approx(0.5, abs=1e-6)
+    kto = run.metrics["train"]["kto"]
     assert kto["logged_steps"] == STEPS and kto["kl"]["first"] == 0.0 and kto["reward_margin"]["first"] == 0.0
     # the policy moved off the reference: the loss left 0.5
-    assert run["losses"][-1] != pytest.approx(0.5, abs=1e-4), run["losses"]
+    assert run.losses[-1] != pytest.approx(0.5, abs=1e-4), run.losses
     return run
 
 
 def test_kto_one_process_trains(reference):
-    assert all(0 < x < 1 for x in reference["losses"])
+    assert all(0 < x < 1 for x in reference.losses)
 
 
 def test_kto_bf16_on_the_cpu_trains_and_the_eval_stage_scores_it(root):
-    run = pipeline_run(
-        root, "bf16", "hardware.gpus_per_node=1", "method.precision=bf16", "train.micro_batch_size=4",
-        "train.grad_accum_steps=2",
-    )  # fmt: skip
-    t, engine = run["metrics"]["train"], run["metrics"]["train"]["engine"]
+    run = run_on_engine(root, "bf16", "one-process", *KTO, *ONE_PROCESS, "method.precision=bf16", steps=STEPS)
+    t, engine = run.metrics["train"], run.engine
     assert t["precision"] == "bf16" and engine["mixed_precision"] == "bf16"
     assert engine["parameter_dtypes"] == ["bfloat16", "float32"]  # the bf16 base, fp32 adapters
-    assert run["losses"][0] == pytest.approx(0.5, abs=1e-3)
-    run_modes([*run["args"], "eval.num_samples=4", "eval.regression=false"], root / "bf16", modes=("eval",))
-    ev = json.loads((run["dir"] / "metrics.json").read_text())["eval"]
+    assert run.losses[0] == pytest.approx(0.5, abs=1e-3)
+    run_modes([*run.args, "eval.num_samples=4", "eval.regression=false"], run.dir, modes=("eval",))
+    ev = json.loads((run.dir / "metrics.json").read_text())["eval"]
     assert ev["base"]["desirable_margin"] == 0.0 and ev["base"]["separation_accuracy"] == 0.0
     assert ev["trained"]["examples"] == ev["base"]["examples"] > 0
 
 
 def test_kto_ddp_two_processes_train_like_one(root, reference):
-    run = pipeline_run(root, "ddp", "hardware.gpus_per_node=2", "train.micro_batch_size=4")
-    engine = run["metrics"]["train"]["engine"]
-    assert engine["wrapper"] == "DistributedDataParallel"
-    assert [r["parameters_held"] for r in engine["ranks"]] == [r["parameters"] for r in engine["ranks"]]
-    assert_like_one_process(run, reference)
+    assert_like_one_process(two_ranks(root, "ddp"), reference)
 
 
 @pytest.mark.extended
 def test_kto_zero3_two_processes_train_like_one(root, reference):
-    run = pipeline_run(
-        root, "zero3", "hardware.gpus_per_node=2", "train.micro_batch_size=4", "train.sharding=zero3",
-        "train.engine=zero3",
-    )  # fmt: skip
-    engine = run["metrics"]["train"]["engine"]
-    assert engine["wrapper"] == "DeepSpeedEngine" and engine["zero_stage"] == 3
-    # each rank holds its share of the parameters
-    ranks = engine["ranks"]
-    assert all(r["parameters_held"] < r["parameters"] for r in ranks)
-    assert_like_one_process(run, reference)
+    assert_like_one_process(two_ranks(root, "zero3"), reference)
 
 
 @pytest.mark.extended
 def test_kto_fsdp2_two_processes_train_like_one(root, reference):
-    run = pipeline_run(
-        root, "fsdp2", "hardware.gpus_per_node=2", "train.micro_batch_size=4", "train.sharding=fsdp",
-        "train.engine=fsdp",
-    )  # fmt: skip
-    engine = run["metrics"]["train"]["engine"]
-    assert engine["wrapper"].startswith("FSDP")
-    ranks = engine["ranks"]
-    assert all(r["parameters_held"] < r["parameters"] for r in ranks)
-    assert_like_one_process(run, reference)
+    assert_like_one_process(two_ranks(root, "fsdp2"), reference)

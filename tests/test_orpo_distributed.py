@@ -11,54 +11,22 @@ process taking the same 8 pairs as micro-batch 4 x accumulation 2, and the engin
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from helpers import losses, run_modes
+from helpers import ENGINE_RUN, ONE_PROCESS, EngineRun, assert_trains_like, run_on_engine
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 4
 LOSS_RTOL = 1e-4
-RUN_TIMEOUT_S = 900
+ORPO = ("objective=orpo", *ENGINE_RUN)
 
 
-def pipeline_run(root: Path, name: str, *extra: str) -> dict:
-    run_dir = root / name
-    args = [
-        f"run_dir={run_dir}",
-        "objective=orpo",
-        "hardware=cpu",
-        "train.seq_len=64",
-        f"train.max_steps={STEPS}",
-        "train.batch_size=8",
-        "train.logging_steps=1",
-        "train.warmup_ratio=0.0",
-        "method.lora_dropout=0.0",
-        f"train.save_steps={STEPS}",
-        "train.eval_steps=1000",
-        "train.report_to=[]",
-        f"data.cache_dir={root / 'data-cache'}",
-        *extra,
-    ]
-    run_modes(args, root / name, timeout=RUN_TIMEOUT_S)
-    return {
-        "dir": run_dir,
-        "args": args,
-        "metrics": json.loads((run_dir / "metrics.json").read_text()),
-        "losses": losses(run_dir / "checkpoints" / f"checkpoint-{STEPS}"),
-    }
-
-
-def assert_like_one_process(run: dict, reference: dict) -> dict:
-    assert len(run["losses"]) == len(reference["losses"]) == STEPS
-    worst = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], reference["losses"]))
-    assert worst <= LOSS_RTOL, f"ORPO losses {run['losses']} vs one process {reference['losses']}"
-    engine = run["metrics"]["train"]["engine"]
-    assert engine["world_size"] == 2 and engine["backend"] == "gloo"
-    assert [r["rank"] for r in engine["ranks"]] == [0, 1] and engine["loss"] == "trl"
-    return engine
+def assert_like_one_process(root: Path, engine: str, reference: EngineRun) -> None:
+    run = run_on_engine(root, engine, engine, *ORPO, steps=STEPS)
+    assert_trains_like(run, reference, LOSS_RTOL)
+    assert run.engine["loss"] == "trl" and run.metrics["train"]["orpo"]["logged_steps"] == STEPS
 
 
 @pytest.fixture(scope="module")
@@ -67,41 +35,19 @@ def root(tmp_path_factory, tiny_cache) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(root) -> dict:
-    run = pipeline_run(
-        root,
-        "one-process",
-        "hardware.gpus_per_node=1",
-        "train.micro_batch_size=4",
-        "train.grad_accum_steps=2",
-    )
-    assert run["metrics"]["train"]["engine"]["world_size"] == 1
-    return run
+def reference(root) -> EngineRun:
+    return run_on_engine(root, "one-process", "one-process", *ORPO, *ONE_PROCESS, steps=STEPS)
 
 
 def test_orpo_ddp_two_processes_train_like_one(root, reference):
-    run = pipeline_run(root, "ddp", "hardware.gpus_per_node=2")
-    engine = assert_like_one_process(run, reference)
-    assert engine["wrapper"] == "DistributedDataParallel"
-    # replicated: each rank holds every parameter
-    assert all(r["parameters_held"] == r["parameters"] for r in engine["ranks"])
-    assert run["metrics"]["train"]["orpo"]["logged_steps"] == STEPS
+    assert_like_one_process(root, "ddp", reference)
 
 
 @pytest.mark.extended
 def test_orpo_zero3_two_processes_train_like_one(root, reference):
-    run = pipeline_run(
-        root, "zero3", "hardware.gpus_per_node=2", "train.sharding=zero3", "train.engine=zero3"
-    )
-    engine = assert_like_one_process(run, reference)
-    assert engine["wrapper"] == "DeepSpeedEngine" and engine["zero_stage"] == 3
-    # partitioned: each rank holds about half of the parameters
-    assert all(r["parameters_held"] < 0.6 * r["parameters"] for r in engine["ranks"])
+    assert_like_one_process(root, "zero3", reference)
 
 
 @pytest.mark.extended
 def test_orpo_fsdp2_two_processes_train_like_one(root, reference):
-    run = pipeline_run(root, "fsdp2", "hardware.gpus_per_node=2", "train.sharding=fsdp", "train.engine=fsdp")
-    engine = assert_like_one_process(run, reference)
-    assert engine["wrapper"].startswith("FSDP")
-    assert all(r["parameters_held"] < 0.6 * r["parameters"] for r in engine["ranks"])
+    assert_like_one_process(root, "fsdp2", reference)

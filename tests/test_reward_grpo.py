@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import prepare_run, run_cli, tiny_cfg
+from helpers import prepare_run, reward_model_folder, run_cli, tiny_cfg
 
 from finetune.core.config.grpo import GRPOObjective
 from finetune.core.errors import ConfigError
@@ -25,24 +25,8 @@ GRPO_RUN = (
 )
 
 
-def _reward_model_folder(root: Path, tiny_model_cfg, extra_token: bool = False) -> Path:  # type: ignore[no-untyped-def]
-    """The tiny base saved as a one-label sequence classifier (an untrained reward model), with its tokenizer
-    (`extra_token`: a tokenizer with one token more than the policy's)."""
-    from finetune.modeling import tiny
-    from finetune.modeling.loading import load_pretrained
-
-    out = root / ("rm-other-vocab" if extra_token else "rm")
-    model = load_pretrained(tiny_model_cfg, str(tiny.model_dir(tiny_model_cfg)), head="score", seed=3)
-    model.save_pretrained(str(out))
-    tokenizer = tiny.load_tokenizer(tiny_model_cfg)
-    if extra_token:
-        tokenizer.add_tokens(["<not-the-policy's>"])
-    tokenizer.save_pretrained(str(out))
-    return out
-
-
 def test_a_reward_model_is_a_companion_of_the_plan(tiny_cache, tiny_model_cfg, tmp_path):
-    folder = _reward_model_folder(tmp_path, tiny_model_cfg)
+    folder = reward_model_folder(tmp_path, tiny_model_cfg)
     grpo = OBJECTIVES["grpo"]
     assert grpo.companions_of(GRPOObjective()) == ()
     settings = GRPOObjective(reward_model=str(folder), reward_model_weight=0.5)
@@ -56,7 +40,7 @@ def test_the_plan_counts_the_reward_model_beside_the_policy(objective, tiny_cach
     """GRPO's and RLOO's learned reward is a planned term of its own: the frozen classifier's weights and forward."""
     from finetune.pipeline.stages import config_plan, resolve
 
-    folder = _reward_model_folder(tmp_path, tiny_model_cfg)
+    folder = reward_model_folder(tmp_path, tiny_model_cfg)
     run = [a.replace("objective=grpo", f"objective={objective}") for a in GRPO_RUN]
     without = config_plan(resolve(tiny_cfg(*run)))
     cfg = resolve(tiny_cfg(*run, f"objective.reward_model={folder}"))
@@ -72,7 +56,7 @@ def test_grpo_ranks_by_the_rewards_and_the_reward_model_weighted(tiny_cache, tin
     from finetune.pipeline.stages import resolve
     from finetune.train import grpo_trainer
 
-    folder = _reward_model_folder(tmp_path, tiny_model_cfg)
+    folder = reward_model_folder(tmp_path, tiny_model_cfg)
     cfg = resolve(
         tiny_cfg(*GRPO_RUN, f"objective.reward_model={folder}", "objective.reward_model_weight=0.5")
     )
@@ -120,7 +104,7 @@ def test_what_is_not_a_reward_model_is_one_line(tiny_cache, tiny_model_cfg, tmp_
 def test_a_reward_model_with_another_vocabulary_is_refused(tiny_cache, tiny_model_cfg, tmp_path):
     from finetune.modeling import reward_model
 
-    folder = _reward_model_folder(tmp_path, tiny_model_cfg, extra_token=True)
+    folder = reward_model_folder(tmp_path, tiny_model_cfg, extra_token=True)
     with pytest.raises(
         ConfigError,
         match=r"objective.reward_model=.*its tokenizer is not the policy's \(513 tokens against 512\)",
@@ -157,7 +141,7 @@ def test_grpo_trains_and_is_evaluated_with_the_learned_reward(tiny_cache, tiny_m
     from finetune.pipeline.stages import plan_stage, resolve
     from finetune.train import stage
 
-    folder = _reward_model_folder(tmp_path, tiny_model_cfg)
+    folder = reward_model_folder(tmp_path, tiny_model_cfg)
     cfg = tiny_cfg(
         *GRPO_RUN, "train.max_steps=2", f"objective.reward_model={folder}", "objective.reward_model_weight=0.5",
         run_dir=tmp_path / "run",
@@ -204,7 +188,7 @@ def test_a_reward_model_run_directory_is_read_as_its_export_or_refused_until_tra
     rundir.save_config(tiny_cfg("objective=reward", "method=full"), run)
     with pytest.raises(ConfigError, match=r"the reward-model run has no trained output yet"):
         reward_model.find(str(run))
-    shutil.copytree(_reward_model_folder(tmp_path, tiny_model_cfg), rundir.merged_dir(run))
+    shutil.copytree(reward_model_folder(tmp_path, tiny_model_cfg), rundir.merged_dir(run))
     source = reward_model.find(str(run))
     assert (source.variant, source.run_config.objective.name) == ("merged", "reward")
     model, tokenizer = reward_model.load(str(run), tiny_model_cfg, dtype=None)

@@ -1,52 +1,79 @@
-"""SimPO on two CPU ranks (gloo) under DDP: TRL's CPOTrainer runs on the planned engine and trains like one process.
+"""SimPO and CPO (TRL's CPOTrainer) on the engines users meet: one process in bf16, DDP on two CPU ranks (gloo)
+against one process, and ZeRO-3 and FSDP2 on two CPU ranks.
 
-    pytest -m distributed tests/test_simpo_distributed.py
+    pytest -m distributed tests/test_simpo_distributed.py      # CI: bf16 on one process, DDP
+    pytest -m extended tests/test_simpo_distributed.py         # ZeRO-3 and FSDP2
 
 Driven as a user drives it (`mode=data`, then `mode=train` through the launcher), on the bundled preference
 set with LoRA: 8 pairs a step on two ranks, against one process taking them as micro-batch 4 x accumulation 2.
-(ZeRO-3 and FSDP2 run TRL's experimental trainers in tests/test_orpo_distributed.py: the same wrapping.)
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import losses, run_modes
+from helpers import ENGINE_RUN, ONE_PROCESS, EngineRun, assert_trains_like, run_modes, run_on_engine
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 4
+LOSS_RTOL = 1e-4
+OBJECTIVES = {
+    "simpo": ("+recipe=tiny_simpo", *ENGINE_RUN),
+    "cpo": ("objective=cpo", *ENGINE_RUN, "method.learning_rate=1e-3"),
+}
+EXTENDED = pytest.mark.extended
+ENGINE_MATRIX = [
+    pytest.param(objective, engine, marks=() if engine == "ddp" else EXTENDED, id=f"{objective}-{engine}")
+    for objective in OBJECTIVES
+    for engine in ("ddp", "zero3", "fsdp2")
+]
 
 
-def pipeline_run(root: Path, name: str, *extra: str) -> dict:
-    run_dir = root / name
-    args = [
-        f"run_dir={run_dir}", "+recipe=tiny_simpo", "train.seq_len=64", f"train.max_steps={STEPS}",
-        "train.batch_size=8", "train.logging_steps=1", "train.warmup_ratio=0.0", f"train.save_steps={STEPS}",
-        "train.eval_steps=1000", f"data.cache_dir={root / 'data-cache'}", *extra,
-    ]  # fmt: skip
-    run_modes(args, root / name, timeout=900)
-    return {
-        "metrics": json.loads((run_dir / "metrics.json").read_text()),
-        "losses": losses(run_dir / "checkpoints" / f"checkpoint-{STEPS}"),
-    }
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, tiny_cache) -> Path:
+    return tmp_path_factory.mktemp("simpo-distributed")
 
 
-def test_simpo_ddp_two_processes_train_like_one(tmp_path, tiny_cache):
-    one = pipeline_run(
-        tmp_path,
-        "one-process",
-        "hardware.gpus_per_node=1",
-        "train.micro_batch_size=4",
-        "train.grad_accum_steps=2",
-    )
-    ddp = pipeline_run(tmp_path, "ddp", "hardware.gpus_per_node=2")
-    assert len(ddp["losses"]) == len(one["losses"]) == STEPS
-    assert ddp["losses"] == pytest.approx(one["losses"], rel=1e-4)
-    engine = ddp["metrics"]["train"]["engine"]
-    assert engine["world_size"] == 2 and engine["backend"] == "gloo"
-    assert engine["wrapper"] == "DistributedDataParallel" and [r["rank"] for r in engine["ranks"]] == [0, 1]
-    assert one["metrics"]["train"]["engine"]["world_size"] == 1
-    assert ddp["metrics"]["train"]["simpo"]["logged_steps"] == STEPS
+@pytest.fixture(scope="module")
+def reference(root) -> Callable[[str], EngineRun]:
+    """Each objective's one-process run, made once."""
+    made: dict[str, EngineRun] = {}
+
+    def one_process(objective: str) -> EngineRun:
+        if objective not in made:
+            args = (*OBJECTIVES[objective], *ONE_PROCESS)
+            made[objective] = run_on_engine(
+                root, f"{objective}-one-process", "one-process", *args, steps=STEPS
+            )
+        return made[objective]
+
+    return one_process
+
+
+@pytest.mark.parametrize("objective, engine", ENGINE_MATRIX)
+def test_two_processes_train_like_one(objective, engine, root, reference):
+    run = run_on_engine(root, f"{objective}-{engine}", engine, *OBJECTIVES[objective], steps=STEPS)
+    assert_trains_like(run, reference(objective), LOSS_RTOL)
+    assert run.engine["loss"] == "trl" and run.metrics["train"][objective]["logged_steps"] == STEPS
+
+
+@pytest.mark.parametrize("objective", list(OBJECTIVES))
+def test_bf16_on_the_cpu_trains_and_the_eval_stage_scores_it(objective, root, reference):
+    args = (*OBJECTIVES[objective], *ONE_PROCESS, "method.precision=bf16")
+    run = run_on_engine(root, f"{objective}-bf16", "one-process", *args, steps=STEPS)
+    t, engine = run.metrics["train"], run.engine
+    assert t["precision"] == "bf16" and engine["mixed_precision"] == "bf16"
+    assert engine["parameter_dtypes"] == ["bfloat16", "float32"]  # the bf16 base, fp32 adapters
+    # the fp32 run's losses, to bf16's precision
+    assert run.losses == pytest.approx(reference(objective).losses, rel=0.05)
+    assert t[objective]["logged_steps"] == STEPS and all(math.isfinite(x) for x in run.losses)
+    run_modes([*run.args, "eval.num_samples=4", "eval.regression=false"], run.dir, modes=("eval",))
+    ev = json.loads((run.dir / "metrics.json").read_text())["eval"]
+    for scores in (ev["base"], ev["trained"]):
+        assert scores["pairs"] > 0 and 0.0 <= scores["margin_accuracy"] <= 1.0
+    assert ev["trained"]["pairs"] == ev["base"]["pairs"]

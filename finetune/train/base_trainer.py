@@ -326,8 +326,61 @@ def engine_record(trainer: Any) -> dict[str, Any]:
             "tokens": int(getattr(trainer, "split_tokens", 0)),
             "shard_widths": sorted(getattr(trainer, "split_widths", ())),
         }
+    # the frozen companions beside the policy (a learned reward model): this rank's share and its forwards
+    companions = getattr(trainer, "companions", {})
+    if companions:
+        mine["companions"] = {role: watched.record() for role, watched in companions.items()}
     record["ranks"] = gather_object([mine])
     return record
+
+
+def held_share(model: Any) -> float:
+    """The fraction of `model`'s parameters this rank holds: a ZeRO-3 partition (`ds_tensor`), an FSDP2 shard (a
+    DTensor's local tensor), or the whole."""
+    held = total = 0
+    for p in model.parameters():
+        if hasattr(p, "ds_tensor"):
+            held, total = held + p.ds_tensor.numel(), total + p.ds_numel
+        else:
+            held += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+            total += p.numel()
+    return held / total if total else 1.0
+
+
+def shard_frozen(model: Any, accelerator: Any) -> Any:
+    """A frozen companion divided over the ranks under FSDP2 as the policy is: each decoder layer its own unit
+    (gathered one at a time in the forward), then the rest with TRL's `prepare_fsdp`. TRL prepares companions
+    with `accelerator.prepare_model(..., evaluation_mode=True)`, which under FSDP wraps nothing: every rank would
+    hold the whole model where the plan counts its share."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from trl.models import prepare_fsdp
+
+    plugin = accelerator.state.fsdp_plugin
+    layers = set(plugin.transformer_cls_names_to_wrap or ())
+    settings = dict(
+        reshard_after_forward=plugin.reshard_after_forward,
+        offload_policy=plugin.cpu_offload,
+        mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+    )
+    for module in model.modules():
+        if type(module).__name__ in layers:
+            fully_shard(module, **settings)
+    return prepare_fsdp(model, accelerator)
+
+
+class WatchedCompanion:
+    """A frozen companion model as this rank runs it: its forwards counted, for the engine record."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.forwards = 0
+        model.register_forward_hook(self._count)
+
+    def _count(self, *_: Any) -> None:
+        self.forwards += 1
+
+    def record(self) -> dict[str, Any]:
+        return {"share": held_share(self.model), "forwards": self.forwards}
 
 
 # torch.distributed's CheckpointWrapper (accelerate applies it for FSDP's activation checkpointing).

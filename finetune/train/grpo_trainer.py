@@ -29,7 +29,7 @@ from finetune.core.errors import ConfigError
 from finetune.core.rewards import Reward
 from finetune.modeling import dtypes, reward_model
 from finetune.planner import Plan
-from finetune.train.base_trainer import RunTrainerMixin, common_kwargs
+from finetune.train.base_trainer import RunTrainerMixin, WatchedCompanion, common_kwargs, shard_frozen
 from finetune.train.callbacks import RunMonitor
 
 REFERENCE_COLUMN = "reference"
@@ -247,12 +247,26 @@ def objective_metrics(log_history: list[dict]) -> dict[str, Any]:
     return out
 
 
+def prepare_reward_model(trainer: Any) -> dict[str, WatchedCompanion]:
+    """The learned reward model among the trainer's reward functions as the plan counts it: divided over the ranks
+    like the policy under FSDP2 (TRL partitions it under ZeRO-3 itself), its forwards watched for the engine
+    record. Shared by every trainer built on GRPO's settings."""
+    watched = {}
+    for i, func in enumerate(trainer.reward_funcs):
+        if isinstance(func, torch.nn.Module):
+            if trainer.is_fsdp_enabled:
+                func = trainer.reward_funcs[i] = shard_frozen(func, trainer.accelerator)
+            watched[reward_model.LOGGED_NAME] = WatchedCompanion(func)
+    return watched
+
+
 class FinetuneGRPOTrainer(RunTrainerMixin, GRPOTrainer):
     """GRPOTrainer on the data stage's prompts, with the run's checkpoints and state."""
 
     def __init__(self, *args: Any, monitor: Optional[RunMonitor] = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._init_run(monitor)
+        self.companions = prepare_reward_model(self)
 
 
 Trainer = FinetuneGRPOTrainer

@@ -81,6 +81,7 @@ class FinetuneRLOOTrainer(RunTrainerMixin, RLOOTrainer):
     def __init__(self, *args: Any, monitor: Optional[RunMonitor] = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._init_run(monitor)
+        self.companions = grpo_trainer.prepare_reward_model(self)
 
 
 Trainer = FinetuneRLOOTrainer
