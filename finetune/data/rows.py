@@ -219,14 +219,14 @@ class CompactRows:
             table = self._table(start, min(start + PIECE_ROWS, self._count))
             nbytes += sum(table[n].nbytes for n, k in self.kinds.items() if k != "flag")
         nbytes += sum((self._count + 7) // 8 for k in self.kinds.values() if k == "flag")
-        empty = self._table(0, 0)
         _write_dataset(
             folder,
-            empty.schema,
+            self._table(0, 0).schema,
             (self._table(a, min(a + PIECE_ROWS, self._count)) for a in pieces),
             num_rows=self._count,
             nbytes=nbytes,
-            num_shards=num_shards,
+            # no rows: one empty shard, which loads back (none would not)
+            num_shards=num_shards if num_shards is not None or self._count else 1,
         )
 
 
