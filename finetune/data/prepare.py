@@ -1,17 +1,20 @@
 """The steps every record kind shares: the text limits, the streamed pass over the input, the progress bars.
 
-    read -> messages -> clean -> exact duplicates     (one streamed pass: `samples.collect`)
+    read -> samples -> clean -> exact duplicates      (one streamed pass: `samples.collect`)
          -> near duplicates -> split -> tokenize -> length limits -> (pack) -> stats
 
 A record kind (finetune/core/objectives.py's RECORD_KINDS, named by the objective's `record_kind`) is one
 module beside this one with `prepare` and `save`: `conversations` (SFT: assistant turns to learn, packed
-rows), `preferences` (DPO: prompt + chosen + rejected as TRL's token lists, one pair a row), `prompts`
-(GRPO: prompts with the reference answer the rewards check). Each reuses these steps and the sample steps
-(`samples`), and brings its own tokenizing and statistics; the stage calls the one its objective names.
+rows), `preferences` (DPO: prompt + chosen + rejected as TRL's token lists, one pair a row), `labelled` (KTO:
+prompt + completion + label), `prompts` (GRPO: prompts with the reference answer the rewards check). Each
+streams its records through the same pass (`streamed`: it says how a record becomes its samples, and whether
+several samples share a prompt), so the pass holds a fixed size a sample whatever the kind, then reads the
+kept samples back a batch at a time (`batches`) for its own tokenizing, into compact rows
+(`rows.CompactRows`), and its own statistics; the stage calls the one its objective names.
 
 Pure of the run directory and the cache: a preparation reads only the input, the tokenizer and the config,
-and writes nothing (its `save` writes the result), so the stage's fingerprint of those inputs names the
-result exactly.
+and writes nothing but its scratch files (its `save` writes the result), so the stage's fingerprint of those
+inputs names the result exactly.
 """
 
 from __future__ import annotations

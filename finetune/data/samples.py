@@ -1,6 +1,8 @@
-"""Samples before any token: records mapped to conversations, cleaned, deduplicated, split into train and eval.
+"""Samples before any token: records mapped to samples (conversations, pairs, labelled examples), cleaned,
+deduplicated, split into train and eval.
 
-Records are mapped, cleaned and exactly deduplicated in one pass as they are read (`collect`), and
+Records are mapped by their record kind (`conversation` for conversations), cleaned and exactly deduplicated
+in one pass as they are read (`collect`), and
 only what is kept is held, by a fixed size a sample (`Kept`: three digests, LSH bucket keys and an
 offset, about 140 bytes; its JSON text and MinHash row go to a scratch file), so memory follows how
 many samples are kept, not the input. Every step keeps input order and counts what
@@ -9,7 +11,8 @@ is counted once, by its first problem). The held-out split follows deduplication
 the conversations' prompts (conversations asking the same are held out together), so it does not change with
 input order; train keeps no exact or near
 duplicate of an eval sample, and no sample asking an eval sample's prompt (its user turns, whatever the
-system prompt: `clean.prompt_key`).
+system prompt: `clean.prompt_key`). Where several samples share a prompt (preference pairs, labelled
+examples), the prompts themselves are split and each sample follows its own (`split_by_prompt`).
 """
 
 from __future__ import annotations
