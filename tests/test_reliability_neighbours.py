@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import run_cli, tiny_cfg
+from helpers import SEQ_LEN, run_cli, run_modes, tiny_cfg
 
 from finetune import rundir
 from finetune.core.config.grpo import check_reward_model
@@ -209,3 +209,24 @@ def test_activation_offloading_on_the_cpu_is_dropped_with_a_note(tmp_path):
     rundir.prepare(gpu)
     on_gpu = plan_stage(gpu, tmp_path / "gpu", quiet=True)
     assert on_gpu.strategy.activation_offloading is True and note not in on_gpu.reasons
+
+
+@pytest.mark.slow  # one short training run
+def test_activation_offloading_on_the_cpu_trains(tmp_path, tiny_cache):
+    """What crashed inside TRL (its offloading streams to an accelerator) plans without it, says so, and trains."""
+    run = tmp_path / "run"
+    args = [
+        f"run_dir={run}",
+        "hardware=cpu",
+        SEQ_LEN,
+        "train.max_steps=1",
+        "train.batch_size=2",
+        "train.report_to=[]",
+        "train.activation_offloading=true",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
+    planned = run_modes(args, run, modes=("data", "plan"))
+    assert "train.activation_offloading=true dropped" in " ".join(planned.split())
+    run_modes(args, run, modes=("train",))
+    train = json.loads((run / "metrics.json").read_text())["train"]
+    assert train["steps"] == 1 and train["engine"]["activation_offloading"] is False
