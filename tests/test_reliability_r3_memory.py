@@ -136,11 +136,7 @@ def _peak(kind: str, n: int, tokenizer, tmp_path: Path) -> tuple[int, dict]:
     return peak, prepared.stats
 
 
-@pytest.mark.parametrize(
-    "kind",
-    # one record kind is the representative case; the others stream through the same pass (`prepare.streamed`)
-    ["preferences", *(pytest.param(k, marks=pytest.mark.slow) for k in ("labelled", "prompts"))],
-)
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_a_record_costs_a_few_hundred_bytes_in_the_data_stage(tmp_path, tiny_tokenizer, monkeypatch, kind):
     """The slope of the peak between 100 and 400 records: what one more record holds through reading,
     cleaning, deduplication, the split, tokenizing and saving. Held as Python objects, a preference pair took
@@ -157,5 +153,4 @@ def test_a_record_costs_a_few_hundred_bytes_in_the_data_stage(tmp_path, tiny_tok
     kept = (s2["num_train"] + s2["num_eval"]) - (s1["num_train"] + s1["num_eval"])
     assert kept >= 290, (s1, s2)
     per_record = (p2 - p1) / kept
-    print(f"{kind}: {per_record:.0f} bytes a record")
     assert 0 < per_record < 1000, f"{per_record:.0f} bytes a record ({kind})"
