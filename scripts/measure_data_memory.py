@@ -1,11 +1,13 @@
-"""Memory a record costs in the data stage: a preference pair (DPO) beside the same text as a conversation (SFT).
+"""Memory a record costs in the data stage, for each record kind: a preference pair (DPO), a labelled example
+(KTO), a prompt (GRPO), and the same text as a conversation (SFT).
 
     python scripts/measure_data_memory.py                               # this checkout
     python scripts/measure_data_memory.py --tree /path/to/other/checkout # and another one, for before/after
-    python scripts/measure_data_memory.py --records 20000 60000
+    python scripts/measure_data_memory.py --records 20000 60000 --kinds dpo sft
 
 For each record kind, JSONL files of N1 and N2 distinct records (a one-line question with two short answers of a
-dozen words; SFT takes the question and the first answer as prompt and completion), then
+dozen words; SFT and GRPO take the question and the first answer as prompt and completion, KTO the question and
+one of the answers with its label), then
 `python -m finetune mode=data` on each in a child process (the tiny model's tokenizer, the default data
 settings), and the child's peak resident memory (VmHWM). Bytes a record is the slope,
 (VmHWM(N2) - VmHWM(N1)) / (N2 - N1), so the interpreter, the libraries and the tokenizer drop out.
@@ -40,19 +42,30 @@ sys.exit(code)
 """
 
 
+# The objective each record kind is measured under, and how the table names it.
+KINDS = {
+    "dpo": (("objective=dpo",), "preferences (DPO)"),
+    "kto": (("objective=kto",), "labelled (KTO)"),
+    "grpo": (("objective=grpo", "objective.num_generations=4"), "prompts (GRPO)"),
+    "sft": (("objective=sft",), "conversations (SFT)"),
+}
+
+
 def write_records(path: Path, n: int, kind: str) -> None:
-    """`n` distinct records: preference pairs, or (`sft`) the same question and first answer."""
+    """`n` distinct records: preference pairs (`dpo`), a labelled answer (`kto`: the first or the second by
+    turns), or the same question and first answer (`sft`, `grpo`)."""
     vocab = [f"word{i}" for i in range(2000)]
     with path.open("w") as f:
         for i in range(n):
             rng = random.Random(i)
             question = f"question {i}: " + " ".join(rng.choices(vocab, k=8))
             chosen, rejected = (" ".join(rng.choices(vocab, k=12)) for _ in range(2))
-            record = (
-                {"prompt": question, "chosen": chosen, "rejected": rejected}
-                if kind == "dpo"
-                else {"prompt": question, "completion": chosen}
-            )
+            if kind == "dpo":
+                record = {"prompt": question, "chosen": chosen, "rejected": rejected}
+            elif kind == "kto":
+                record = {"prompt": question, "completion": (chosen, rejected)[i % 2], "label": i % 2 == 0}
+            else:
+                record = {"prompt": question, "completion": chosen}
             f.write(json.dumps(record) + "\n")
 
 
@@ -67,7 +80,7 @@ def peak_bytes(tree: Path, data: Path, work: Path, kind: str) -> int:
         "OMP_NUM_THREADS": "1",
     }
     argv = [sys.executable, "-c", _CHILD, str(hwm), "mode=data", f"data.path={data}", f"run_dir={run_dir}"]
-    argv += [f"data.cache_dir={run_dir}-cache", *(["objective=dpo"] if kind == "dpo" else [])]
+    argv += [f"data.cache_dir={run_dir}-cache", *KINDS[kind][0]]
     done = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"mode=data failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -78,13 +91,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--records", type=int, nargs=2, default=[20_000, 60_000], metavar=("N1", "N2"))
     ap.add_argument("--tree", type=Path, action="append", default=[], help="another checkout to measure too")
+    ap.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
     args = ap.parse_args()
     n1, n2 = args.records
     rows = []
     with tempfile.TemporaryDirectory(prefix="measure-data-memory-") as tmp:
         work = Path(tmp)
         for tree in [REPO, *args.tree]:
-            for kind in ("dpo", "sft"):
+            for kind in args.kinds:
                 peaks = []
                 for n in (n1, n2):
                     data = work / f"{kind}-{n}.jsonl"
@@ -98,7 +112,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|")
     for tree, kind, peaks, slope in rows:
         name = "this checkout" if tree == REPO else str(tree)
-        label = "preferences (DPO)" if kind == "dpo" else "conversations (SFT)"
+        label = KINDS[kind][1]
         print(f"| {name} | {label} | {peaks[0] / 1e6:,.0f} | {peaks[1] / 1e6:,.0f} | {slope:,.0f} |")
 
 

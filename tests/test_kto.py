@@ -151,7 +151,7 @@ def test_data_stage_splits_by_prompt_counts_labels_and_parts_neighbours(tmp_path
     # ordered by the seed, not as read: a prompt's two examples are rarely neighbours
     neighbours = sum(a == b for a, b in zip(prompts(prepared.train), prompts(prepared.train)[1:]))
     assert neighbours <= 5, neighbours
-    for r in prepared.train + prepared.evals:
+    for r in [*prepared.train, *prepared.evals]:
         assert len(r["prompt_ids"]) + len(r["completion_ids"]) <= 48 and r["completion_ids"]
     # generation is scored on the desirable answers; an undesirable row holds its prompt alone
     for r in prepared.evals:

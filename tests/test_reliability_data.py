@@ -27,6 +27,7 @@ import time
 import tracemalloc
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -539,7 +540,15 @@ def _collect_peak(rows: list, tmp_path: Path, name: str, on_error: str = "raise"
     tracemalloc.start()
     try:
         records = sources.records(inp, loaded)
-        kept = samples.collect(records, loaded, dc, ControlTokens(set()), 10**6, tally, scratch)
+        to_samples = partial(
+            samples.conversation,
+            dc=dc,
+            control=ControlTokens(set()),
+            char_limit=10**6,
+            tally=tally,
+            formats=loaded.formats,
+        )
+        kept = samples.collect(records, loaded, dc, tally, scratch, to_samples)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from helpers import tiny_cfg
 
 from finetune.core.config import Config, TrainConfig
 from finetune.core.config.data import DataConfig
-from finetune.data import clean, pairs, preferences, samples, stage, synthetic
+from finetune.data import clean, pairs, preferences, samples, sources, stage, synthetic
 
 SYSTEM = "You are a terse assistant. Answer in one line."
 
@@ -114,7 +115,7 @@ def test_grpo_train_prompts_hold_no_restated_eval_prompt(tmp_path, tokenizer):
     assert result["num_train"] + 18 + result["dropped"].get("eval_leak", 0) == len(convs)
 
 
-def test_dpo_pairs_of_one_prompt_restated_follow_it_to_one_side():
+def test_dpo_pairs_of_one_prompt_restated_follow_it_to_one_side(tmp_path):
     dc = DataConfig(eval_fraction=0.25, seed=3)
     kept = []
     for i in range(20):
@@ -126,7 +127,7 @@ def test_dpo_pairs_of_one_prompt_restated_follow_it_to_one_side():
         ]
         kept.append(pairs.Pair(restated, _answer("Four legs."), _answer("Eight.")))
     tally = samples.Tally()
-    train, evals = preferences._split_by_prompt(kept, dc, tally)
+    train, evals = _split_pairs(kept, dc, tally, tmp_path)
     train_prompts = {clean.prompt_key(p.prompt) for p in train}
     eval_prompts = {clean.prompt_key(p.prompt) for p in evals}
     assert len(eval_prompts) == 5 and len(evals) == 10  # both pairs of each held-out prompt
@@ -134,11 +135,40 @@ def test_dpo_pairs_of_one_prompt_restated_follow_it_to_one_side():
     assert tally.dropped["eval_leak"] == 0  # nothing needed dropping: the twins were split together
 
 
+def _split_pairs(
+    kept: list[pairs.Pair], dc: DataConfig, tally: samples.Tally, scratch: Path
+) -> tuple[list[pairs.Pair], list[pairs.Pair]]:
+    """(train, eval) pairs as the data stage splits them: streamed by prompt (`samples.split_by_prompt`)."""
+    records = [
+        sources.Record("p.jsonl", i + 1, {"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected})
+        for i, p in enumerate(kept)
+    ]
+
+    def to_samples(data: dict) -> list[samples.Candidate]:
+        p = pairs.to_pair(data, dc)
+        return [
+            (
+                json.dumps([p.prompt, p.chosen, p.rejected]),
+                preferences._pair_key(p),
+                clean.prompt_key(p.prompt),
+            )
+        ]
+
+    found = samples.collect(records, sources.Loaded(), dc, tally, scratch, to_samples, by_prompt=True)
+    train_rows, eval_rows = samples.split_by_prompt(found, dc, tally)
+    try:
+        return tuple(  # type: ignore[return-value]
+            [pairs.Pair(*json.loads(t)) for t in found.store.texts(rows)] for rows in (train_rows, eval_rows)
+        )
+    finally:
+        found.close()
+
+
 def _answer(text: str) -> list[dict]:
     return [{"role": "assistant", "content": text}]
 
 
-def test_a_near_restated_dpo_prompt_is_an_eval_leak():
+def test_a_near_restated_dpo_prompt_is_an_eval_leak(tmp_path):
     """Beyond spacing and case: one word added to a long question under another system prompt. Of the two
     prompts one is held out; the other is its near duplicate and never trains."""
     dc = DataConfig(eval_fraction=0.5, seed=0)
@@ -152,5 +182,5 @@ def test_a_near_restated_dpo_prompt_is_an_eval_leak():
         ),
     ]
     tally = samples.Tally()
-    train, evals = preferences._split_by_prompt(kept, dc, tally)
-    assert len(evals) == 1 and train == [] and tally.dropped == {"eval_leak": 1}
+    train, evals = _split_pairs(kept, dc, tally, tmp_path)
+    assert len(evals) == 1 and train == [] and +tally.dropped == {"eval_leak": 1}

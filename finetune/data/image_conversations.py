@@ -14,13 +14,16 @@ No packing: the processor's image placeholders belong to one conversation.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from finetune import rundir
+from finetune.core import userfiles
 from finetune.core.config import Config
 from finetune.core.errors import DataError
 from finetune.data import limits, sources, stats
@@ -28,6 +31,9 @@ from finetune.data import rows as saved_rows
 from finetune.modeling.vision import IMAGE_SUFFIXES, rendered
 
 REMOTE = ("http://", "https://")
+
+# An image file: far more than a photograph or a scan holds, far less than memory.
+IMAGE_LIMIT = 64 << 20
 
 
 @dataclass
@@ -66,9 +72,39 @@ def _image_files(value: Any, base: Path, where: str) -> list[Path]:
     return [path]
 
 
+def _read_image(file: Path, where: str) -> bytes:
+    """An image file's bytes, read through the bounded reader of user files (a regular file of at most
+    `IMAGE_LIMIT` bytes, links followed) and decoded once here, so a damaged image or a decompression bomb (more
+    pixels than PIL's `MAX_IMAGE_PIXELS`, which it finds from the header before decoding) is one line naming
+    the record, not a traceback from the processor."""
+    from PIL import Image
+
+    try:
+        data = userfiles.read_bytes(file, "image", IMAGE_LIMIT, DataError)
+    except DataError as exc:
+        raise DataError(f"{where}: {exc}") from None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:  # the header: its size checked before any pixel
+                image.load()
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
+        raise DataError(f"{where}: image {file} refused: {exc}") from None
+    except Image.UnidentifiedImageError:
+        raise DataError(
+            f"{where}: image {file} is not an image PIL can read (damaged, or another kind of file)"
+        ) from None
+    except Exception as exc:  # a damaged image: PIL raises several types (OSError, SyntaxError, ValueError)
+        raise DataError(
+            f"{where}: image {file} cannot be decoded ({type(exc).__name__}: {exc}); is it damaged?"
+        ) from None
+    return data
+
+
 def read_images(value: Any, base: Path, where: str) -> list[bytes]:
-    """The bytes of each image an image part names (a file, or a folder's images in name order)."""
-    return [file.read_bytes() for file in _image_files(value, base, where)]
+    """The bytes of each image an image part names (a file, or a folder's images in name order), bounded and
+    checked as the data stage reads them."""
+    return [_read_image(file, where) for file in _image_files(value, base, where)]
 
 
 def _sample(record: sources.Record) -> Sample:
@@ -95,7 +131,7 @@ def _sample(record: sources.Record) -> Sample:
                 parts.append({"type": "text", "text": part["text"]})
             elif kind == "image":
                 for file in _image_files(part.get("image", part.get("path", part.get("url"))), base, where):
-                    images.append(file.read_bytes())
+                    images.append(_read_image(file, where))
                     parts.append({"type": "image"})
             else:
                 raise DataError(

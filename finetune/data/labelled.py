@@ -17,7 +17,9 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, cast
+from typing import Any, Optional
+
+import numpy as np
 
 from finetune import rundir
 from finetune.core.config import Config
@@ -27,9 +29,9 @@ from finetune.data import clean, pairs, samples, sources, stats
 from finetune.data import rows as saved_rows
 from finetune.data.control import ControlTokens
 from finetune.data.formats import Messages, RecordError, _field, _messages, _text
-from finetune.data.preferences import _split_by_prompt
-from finetune.data.prepare import TextLimits, progress, records
+from finetune.data.prepare import Streamed, TextLimits, batches, streamed
 from finetune.data.render import Renderer
+from finetune.data.rows import CompactRows
 
 
 @dataclass
@@ -49,10 +51,10 @@ class PreparedExamples:
     """Labelled examples prepared for KTO, not yet saved: TRL's token lists per example, train then eval."""
 
     stats: dict  # data_stats.json's content
-    train: list[dict]  # {prompt_ids, completion_ids, label}
-    evals: list[
-        dict
-    ]  # the same, plus `messages` (JSON: prompt + completion where desirable, else the prompt)
+    train: CompactRows  # prompt_ids, completion_ids, label (`example_rows`)
+    evals: (
+        CompactRows  # the same, plus `messages` (JSON: prompt + completion where desirable, else the prompt)
+    )
 
 
 def _label(value: Any, dc: DataConfig) -> bool:
@@ -97,49 +99,78 @@ def prepare(
     """Labelled records prepared for KTO: mapped to examples (bad ones located), cleaned as SFT's conversations
     are, deduplicated, split by prompt (no prompt of an eval example is trained on), ordered by the seed,
     tokenized with the chat template, and held to the length limit (dropped, or the completion cut with
-    data.too_long=truncate)."""
+    data.too_long=truncate). They stream as the other record kinds do (`prepare.streamed`): a fixed size an
+    example held until tokenized, then its tokens compactly (`rows.CompactRows`)."""
     dc = cfg.data
     t0 = time.perf_counter()
     tally = samples.Tally()
     text = TextLimits.of(cfg, tokenizer, "assistant")
     loaded = sources.Loaded()
-    del scratch  # examples are held in memory, as read
-    with progress(console) as bar:
-        found = list(_read(records(inp, loaded, bar), loaded, dc))
-    samples.check_input(loaded, dc, path, tally)
-    if not found:
-        raise DataError(f"data.path={path}: no labelled examples ({dict(tally.dropped) or 'no records'})")
-    kept = [e for e in (_clean(e, dc, text.control, text.char_limit, tally) for e in found) if e is not None]
-    kept = _dedup(kept, dc, tally)
-    # DPO's split by prompt, on anything with a `prompt` (typed for its pairs)
-    train_examples, eval_examples = cast(Any, _split_by_prompt)(kept, dc, tally)
+
+    def to_samples(data: dict) -> list[samples.Candidate]:
+        out = []
+        for example in to_examples(data, dc):
+            e = _clean(example, dc, text.control, text.char_limit, tally)
+            if e is not None:
+                as_json = json.dumps([e.prompt, e.completion, e.label], ensure_ascii=False)
+                out.append((as_json, _key(e), clean.prompt_key(e.prompt)))
+        return out
+
     seq_len = text.seq_len(cfg)
     truncated = [0]
-    train = _tokenize(_ordered(train_examples, dc), text.renderer, seq_len, dc, tally, truncated)
-    evals = _tokenize(_ordered(eval_examples, dc), text.renderer, seq_len, dc, tally, truncated, True)
-    if not train:
+    with streamed(inp, loaded, dc, text, path, tally, scratch, console, to_samples, by_prompt=True) as part:
+        if not len(part.kept):
+            raise DataError(f"data.path={path}: no labelled examples ({dict(tally.dropped) or 'no records'})")
+        had_eval = bool(len(part.eval_rows))
+        vocab = len(tokenizer)
+        train = _tokenize(
+            _read_back(part, part.train_rows, dc),
+            text.renderer,
+            seq_len,
+            dc,
+            tally,
+            truncated,
+            example_rows(vocab),
+        )
+        evals = _tokenize(
+            _read_back(part, part.eval_rows, dc),
+            text.renderer,
+            seq_len,
+            dc,
+            tally,
+            truncated,
+            example_rows(vocab, True),
+        )
+    if not len(train):
         raise DataError(
             f"no training examples left after cleaning and the length limit ({dict(tally.dropped)})"
         )
-    if eval_examples and not evals:
+    if had_eval and not len(evals):
         raise DataError(
             f"no held-out examples left after the length limit (seq_len {seq_len}): raise train.seq_len, "
             "or set data.eval_fraction=0"
         )
     if cfg.train.seq_len == "auto":
-        seq_len = min(seq_len, max(_tokens(r) for r in train + evals))
+        seq_len = min(seq_len, max(int(_tokens(rows).max()) for rows in (train, evals) if len(rows)))
     result = _stats(cfg, loaded, path, tally, text.char_limit, train, evals, seq_len, truncated[0])
     result["seconds"] = round(time.perf_counter() - t0, 3)
     return PreparedExamples(result, train, evals)
 
 
-def _read(found: Iterable[sources.Record], loaded: sources.Loaded, dc: DataConfig) -> Iterator[Example]:
-    """The records as they are read, mapped to examples; one that cannot be is bad input, counted in `loaded`."""
-    for rec in found:
-        try:
-            yield from to_examples(rec.data, dc)
-        except RecordError as exc:
-            loaded.add_bad(sources.BadRecord(rec.source, rec.line, exc.reason, str(exc)))
+def example_rows(vocab_size: int, keep_text: bool = False) -> CompactRows:
+    """Tokenized examples as TRL reads them; eval rows also keep `messages` (JSON: prompt + completion where
+    desirable, else the prompt)."""
+    columns = {"prompt_ids": "ids", "completion_ids": "ids", "label": "flag"}
+    return CompactRows(columns | ({"messages": "text"} if keep_text else {}), vocab_size)
+
+
+def _read_back(part: Streamed, rows: Any, dc: DataConfig) -> Iterator[Example]:
+    """The kept examples of `rows` in the seed's order (`_ordered`), read back from the scratch file a batch at
+    a time."""
+    for batch in batches(part, _ordered(part, rows, dc), "tokenize"):
+        for text in batch:
+            prompt, completion, label = json.loads(text)
+            yield Example(prompt, completion, label)
 
 
 def _clean(
@@ -159,46 +190,40 @@ def _key(example: Example) -> str:
     return clean.conversation_key(example.whole() + [{"role": "-", "content": str(example.label)}])
 
 
-def _dedup(kept: list[Example], dc: DataConfig, tally: samples.Tally) -> list[Example]:
-    """Exact duplicate examples out (data.dedup), the label included; a completion may be both, on two rows."""
-    if not dc.dedup:
-        return kept
-    seen: set[bytes] = set()
-    out = []
-    for e in kept:
-        h = clean.exact_digest(_key(e))
-        if h in seen:
-            tally.dropped["duplicate"] += 1
-            continue
-        seen.add(h)
-        out.append(e)
-    return out
+def _ordered(part: Streamed, rows: Any, dc: DataConfig) -> np.ndarray:
+    """`rows` by the SHA-1 of data.seed and the example: a fixed order in which a prompt's examples are not
+    neighbours but by chance (TRL's KL estimate takes each completion to its neighbour's prompt). The digests
+    are made in a pass over the examples' texts, 20 bytes a row held."""
+    digests = bytearray()
+    for i in range(0, len(rows), samples._BATCH):
+        for text in part.kept.store.texts(rows[i : i + samples._BATCH]):
+            prompt, completion, label = json.loads(text)
+            digests.extend(
+                hashlib.sha1(f"{dc.seed}:{_key(Example(prompt, completion, label))}".encode()).digest()
+            )
+    order = np.argsort(np.frombuffer(bytes(digests), dtype="S20"), kind="stable")
+    return np.asarray(rows)[order]
 
 
-def _ordered(examples: list[Example], dc: DataConfig) -> list[Example]:
-    """By the SHA-1 of data.seed and the example: a fixed order in which a prompt's examples are not neighbours
-    but by chance (TRL's KL estimate takes each completion to its neighbour's prompt)."""
-    return sorted(examples, key=lambda e: hashlib.sha1(f"{dc.seed}:{_key(e)}".encode()).digest())
-
-
-def _tokens(row: dict) -> int:
-    return len(row["prompt_ids"]) + len(row["completion_ids"])
+def _tokens(rows: CompactRows) -> np.ndarray:
+    """Each example's tokens: prompt plus completion."""
+    return rows.lengths("prompt_ids") + rows.lengths("completion_ids")
 
 
 def _tokenize(
-    found: list[Example],
+    found: Iterable[Example],
     renderer: Renderer,
     seq_len: int,
     dc: DataConfig,
     tally: samples.Tally,
     truncated: list[int],
-    keep_text: bool = False,
-) -> list[dict]:
-    """Each example as TRL's token lists: the prompt rendered with the assistant's opening, the completion the
-    tokens where prompt + completion departs from it (TRL's `common_prefix_length` rule); the length limit on
-    the two together."""
+    out: CompactRows,
+) -> CompactRows:
+    """Each example as TRL's token lists, appended to `out`: the prompt rendered with the assistant's opening,
+    the completion the tokens where prompt + completion departs from it (TRL's `common_prefix_length` rule);
+    the length limit on the two together."""
     tok = renderer.tokenizer
-    out = []
+    keep_text = "messages" in out.kinds
     for e in found:
         prompt_ids = tok(renderer.text(e.prompt, add_generation_prompt=True), add_special_tokens=False)[
             "input_ids"
@@ -234,8 +259,8 @@ def _stats(
     path: str,
     tally: samples.Tally,
     char_limit: int,
-    train: list[dict],
-    evals: list[dict],
+    train: CompactRows,
+    evals: CompactRows,
     seq_len: int,
     truncated: int,
 ) -> dict:
@@ -243,13 +268,13 @@ def _stats(
     was dropped and why, and the prompt and completion lengths per split."""
     dc = cfg.data
 
-    def labels(rows: list[dict]) -> dict:
-        desirable = sum(1 for r in rows if r["label"])
+    def labels(rows: CompactRows) -> dict:
+        desirable = int(rows.values("label").sum())
         return {"desirable": desirable, "undesirable": len(rows) - desirable}
 
-    def lengths(rows: list[dict]) -> dict:
+    def lengths(rows: CompactRows) -> dict:
         return {
-            side: stats.summary([len(r[f"{side}_ids"]) for r in rows]) for side in ("prompt", "completion")
+            side: stats.summary(rows.lengths(f"{side}_ids").tolist()) for side in ("prompt", "completion")
         }
 
     return {
@@ -268,10 +293,10 @@ def _stats(
         "bad_input_examples": list(sources.iter_where(loaded)),
         "lengths": {"train": lengths(train), "eval": lengths(evals)},
         "splits": {
-            "train": stats.summary([_tokens(r) for r in train]),
-            "eval": stats.summary([_tokens(r) for r in evals]),
+            "train": stats.summary(_tokens(train).tolist()),
+            "eval": stats.summary(_tokens(evals).tolist()),
         },
-        "tokens": {"train_total": sum(map(_tokens, train)), "eval_total": sum(map(_tokens, evals))},
+        "tokens": {"train_total": int(_tokens(train).sum()), "eval_total": int(_tokens(evals).sum())},
         "seq_len": seq_len,
         "seq_len_source": "auto: the longest kept example"
         if cfg.train.seq_len == "auto"
@@ -284,16 +309,11 @@ def _stats(
 def save(prepared: PreparedExamples, out: Path) -> None:
     """Labelled examples, one a row (TRL's prompt_ids, completion_ids, label); eval rows also carry `messages`
     (the conversation to generate from, ending in the desirable answer, or the prompt alone)."""
-    from datasets import Dataset
-
     with saved_rows.quiet_datasets():
-        columns = ("prompt_ids", "completion_ids", "label")
-        train = {c: [r[c] for r in prepared.train] for c in columns}
-        Dataset.from_dict(train).save_to_disk(str(out / rundir.DATA_TRAIN_DIR))
-        evals = {c: [r[c] for r in prepared.evals] for c in (*columns, "messages")}
-        Dataset.from_dict(evals).save_to_disk(str(out / rundir.DATA_EVAL_DIR), num_shards=1)
-        stats.histogram(
-            out / rundir.DATA_HISTOGRAM_FILE,
-            {"train": [_tokens(r) for r in prepared.train], "eval": [_tokens(r) for r in prepared.evals]},
-            int(prepared.stats["seq_len"]) or max(1, prepared.stats["splits"]["train"]["max"]),
-        )
+        prepared.train.save(out / rundir.DATA_TRAIN_DIR)
+        prepared.evals.save(out / rundir.DATA_EVAL_DIR, num_shards=1)
+    stats.histogram(
+        out / rundir.DATA_HISTOGRAM_FILE,
+        {"train": _tokens(prepared.train).tolist(), "eval": _tokens(prepared.evals).tolist()},
+        int(prepared.stats["seq_len"]) or max(1, prepared.stats["splits"]["train"]["max"]),
+    )

@@ -1,24 +1,28 @@
 """The steps every record kind shares: the text limits, the streamed pass over the input, the progress bars.
 
-    read -> messages -> clean -> exact duplicates     (one streamed pass: `samples.collect`)
+    read -> samples -> clean -> exact duplicates      (one streamed pass: `samples.collect`)
          -> near duplicates -> split -> tokenize -> length limits -> (pack) -> stats
 
 A record kind (finetune/core/objectives.py's RECORD_KINDS, named by the objective's `record_kind`) is one
 module beside this one with `prepare` and `save`: `conversations` (SFT: assistant turns to learn, packed
-rows), `preferences` (DPO: prompt + chosen + rejected as TRL's token lists, one pair a row), `prompts`
-(GRPO: prompts with the reference answer the rewards check). Each reuses these steps and the sample steps
-(`samples`), and brings its own tokenizing and statistics; the stage calls the one its objective names.
+rows), `preferences` (DPO: prompt + chosen + rejected as TRL's token lists, one pair a row), `labelled` (KTO:
+prompt + completion + label), `prompts` (GRPO: prompts with the reference answer the rewards check). Each
+streams its records through the same pass (`streamed`: it says how a record becomes its samples, and whether
+several samples share a prompt), so the pass holds a fixed size a sample whatever the kind, then reads the
+kept samples back a batch at a time (`batches`) for its own tokenizing, into compact rows
+(`rows.CompactRows`), and its own statistics; the stage calls the one its objective names.
 
 Pure of the run directory and the cache: a preparation reads only the input, the tokenizer and the config,
-and writes nothing (its `save` writes the result), so the stage's fingerprint of those inputs names the
-result exactly.
+and writes nothing but its scratch files (its `save` writes the result), so the stage's fingerprint of those
+inputs names the result exactly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -72,20 +76,44 @@ def streamed(
     tally: samples.Tally,
     scratch: Optional[Path],
     console: Any,
+    to_samples: Optional[Callable[[dict], list[samples.Candidate]]] = None,
+    by_prompt: bool = False,
 ) -> Iterator[Streamed]:
-    """Conversations and prompts alike: read, clean, deduplicate (exact, then near) and split the records,
-    holding a fixed size a sample; the kept samples' files stay open while the caller reads them."""
-    with samples.scratch_folder(scratch) as where, progress(console) as bar:
-        kept = samples.collect(
-            records(inp, loaded, bar), loaded, dc, text.control, text.char_limit, tally, where
+    """Every record kind: read, map, clean, deduplicate and split the records, holding a fixed size a sample
+    (its JSON text goes to a scratch file); the kept samples' files stay open while the caller reads them.
+    `to_samples` maps one record to its cleaned samples (conversations by default); with `by_prompt`, several
+    samples may share a prompt (pairs, labelled examples): near duplicates are judged only as eval leaks, by
+    prompt, and the split is by prompt (`samples.split_by_prompt`)."""
+    if to_samples is None:
+        to_samples = partial(
+            samples.conversation,
+            dc=dc,
+            control=text.control,
+            char_limit=text.char_limit,
+            tally=tally,
+            formats=loaded.formats,
         )
+    with samples.scratch_folder(scratch) as where, progress(console) as bar:
+        kept = samples.collect(records(inp, loaded, bar), loaded, dc, tally, where, to_samples, by_prompt)
         try:
             samples.check_input(loaded, dc, path, tally)
-            kept = samples.near_deduplicate(kept, dc, tally, bar)
-            train_rows, eval_rows = samples.split(kept, dc, tally)
+            if by_prompt:
+                train_rows, eval_rows = samples.split_by_prompt(kept, dc, tally)
+            else:
+                kept = samples.near_deduplicate(kept, dc, tally, bar)
+                train_rows, eval_rows = samples.split(kept, dc, tally)
             yield Streamed(kept, train_rows, eval_rows, bar, where)
         finally:
             kept.close()
+
+
+def batches(part: Streamed, rows: Any, what: str) -> Iterator[list[str]]:
+    """The JSON texts of `rows` of the kept samples, `samples._BATCH` at a time, with a progress task."""
+    task = part.bar.add_task(what, total=len(rows))
+    for i in range(0, len(rows), samples._BATCH):
+        batch = part.kept.store.texts(rows[i : i + samples._BATCH])
+        yield batch
+        part.bar.advance(task, len(batch))
 
 
 def records(inp: sources.Input, loaded: sources.Loaded, bar: Any) -> Iterable[sources.Record]:

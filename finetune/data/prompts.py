@@ -1,9 +1,13 @@
-"""The `prompts` record kind (GRPO): prompts with the reference answer the rewards check, one a row."""
+"""The `prompts` record kind (GRPO): prompts with the reference answer the rewards check, one a row.
+
+Prompts stream as the other record kinds do (`prepare.streamed`), then are read back a batch at a time and held
+compactly (`rows.CompactRows`: their JSON text in one buffer, no Python object a prompt) until saved."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -13,8 +17,8 @@ from finetune.core.config import Config
 from finetune.core.errors import DataError
 from finetune.data import rows as saved_rows
 from finetune.data import samples, sources, stats
-from finetune.data.formats import Messages
-from finetune.data.prepare import TextLimits, streamed
+from finetune.data.prepare import TextLimits, batches, streamed
+from finetune.data.rows import CompactRows
 
 
 @dataclass
@@ -23,8 +27,8 @@ class PreparedPrompts:
     rewards check; eval rows also carry the whole conversation (`messages`, JSON) for generation."""
 
     stats: dict  # data_stats.json's content
-    train: list[dict]  # {prompt: messages, reference: str, prompt_tokens: int}
-    evals: list[dict]  # the same, plus `messages`
+    train: CompactRows  # prompt (messages), reference, prompt_tokens (`prompt_rows`)
+    evals: CompactRows  # the same, plus `messages`
 
 
 def prepare(
@@ -39,10 +43,6 @@ def prepare(
     text = TextLimits.of(cfg, tokenizer, "assistant")
     char_limit = text.char_limit
     loaded = sources.Loaded()
-    with streamed(inp, loaded, dc, text, path, tally, scratch, console) as part:
-        # GRPO's prompts are held as messages from here on (one a row of the prepared data)
-        train_convs = [json.loads(t) for t in part.kept.store.texts(part.train_rows)]
-        eval_convs = [json.loads(t) for t in part.kept.store.texts(part.eval_rows)]
     seq_len = text.seq_len(cfg)
     budget = seq_len - cfg.objective.max_completion_length
     if budget <= 0:
@@ -50,11 +50,17 @@ def prepare(
             f"train.seq_len={seq_len} leaves no room for a prompt beside objective.max_completion_length="
             f"{cfg.objective.max_completion_length}"
         )
-    train = _prompt_rows(train_convs, tokenizer, budget, tally, keep_text=False)
-    evals = _prompt_rows(eval_convs, tokenizer, budget, tally, keep_text=True)
-    if not train:
+    with streamed(inp, loaded, dc, text, path, tally, scratch, console) as part:
+        train = _prompt_rows(
+            batches(part, part.train_rows, "tokenize"), tokenizer, budget, tally, prompt_rows()
+        )
+        evals = _prompt_rows(
+            batches(part, part.eval_rows, "tokenize"), tokenizer, budget, tally, prompt_rows(True)
+        )
+    if not len(train):
         raise DataError(f"data.path={path}: no prompts with a reference answer left ({dict(tally.dropped)})")
-    longest = max(r["prompt_tokens"] for r in train + evals)
+    train_tokens, eval_tokens = train.values("prompt_tokens"), evals.values("prompt_tokens")
+    longest = int(max(train_tokens.max(), eval_tokens.max(initial=0)))
     result = {
         "record_kind": "prompts",
         "num_input": tally.num_input,
@@ -69,13 +75,10 @@ def prepare(
         "bad_input_examples": list(sources.iter_where(loaded)),
         # prompt tokens as the chat template renders them with the generation prompt: the rollout's prefill
         "splits": {
-            "train": stats.summary([r["prompt_tokens"] for r in train]),
-            "eval": stats.summary([r["prompt_tokens"] for r in evals]),
+            "train": stats.summary(train_tokens.tolist()),
+            "eval": stats.summary(eval_tokens.tolist()),
         },
-        "tokens": {
-            "train_total": sum(r["prompt_tokens"] for r in train),
-            "eval_total": sum(r["prompt_tokens"] for r in evals),
-        },
+        "tokens": {"train_total": int(train_tokens.sum()), "eval_total": int(eval_tokens.sum())},
         "seq_len": min(seq_len, longest + cfg.objective.max_completion_length)
         if cfg.train.seq_len == "auto"
         else seq_len,
@@ -88,47 +91,52 @@ def prepare(
     return PreparedPrompts(result, train, evals)
 
 
+def prompt_rows(keep_text: bool = False) -> CompactRows:
+    """GRPO's prompts as its trainer reads them; eval rows also keep the whole conversation (`messages`, JSON)."""
+    columns = {"prompt": "messages", "reference": "text", "prompt_tokens": "int"}
+    return CompactRows(columns | ({"messages": "text"} if keep_text else {}))
+
+
 def _prompt_rows(
-    convs: list[Messages], tokenizer: Any, budget: int, tally: samples.Tally, keep_text: bool
-) -> list[dict]:
-    out = []
-    for messages in convs:
-        if not messages or messages[-1]["role"] != "assistant" or not messages[-1]["content"].strip():
-            tally.dropped["no_reference"] += 1
-            continue
-        prompt = [{"role": m["role"], "content": m["content"]} for m in messages[:-1]]
-        n = len(
-            tokenizer.apply_chat_template(
-                prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+    texts: Iterable[list[str]], tokenizer: Any, budget: int, tally: samples.Tally, out: CompactRows
+) -> CompactRows:
+    """Each conversation (batches of JSON texts) as a prompt and its reference answer, appended to `out`."""
+    keep_text = "messages" in out.kinds
+    for batch in texts:
+        for text in batch:
+            messages = json.loads(text)
+            if not messages or messages[-1]["role"] != "assistant" or not messages[-1]["content"].strip():
+                tally.dropped["no_reference"] += 1
+                continue
+            prompt = [{"role": m["role"], "content": m["content"]} for m in messages[:-1]]
+            n = len(
+                tokenizer.apply_chat_template(
+                    prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
             )
-        )
-        if n > budget:
-            tally.dropped["too_long"] += 1
-            continue
-        row = {"prompt": prompt, "reference": messages[-1]["content"], "prompt_tokens": n}
-        if keep_text:
-            row["messages"] = json.dumps([*prompt, {"role": "assistant", "content": messages[-1]["content"]}])
-        out.append(row)
+            if n > budget:
+                tally.dropped["too_long"] += 1
+                continue
+            row = {"prompt": prompt, "reference": messages[-1]["content"], "prompt_tokens": n}
+            if keep_text:
+                row["messages"] = json.dumps(
+                    [*prompt, {"role": "assistant", "content": messages[-1]["content"]}]
+                )
+            out.append(row)
     return out
 
 
 def save(prepared: PreparedPrompts, out: Path) -> None:
     """GRPO's prompts, one a row: `prompt` (messages), `reference`, `prompt_tokens`; eval rows also carry the
     whole conversation (`messages`, JSON) for the held-out generation."""
-    from datasets import Dataset
-
     with saved_rows.quiet_datasets():
-        columns = ("prompt", "reference", "prompt_tokens")
-        Dataset.from_dict({c: [r[c] for r in prepared.train] for c in columns}).save_to_disk(
-            str(out / rundir.DATA_TRAIN_DIR)
-        )
-        evals = {c: [r[c] for r in prepared.evals] for c in (*columns, "messages")}
-        Dataset.from_dict(evals).save_to_disk(str(out / rundir.DATA_EVAL_DIR), num_shards=1)
-        stats.histogram(
-            out / rundir.DATA_HISTOGRAM_FILE,
-            {
-                "train": [r["prompt_tokens"] for r in prepared.train],
-                "eval": [r["prompt_tokens"] for r in prepared.evals],
-            },
-            int(prepared.stats["seq_len"]),
-        )
+        prepared.train.save(out / rundir.DATA_TRAIN_DIR)
+        prepared.evals.save(out / rundir.DATA_EVAL_DIR, num_shards=1)
+    stats.histogram(
+        out / rundir.DATA_HISTOGRAM_FILE,
+        {
+            "train": prepared.train.values("prompt_tokens").tolist(),
+            "eval": prepared.evals.values("prompt_tokens").tolist(),
+        },
+        int(prepared.stats["seq_len"]),
+    )

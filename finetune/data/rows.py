@@ -12,10 +12,13 @@ back. The conversations' packed rows are written here piece by piece; each recor
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
+
+import numpy as np
 
 from finetune import rundir
 from finetune.data import pack, stats
@@ -86,6 +89,145 @@ def save_packed(
         {"train": rows.lengths[rows.train], "eval": rows.lengths[rows.evals]},
         rows.seq_len,
     )
+
+
+# What a `CompactRows` column holds, and how it is saved: token ids (list<int64>, as lists of Python ints were
+# saved), text (string), an int (int64), a flag (bool), or a conversation's messages (JSON text held, saved as a
+# list of {role, content} structs, as lists of those dicts were).
+COLUMN_KINDS = ("ids", "text", "int", "flag", "messages")
+
+# Rows in one saved piece: what the save holds beyond the compact rows themselves.
+PIECE_ROWS = 4096
+
+
+class CompactRows:
+    """Rows of a record kind held compactly until saved, without a Python object a row: token ids in one flat
+    array a column (2 bytes a token where the vocabulary fits in uint16, else 4) with an end offset a row,
+    texts as UTF-8 in one buffer a column with an end offset a row, ints and flags in one array a column.
+    `rows[i]` is row i as the dict TRL reads; `save` writes them piece by piece as
+    `Dataset.from_dict(...).save_to_disk` writes the same rows as lists."""
+
+    def __init__(self, columns: dict[str, str], vocab_size: int = 1 << 31) -> None:
+        unknown = set(columns.values()) - set(COLUMN_KINDS)
+        assert not unknown, unknown
+        self.kinds = dict(columns)
+        code = "H" if vocab_size <= 1 << 16 else "I"
+        self._values: dict[str, Any] = {}
+        self._ends: dict[str, array] = {}
+        for name, kind in columns.items():
+            if kind == "ids":
+                self._values[name], self._ends[name] = array(code), array("q")
+            elif kind in ("text", "messages"):
+                self._values[name], self._ends[name] = bytearray(), array("q")
+            else:
+                self._values[name] = array("q") if kind == "int" else bytearray()
+        self._count = 0
+
+    def append(self, row: dict) -> None:
+        """One row: a value for every column (token ids as a list of ints, messages as a list of dicts)."""
+        for name, kind in self.kinds.items():
+            value, store = row[name], self._values[name]
+            if kind == "ids":
+                store.extend(value)
+            elif kind == "text":
+                store.extend(value.encode())
+            elif kind == "messages":
+                store.extend(json.dumps(value, ensure_ascii=False).encode())
+            elif kind == "int":
+                store.append(int(value))
+            else:
+                store.append(1 if value else 0)
+            if name in self._ends:
+                self._ends[name].append(len(store))
+        self._count += 1
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _span(self, name: str, i: int) -> tuple[int, int]:
+        ends = self._ends[name]
+        return (ends[i - 1] if i else 0), ends[i]
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self._count:
+            raise IndexError(i)
+        row: dict = {}
+        for name, kind in self.kinds.items():
+            store = self._values[name]
+            if kind in ("ids", "text", "messages"):
+                a, b = self._span(name, i)
+                if kind == "ids":
+                    row[name] = store[a:b].tolist()
+                else:
+                    text = bytes(store[a:b]).decode()
+                    row[name] = text if kind == "text" else json.loads(text)
+            else:
+                row[name] = int(store[i]) if kind == "int" else bool(store[i])
+        return row
+
+    def __iter__(self) -> Iterator[dict]:
+        return (self[i] for i in range(self._count))
+
+    def lengths(self, name: str) -> np.ndarray:
+        """Each row's token count in the ids column `name` (int64)."""
+        return np.diff(np.frombuffer(self._ends[name], dtype=np.int64), prepend=0)
+
+    def values(self, name: str) -> np.ndarray:
+        """An int (int64) or flag (bool) column as an array."""
+        store = self._values[name]
+        if self.kinds[name] == "int":
+            return np.frombuffer(store, dtype=np.int64)
+        return np.frombuffer(store, dtype=np.uint8).astype(bool)
+
+    def column(self, name: str, start: int = 0, stop: Optional[int] = None) -> Any:
+        """Rows [start, stop) of one column as Arrow holds it once saved (the types `COLUMN_KINDS` names)."""
+        import pyarrow as pa
+
+        stop = self._count if stop is None else stop
+        kind, store = self.kinds[name], self._values[name]
+        if kind in ("int", "flag"):
+            values = self.values(name)[start:stop]
+            return pa.array(values, pa.int64() if kind == "int" else pa.bool_())
+        ends = np.frombuffer(self._ends[name], dtype=np.int64)
+        first = int(ends[start - 1]) if start else 0
+        offsets = np.concatenate([[first], ends[start:stop]]) - first
+        last = int(offsets[-1]) + first
+        if kind == "ids":
+            flat = np.frombuffer(store, dtype=np.dtype(store.typecode))[first:last].astype(np.int64)
+            return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat))
+        data = pa.py_buffer(bytes(store[first:last]))
+        texts = pa.StringArray.from_buffers(
+            stop - start, pa.py_buffer(offsets.astype(np.int32).tobytes()), data
+        )
+        if kind == "text":
+            return texts
+        messages = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+        return pa.array([json.loads(t) for t in texts.to_pylist()], messages)
+
+    def _table(self, start: int, stop: int) -> Any:
+        import pyarrow as pa
+
+        return pa.table({name: self.column(name, start, stop) for name in self.kinds})
+
+    def save(self, folder: Path, num_shards: Optional[int] = None) -> None:
+        """The rows in save_to_disk's layout under `folder`, written piece by piece (`_write_dataset`)."""
+        pieces = range(0, self._count, PIECE_ROWS)
+        # pyarrow's nbytes of the whole table, as save_to_disk sizes its shards and batches by it: the pieces'
+        # nbytes add up to it but for the flags' bitmaps (a byte for eight rows of the whole)
+        nbytes = 0
+        for start in pieces:
+            table = self._table(start, min(start + PIECE_ROWS, self._count))
+            nbytes += sum(table[n].nbytes for n, k in self.kinds.items() if k != "flag")
+        nbytes += sum((self._count + 7) // 8 for k in self.kinds.values() if k == "flag")
+        _write_dataset(
+            folder,
+            self._table(0, 0).schema,
+            (self._table(a, min(a + PIECE_ROWS, self._count)) for a in pieces),
+            num_rows=self._count,
+            nbytes=nbytes,
+            # no rows: one empty shard, which loads back (none would not)
+            num_shards=num_shards if num_shards is not None or self._count else 1,
+        )
 
 
 def _write_dataset(

@@ -1,6 +1,8 @@
-"""Samples before any token: records mapped to conversations, cleaned, deduplicated, split into train and eval.
+"""Samples before any token: records mapped to samples (conversations, pairs, labelled examples), cleaned,
+deduplicated, split into train and eval.
 
-Records are mapped, cleaned and exactly deduplicated in one pass as they are read (`collect`), and
+Records are mapped by their record kind (`conversation` for conversations), cleaned and exactly deduplicated
+in one pass as they are read (`collect`), and
 only what is kept is held, by a fixed size a sample (`Kept`: three digests, LSH bucket keys and an
 offset, about 140 bytes; its JSON text and MinHash row go to a scratch file), so memory follows how
 many samples are kept, not the input. Every step keeps input order and counts what
@@ -9,7 +11,8 @@ is counted once, by its first problem). The held-out split follows deduplication
 the conversations' prompts (conversations asking the same are held out together), so it does not change with
 input order; train keeps no exact or near
 duplicate of an eval sample, and no sample asking an eval sample's prompt (its user turns, whatever the
-system prompt: `clean.prompt_key`).
+system prompt: `clean.prompt_key`). Where several samples share a prompt (preference pairs, labelled
+examples), the prompts themselves are split and each sample follows its own (`split_by_prompt`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import shutil
 import tempfile
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,20 +141,40 @@ def scratch_folder(where: Optional[Path]) -> Iterator[Path]:
 _BATCH = 4096
 
 
+# A sample as the streamed pass takes it from a record kind: its JSON text (what the kind reads back), the key
+# exact duplicates are judged by (normalized text: `clean.conversation_key`) and its prompt (`clean.prompt_key`).
+Candidate = tuple[str, str, str]
+
+
+def conversation(
+    data: dict, dc: DataConfig, control: ControlTokens, char_limit: int, tally: Tally, formats: Counter
+) -> list[Candidate]:
+    """A conversation record as its sample (none where cleaning drops it); `RecordError` where it is bad."""
+    sample = clean_sample(to_messages(data, dc, formats), dc, control, char_limit, tally)
+    if sample is None:
+        return []
+    return [
+        (json.dumps(sample, ensure_ascii=False), clean.conversation_key(sample), clean.prompt_key(sample))
+    ]
+
+
 def collect(
     records: Iterable[sources.Record],
     loaded: sources.Loaded,
     dc: DataConfig,
-    control: ControlTokens,
-    char_limit: int,
     tally: Tally,
     scratch: Path,
+    to_samples: Callable[[dict], list[Candidate]],
+    by_prompt: bool = False,
 ) -> Kept:
-    """One pass over the records as they are read: each mapped to messages (one that cannot be is bad
-    input, counted in `loaded`), cleaned (`clean_sample`), exact duplicates dropped (data.dedup; the
-    first occurrence wins); what is kept is held compactly (`Kept`: texts and signatures written under
-    `scratch`), so memory follows what is kept, by a fixed size a sample."""
-    need_signatures = dc.near_dedup or dc.eval_fraction > 0
+    """One pass over the records as they are read: each mapped to its samples by `to_samples` (mapped and
+    cleaned; one that cannot be mapped raises `RecordError`, bad input counted in `loaded`), exact duplicates
+    dropped (data.dedup; the first occurrence wins); what is kept is held compactly (`Kept`: texts and
+    signatures written under `scratch`), so memory follows what is kept, by a fixed size a sample.
+    MinHash rows are of the whole sample, or with `by_prompt` of its prompt (eval leaks only)."""
+    need_signatures = (
+        (dc.near_dedup and dc.eval_fraction > 0) if by_prompt else (dc.near_dedup or dc.eval_fraction > 0)
+    )
     store = TextStore(scratch / "texts.jsonl")
     signatures = (
         clean.Signatures(dc.near_dedup_threshold, scratch / "signatures.u32") if need_signatures else None
@@ -175,7 +198,7 @@ def collect(
                 prompts.extend(clean.exact_digest16(prompt))
                 # by prompt: conversations asking the same are held out together
                 order.extend(hashlib.sha1(f"{dc.seed}:{prompt}".encode()).digest())
-                keys.append(key)
+                keys.append(prompt if by_prompt else key)
         if signatures is not None and keys:
             signatures.add(clean.signatures(keys))
         batch.clear()
@@ -184,23 +207,20 @@ def collect(
     try:
         for rec in records:
             try:
-                msgs = to_messages(rec.data, dc, loaded.formats)
+                found = to_samples(rec.data)
             except RecordError as exc:
                 loaded.add_bad(sources.BadRecord(rec.source, rec.line, exc.reason, str(exc)))
                 continue
-            sample = clean_sample(msgs, dc, control, char_limit, tally)
-            if sample is None:
-                continue
-            key = clean.conversation_key(sample)
-            digest = clean.exact_digest16(key)
-            if dc.dedup:
-                if digest in pending:
-                    tally.dropped["duplicate"] += 1
-                    continue
-                pending.add(digest)
-            batch.append((json.dumps(sample, ensure_ascii=False), key, digest, clean.prompt_key(sample)))
-            if len(batch) == _BATCH:
-                flush()
+            for text, key, prompt in found:
+                digest = clean.exact_digest16(key)
+                if dc.dedup:
+                    if digest in pending:
+                        tally.dropped["duplicate"] += 1
+                        continue
+                    pending.add(digest)
+                batch.append((text, key, digest, prompt))
+                if len(batch) >= _BATCH:
+                    flush()
         if batch:
             flush()
     except BaseException:  # a read that fails (bad input, a signal): the scratch files closed
@@ -318,6 +338,31 @@ def split(kept: Kept, dc: DataConfig, tally: Tally) -> tuple[np.ndarray, np.ndar
             kept.rows[eval_idx],
         )
         leak |= np.isin(kept.prompts[train_idx], kept.prompts[eval_idx])
+        tally.dropped["eval_leak"] += int(leak.sum())
+        train_idx = train_idx[~leak]
+    return kept.rows[train_idx], kept.rows[eval_idx]
+
+
+def split_by_prompt(kept: Kept, dc: DataConfig, tally: Tally) -> tuple[np.ndarray, np.ndarray]:
+    """(train, eval) samples as rows of `kept.store`, each in input order, held out by prompt where several
+    samples share one (preference pairs, labelled examples): the distinct prompts are split (ordered by the
+    SHA-1 of seed and prompt, `kept.order`), every sample follows its prompt, and a training sample whose
+    prompt is a near duplicate of an eval prompt is dropped (`eval_leak`; its MinHash row is its prompt's)."""
+    prompts, group = np.unique(kept.order, return_inverse=True)  # sorted by digest: the seeded order
+    n = len(prompts)
+    n_eval = round(dc.eval_fraction * n)
+    if dc.eval_fraction > 0 and n >= 2:
+        n_eval = min(max(n_eval, 1), n - 1)
+    held_out = group.reshape(-1) < n_eval
+    train_idx, eval_idx = np.flatnonzero(~held_out), np.flatnonzero(held_out)
+    if len(eval_idx) and len(train_idx):
+        leak = clean.leaks(
+            kept.prompts[train_idx],
+            kept.prompts[eval_idx],
+            kept.signatures,
+            kept.rows[train_idx],
+            kept.rows[eval_idx],
+        )
         tally.dropped["eval_leak"] += int(leak.sum())
         train_idx = train_idx[~leak]
     return kept.rows[train_idx], kept.rows[eval_idx]

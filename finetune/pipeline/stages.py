@@ -115,11 +115,12 @@ def config_plan(
 ) -> Plan:
     """The planner on this config's model, method, training, objective and packing, on `hardware` (None: the
     config's own), weighing `profiles` as alternatives (None: every profile under configs/hardware)."""
+    hardware = hardware if hardware is not None else cfg.hardware
     return make_plan(
         cfg.model,
         cfg.method,
-        hardware if hardware is not None else cfg.hardware,
-        cfg.train,
+        hardware,
+        _on(hardware, cfg.train),
         cfg.plan,
         load_profiles() if profiles is None else profiles,
         seq_len=seq_len,
@@ -128,6 +129,25 @@ def config_plan(
         kl_reference=cfg.objective.spec.kl_reference(cfg.objective),
         packing=cfg.data.packing,
         companions=companions.shapes(cfg),
+    )
+
+
+def _on(hardware: Any, train: Any) -> Any:
+    """The training settings as they apply on `hardware`: activation offloading moves activations to host
+    memory, which on the CPU is where they are already, so `train.activation_offloading=true` is dropped there
+    (the plan says so, `_dropped_on`) rather than handed to TRL, whose offloading needs an accelerator."""
+    if hardware.device == "cpu" and train.activation_offloading:
+        return replace(train, activation_offloading=False)
+    return train
+
+
+def _dropped_on(hardware: Any, train: Any) -> tuple[str, ...]:
+    """The plan's note for each setting `_on` drops on this hardware."""
+    if _on(hardware, train) is train:
+        return ()
+    return (
+        "train.activation_offloading=true dropped: on the CPU (hardware.device=cpu) the activations are in "
+        "host memory already",
     )
 
 
@@ -154,6 +174,7 @@ def plan_stage(cfg: Config, run_dir: Path, quiet: bool = False) -> Plan:
     # hardware=local: what was detected; the rows GRPO's trainer forms; where the run length came from
     noted = (
         *cfg.hardware.notes,
+        *_dropped_on(cfg.hardware, cfg.train),
         *((rows_why,) if rows_why else ()),
         *((run_length[1],) if run_length is not None else ()),
     )

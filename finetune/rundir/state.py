@@ -11,6 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
+from finetune.core import userfiles
 from finetune.core.config import Config
 from finetune.core.errors import ConfigError, FinetuneError, LaunchError
 from finetune.core.secrets import scrub
@@ -72,11 +73,20 @@ _TRAIN_KEYS = ("seq_len", "batch_size", "seed", "lr_scheduler", "warmup_ratio", 
 
 def resume_facts(cfg: Config) -> dict[str, Any]:
     """The settings a run's checkpoints belong to: the model, method and data sections, the objective and its
-    own settings section, the training keys that change what a step computes, and `init_from` by the identity
-    of what it starts from (a run there trained again is another start)."""
+    own settings section, the training keys that change what a step computes, `init_from` by the identity
+    of what it starts from (a run there trained again is another start), and each frozen model beside the
+    policy (a distillation teacher, a reward model) by the identity of what its folder holds now."""
     facts = _facts(scrub(asdict(cfg)), init_from_identity(cfg.init_from))
+    for companion in cfg.objective.spec.companions_of(cfg.objective):
+        identity = model_identity(companion.model)
+        if identity is not None:
+            facts[_identity_key(companion.role)] = identity
     # as they read back from resume.json (tuples as lists), so a comparison sees values, not types
     return json.loads(json.dumps(facts, default=str))
+
+
+def _identity_key(role: str) -> str:
+    return f"objective.{role} identity"
 
 
 def _facts(d: dict, init_identity: Optional[str]) -> dict[str, Any]:
@@ -102,17 +112,38 @@ def init_from_identity(init_from: Optional[str]) -> Optional[str]:
         return None
     run = Path(init_from)
     for folder in (run / ADAPTER_DIR, run / MODEL_DIR, run / EXPORT_DIR / MERGED_DIR):
-        if not folder.is_dir():
-            continue
-        try:
-            doc = json.loads((folder / IDENTITY_FILE).read_text())
-            return f"sha256:{doc['identity']['sha256']}"
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        files = sorted(p for p in folder.iterdir() if p.is_file())
-        stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-        return "files:" + hashlib.sha256(repr(stats).encode()).hexdigest()
+        if folder.is_dir():
+            return _folder_identity(folder)
     return f"path:{run.resolve()}"
+
+
+def model_identity(name: str) -> Optional[str]:
+    """What a model named as `model=` names one holds now, where it is a local folder: a run directory's output
+    (`init_from_identity`) or a model folder's own (`_folder_identity`); None for a preset or a hub id, whose
+    name is what it is."""
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        return None
+    if (folder / "config.json").is_file():
+        return _folder_identity(folder)
+    return init_from_identity(str(folder))
+
+
+# identity.json is a few hundred bytes
+_IDENTITY_LIMIT = 1 << 20
+
+
+def _folder_identity(folder: Path) -> str:
+    """The SHA-256 a model folder's identity.json records (finetune wrote it), else its files' names, sizes and
+    modification times (a model saved there again differs)."""
+    try:
+        doc = json.loads(userfiles.read_text(folder / IDENTITY_FILE, "identity", _IDENTITY_LIMIT))
+        return f"sha256:{doc['identity']['sha256']}"
+    except (FinetuneError, ValueError, KeyError, TypeError):  # missing, not a file, damaged: by its files
+        pass
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return "files:" + hashlib.sha256(repr(stats).encode()).hexdigest()
 
 
 def _recorded_facts(run_dir: Path) -> Optional[dict[str, Any]]:
@@ -167,11 +198,13 @@ def check_resume_facts(cfg: Config, run_dir: Path) -> None:
     changed = [k for k in after if k in before and before[k] != after[k]]
     if changed:
         key = changed[0]
-        what = (
-            f"{key}={before[key]!r}, not {after[key]!r}"
-            if key != "init_from"
-            else f"init_from starting from {before[key] or 'the base'}, not {after[key] or 'the base'}"
-        )
+        if key == "init_from":
+            what = f"init_from starting from {before[key] or 'the base'}, not {after[key] or 'the base'}"
+        elif key.endswith(" identity"):
+            setting = key.removesuffix(" identity")
+            what = f"{setting} holding {before[key]}, which holds {after[key]} now (another model)"
+        else:
+            what = f"{key}={before[key]!r}, not {after[key]!r}"
         raise ConfigError(
             f"run_dir={run_dir} has checkpoints trained with {what}"
             + (f" (and {len(changed) - 1} more change(s))" if len(changed) > 1 else "")

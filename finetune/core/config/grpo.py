@@ -17,6 +17,7 @@ from typing import Optional
 
 import yaml
 
+from finetune.core import userfiles
 from finetune.core.config.checks import DATA_KEY, check_positive, choice
 from finetune.core.config.evaluation import check_metric_name
 from finetune.core.config.objective import ObjectiveConfig
@@ -49,10 +50,10 @@ def check_reward_model(path: str) -> str:
     trains a score head, by its config.yaml) or "folder" (a saved one-label sequence classifier, by its
     config.json); anything else is one line naming the key."""
     folder = Path(path).expanduser()
-    if (folder / "config.yaml").is_file():
+    if (folder / "config.yaml").exists():
         try:
-            doc = yaml.safe_load((folder / "config.yaml").read_text())
-        except (OSError, ValueError, yaml.YAMLError) as exc:
+            doc = yaml.safe_load(userfiles.read_text(folder / "config.yaml", REWARD_MODEL_KEY))
+        except (ValueError, RecursionError, yaml.YAMLError) as exc:
             raise ConfigError(f"{REWARD_MODEL_KEY}={path}: config.yaml cannot be read ({exc})") from None
         section = doc.get("objective") if isinstance(doc, dict) else None
         name = section.get("name", "sft") if isinstance(section, dict) else "sft"
@@ -62,14 +63,14 @@ def check_reward_model(path: str) -> str:
                 "with objective=reward, then point this at its run directory)"
             )
         return "run"
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except FileNotFoundError:
+    if not (folder / "config.json").exists():
         raise ConfigError(
             f"{REWARD_MODEL_KEY}={path}: neither a reward-model run directory (config.yaml) nor a model folder "
             "(config.json)"
-        ) from None
-    except (OSError, ValueError) as exc:
+        )
+    try:  # through the bounded reader: a FIFO or a device there is refused, not read forever
+        config = json.loads(userfiles.read_text(folder / "config.json", REWARD_MODEL_KEY))
+    except (ValueError, RecursionError) as exc:
         raise ConfigError(f"{REWARD_MODEL_KEY}={path}: config.json cannot be read ({exc})") from None
     architectures = config.get("architectures") or [] if isinstance(config, dict) else []
     labels = (
