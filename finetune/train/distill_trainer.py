@@ -16,7 +16,7 @@ divided by the labelled tokens the Trainer counted in the data's batch before sa
 
 The teacher is loaded frozen in the run's dtype (finetune/modeling/companions.py) and divided over the ranks
 like the student where the engine shards: TRL's `prepare_deepspeed` under DeepSpeed (partitioned under
-ZeRO-3); under FSDP2 `shard_teacher` (GKDTrainer's own `accelerator.prepare_model(..., evaluation_mode=True)`
+ZeRO-3); under FSDP2 `base_trainer.shard_frozen` (GKDTrainer's own `accelerator.prepare_model(..., evaluation_mode=True)`
 leaves it whole on every rank); unsharded engines keep it whole.
 """
 
@@ -34,7 +34,7 @@ from finetune.modeling import companions
 from finetune.modeling.collator import IGNORE_INDEX, NUM_TOKENS_KEY, PackedCollator
 from finetune.modeling.dtypes import training_dtype
 from finetune.planner import Plan
-from finetune.train.base_trainer import RunTrainerMixin, common_kwargs
+from finetune.train.base_trainer import RunTrainerMixin, common_kwargs, held_share, shard_frozen
 from finetune.train.callbacks import RunMonitor
 from finetune.train.sft_trainer import split_row_width
 
@@ -73,8 +73,8 @@ class FinetuneGKDTrainer(RunTrainerMixin, GKDTrainer):
         super().__init__(*args, **kwargs)
         self._init_run(monitor)
         if self.is_fsdp_enabled:
-            self.teacher_model = shard_teacher(self.teacher_model, self.accelerator)
-        self.teacher_share = teacher_share(self.teacher_model)
+            self.teacher_model = shard_frozen(self.teacher_model, self.accelerator)
+        self.teacher_share = held_share(self.teacher_model)
         # Sequences sampled on this rank so far, by whom: the student (on-policy) and the teacher (seq_kd).
         self.generated = {"student": 0, "teacher": 0}
 
@@ -135,40 +135,6 @@ class FinetuneGKDTrainer(RunTrainerMixin, GKDTrainer):
 
 
 Trainer = FinetuneGKDTrainer
-
-
-def shard_teacher(teacher: Any, accelerator: Any) -> Any:
-    """The teacher divided over the ranks under FSDP2 as the student is: each decoder layer its own unit (gathered
-    one at a time in the forward), then the rest with TRL's `prepare_fsdp` (what DPO's reference goes through).
-    GKDTrainer prepares the teacher with `accelerator.prepare_model(..., evaluation_mode=True)`, which under FSDP
-    wraps nothing: every rank would hold it whole."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from trl.models import prepare_fsdp
-
-    plugin = accelerator.state.fsdp_plugin
-    layers = set(plugin.transformer_cls_names_to_wrap or ())
-    settings = dict(
-        reshard_after_forward=plugin.reshard_after_forward,
-        offload_policy=plugin.cpu_offload,
-        mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy(),
-    )
-    for module in teacher.modules():
-        if type(module).__name__ in layers:
-            fully_shard(module, **settings)
-    return prepare_fsdp(teacher, accelerator)
-
-
-def teacher_share(teacher: Any) -> float:
-    """The fraction of the teacher's parameters this rank holds: a ZeRO-3 partition (`ds_tensor`), an FSDP2
-    shard (a DTensor's local tensor), or the whole."""
-    held = total = 0
-    for p in teacher.parameters():
-        if hasattr(p, "ds_tensor"):
-            held, total = held + p.ds_tensor.numel(), total + p.ds_numel
-        else:
-            held += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-            total += p.numel()
-    return held / total if total else 1.0
 
 
 def objective_metrics(log_history: list[dict]) -> dict[str, Any]:
