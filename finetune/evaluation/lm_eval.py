@@ -31,7 +31,7 @@ def check(e: EvalConfig) -> None:
     if not e.lm_eval_tasks:
         return
     if importlib.util.find_spec("lm_eval") is None:
-        raise ConfigError("eval.lm_eval_tasks needs lm-evaluation-harness: pip install 'finetune[lm_eval]'")
+        raise ConfigError("eval.lm_eval_tasks needs lm-evaluation-harness: pip install 'finetune[lm-eval]'")
     _tasks(e)
 
 

@@ -69,7 +69,7 @@ class EvalConfig:
     # Samples shown in report.md (all of them are in samples.jsonl).
     report_examples: int = 8
     progress: bool = True
-    # EleutherAI's lm-evaluation-harness on every model compared (finetune[lm_eval], docs/export.md): task names
+    # EleutherAI's lm-evaluation-harness on every model compared (finetune[lm-eval], docs/export.md): task names
     # (mmlu, gsm8k, ifeval: the Hub must be reachable) or a task YAML file of the harness's format; [] for none.
     lm_eval_tasks: list[str] = field(default_factory=list)
     lm_eval_limit: Optional[int] = None  # examples a task (None: all)
