@@ -115,6 +115,7 @@ def test_generated_data_fills_8k_rows_as_asked(tmp_path, tiny_cache, kind):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # two minutes; the pipeline script's own CPU run below stays in CI
 def test_throughput_suite_on_the_cpu(tmp_path, tiny_cache):
     """The throughput cases through the real pipeline on the CPU: packed rows really hold several samples,
     single rows one; each step is split; the micro-batch is the case's; flex is skipped (no CPU backward)."""
