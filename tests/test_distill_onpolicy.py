@@ -124,6 +124,42 @@ def test_the_plan_counts_the_rollout_only_where_the_step_generates(tmp_path):
         assert "rollout: transformers' generation inside the trainer" in proc.stdout
 
 
+def test_under_zero3_the_plan_counts_the_whole_teacher_each_rank_gathers_to_sample(tmp_path):
+    """Sequence-level distillation samples from the teacher inside GKDTrainer through TRL's
+    `unwrap_model_for_generation`, which under ZeRO-3 gathers every weight of the model it unwraps: the 70B
+    teacher's 141,107,412,992 bf16 bytes, of which its sharded term holds 1/8 on each of 8 H100s. That does not
+    fit; the plan says so, with FSDP2 (a layer at a time) as the way out, which fits."""
+    from finetune import rundir
+    from finetune.core.composition import compose
+    from finetune.pipeline.stages import plan_stage, resolve
+
+    def plan_on(engine: str):  # type: ignore[no-untyped-def]
+        cfg = resolve(
+            compose(
+                [
+                    "+recipe=llama8b_distill", "objective.seq_kd=true", "hardware=h100x8",
+                    f"train.sharding={engine}", f"train.engine={engine}", f"run_dir={tmp_path / engine}",
+                ]
+            )
+        )  # fmt: skip
+        run_dir = rundir.prepare(cfg)
+        rundir.save_config(cfg, run_dir)
+        plan = plan_stage(cfg, run_dir, quiet=True)
+        return plan, json.loads((run_dir / rundir.ROLLOUT_FILE).read_text())
+
+    plan, rollout = plan_on("zero3")
+    teacher_whole = 2 * 70_553_706_496
+    assert "gathers the whole model on each rank to generate (+123.5 GB)" in rollout["reason"]
+    assert rollout["train_peak_bytes"] > plan.gpu_memory.total * 1e9 + teacher_whole * 7 / 8
+    assert not plan.fits and plan.reasons[0].startswith("rollout does not fit")
+    assert (
+        plan.suggestions[0]
+        == "train.engine=fsdp (FSDP2 gathers a layer at a time), or a shorter max_completion_length"
+    )
+    plan, rollout = plan_on("fsdp")
+    assert plan.fits and rollout["fits"] and "gathers" not in rollout["reason"]
+
+
 def measured_generating_step(cfg, plan, run_dir, rows: int, prompt: int, answer: int) -> tuple[float, int]:
     """One training step of the real trainer in which the student samples (lmbda=1): the bytes held before it
     (the student's weights, gradients and Adam's moments, the teacher's weights) plus the peak of what the step

@@ -119,3 +119,74 @@ def test_the_planner_is_still_pure() -> None:
     code = "import sys, finetune.planner.rollout; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_generating_inside_the_trainer_under_zero3_counts_the_whole_model_each_rank_gathers() -> None:
+    """TRL generates under ZeRO-3 inside `GatheredParameters` over the whole model (ds3_gather_for_generation):
+    each rank holds every weight while it samples. Llama 3.1 8B LoRA on 8 GPUs: the 16,060,522,496 bytes of the
+    bf16 base and 7/8 of the 41,943,040 adapter weights (bf16 under DeepSpeed) beside the weights term's
+    1/8 of the base and its two gathered layers (218,112,000 parameters each)."""
+    from helpers import planned
+
+    from finetune.planner import make_job, runtime
+    from finetune.planner.weights import generation_gathered
+
+    expected = 16_060_522_496 + 41_943_040 * 2 * 7 / 8 - (16_060_522_496 / 8 + 2 * 2 * 218_112_000)
+    for engine, gathered in (("zero3", expected), ("fsdp", 0.0)):
+        cfg, plan = planned(
+            "+recipe=llama8b_grpo_8gpu",
+            f"train.sharding={engine}",
+            f"train.engine={engine}",
+            "objective.generation=transformers",
+        )
+        planned_job = make_job(
+            cfg.model, cfg.method, plan.hardware, cfg.train, plan.seq_len, objective=cfg.objective.spec
+        )
+        assert plan.strategy.sharding == engine and planned_job.adapter == 41_943_040
+        held = generation_gathered(planned_job, plan.strategy, runtime(planned_job, plan.strategy))
+        assert held == pytest.approx(gathered)
+    # the rollout plan adds it to the training side in the trainer's own generation, and says so
+    j = job("llama3_1_8b")
+    p = plan_rollout(
+        j, gpus=8, train_peak=lambda n: 40e9, requested="transformers", gathered_bytes=expected, **H100
+    )
+    assert p.train_peak_bytes == pytest.approx(40e9 + j.kv_bytes(64 / 8) + expected)
+    assert "gathers the whole model on each rank to generate (+13.3 GB)" in p.reason
+    assert "train.engine=fsdp" in p.alternative
+    colocated = plan_rollout(j, gpus=1, train_peak=lambda n: 30e9, gathered_bytes=expected, **H100)
+    assert colocated.mode == "colocate" and colocated.train_peak_bytes == pytest.approx(30e9)  # vLLM samples
+
+
+def test_a_rollout_that_does_not_fit_makes_the_plan_not_fit_and_launch_refuses_it(tmp_path) -> None:
+    """Colocated vLLM whose KV cache cannot fit one H100 beside training: plan.json says the job does not fit,
+    with the rollout's reason first and its way out among the suggestions, and mode=launch refuses to start."""
+    import json
+
+    from finetune import rundir
+    from finetune.core.composition import compose
+    from finetune.core.errors import LaunchError
+    from finetune.launch import stage
+    from finetune.pipeline.stages import plan_stage, resolve
+
+    cfg = resolve(
+        compose(
+            [
+                "+recipe=llama8b_grpo",
+                f"run_dir={tmp_path / 'run'}",
+                "objective.max_completion_length=16384",
+                "train.seq_len=20000",
+            ]
+        )
+    )
+    run_dir = rundir.prepare(cfg)
+    rundir.save_config(cfg, run_dir)
+    plan = plan_stage(cfg, run_dir, quiet=True)
+    written = json.loads((run_dir / rundir.PLAN_FILE).read_text())
+    rollout = json.loads((run_dir / rundir.ROLLOUT_FILE).read_text())
+    assert rollout["mode"] == "colocate" and rollout["fits"] is False
+    assert plan.gpu_memory.total < plan.usable_gpu_memory_gb  # the training side alone would fit
+    assert written["fits"] is False and not plan.fits
+    assert written["reasons"][0] == f"rollout does not fit: {rollout['reason']}"
+    assert rollout["alternative"] in written["suggestions"]
+    with pytest.raises(LaunchError, match="the plan does not fit: rollout does not fit: colocate"):
+        stage.run(cfg, run_dir, plan, launch=cfg.launch)

@@ -63,6 +63,9 @@ class Engine:
     # How the ranks load the model: every rank whole (every), the node's first rank broadcasting (first),
     # or each rank its partition (partitioned, zero.Init).
     loading: str = "every"
+    # Generation inside the trainer gathers every parameter at once (TRL's `unwrap_model_for_generation` under
+    # ZeRO-3 with `ds3_gather_for_generation`); FSDP2 gathers a layer at a time there, as in training.
+    gathers_whole_to_generate: bool = False
 
     @property
     def offloads_optimizer_alone(self) -> bool:
@@ -101,7 +104,7 @@ ENGINES: dict[str, Engine] = {
         accelerate_type="DEEPSPEED", optimizers=("adamw", "adamw_8bit"),
         offloads=((False, False), (True, False), (True, True)),
         note="ZeRO-3 offloads the optimizer (its fp32 CPU Adam), and parameters only with it",
-        gathers_head_for_loss=True, loading="partitioned",
+        gathers_head_for_loss=True, loading="partitioned", gathers_whole_to_generate=True,
     ),
 }  # fmt: skip
 

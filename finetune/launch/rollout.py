@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,8 +23,9 @@ from finetune import rundir
 from finetune.core.config import Config, HardwareConfig
 from finetune.core.errors import PlanError
 from finetune.modeling import companions
-from finetune.planner import Plan, rollout
+from finetune.planner import Plan, make_job, rollout, runtime
 from finetune.planner.contract import GB
+from finetune.planner.weights import generation_gathered
 
 # The training side planned on other hardware (fewer GPUs, or what vLLM leaves of each).
 Replan = Callable[[HardwareConfig], Plan]
@@ -128,9 +129,26 @@ def _beside_server(cfg: Config, plan: Plan, result: rollout.RolloutPlan, replan:
     return replace(beside, hardware=hw, reasons=(why, *beside.reasons)).with_processes(result.train_gpus, 1)
 
 
+def _generation_gathered(cfg: Config, plan: Plan, who: str, sampler: rollout.RolloutJob) -> float:
+    """What a sampler's generation inside the trainer gathers on each rank beyond the plan's terms: the policy's
+    from its weights term; a frozen companion's (a teacher under `seq_kd`, which TRL unwraps the same way) its bf16
+    weights less the share its own term holds."""
+    job = make_job(
+        cfg.model, cfg.method, plan.hardware, cfg.train, plan.seq_len, objective=cfg.objective.spec
+    )
+    rt = runtime(job, plan.strategy)
+    if who == "policy":
+        return generation_gathered(job, plan.strategy, rt)
+    shards = plan.strategy.mesh(plan.hardware.total_gpus).state_shards
+    gathers = rt.engine.gathers_whole_to_generate and shards > 1
+    return sampler.weight_bytes * (1 - 1 / shards) if gathers else 0.0
+
+
 def _rollout_plan(cfg: Config, run_dir: Path, plan: Plan) -> rollout.RolloutPlan:
     """The training side is the plan's per-GPU peak (micro-batches of completions at train.seq_len), taken as
-    the same on fewer GPUs: exact for one process and DDP, an underestimate for a sharded engine."""
+    the same on fewer GPUs: exact for one process and DDP, an underestimate for a sharded engine. The policy's
+    own generation adds what the engine gathers for it (ZeRO-3: the whole model on each rank), and so does a
+    companion's."""
     hw = cfg.hardware
     peak = plan.gpu_memory.total * GB
     results = [
@@ -145,8 +163,11 @@ def _rollout_plan(cfg: Config, run_dir: Path, plan: Plan) -> rollout.RolloutPlan
             vllm_available=hw.device == "cuda",
             requested=settings(cfg).generation,
             batch_size=cfg.train.batch_size,
+            gathered_bytes=_generation_gathered(cfg, plan, who, job),
+            # an objective whose settings choose the generation (GRPO's) can sample with vLLM
+            vllm_modes="generation" in {f.name for f in fields(settings(cfg))},
         )
-        for job in rollout_jobs(cfg, run_dir, plan)
+        for job, (who, _) in zip(rollout_jobs(cfg, run_dir, plan), settings(cfg).samplers())
     ]
     if len(results) == 1:
         return results[0]
@@ -173,6 +194,14 @@ def plan_generation(
     result = _rollout_plan(cfg, run_dir, plan)
     if result.mode == "server" and result.fits:
         plan = _beside_server(cfg, plan, result, replan)
+    elif not result.fits:
+        # the rollout is part of the job: a plan whose generation cannot fit does not fit (launch refuses it)
+        plan = replace(
+            plan,
+            fits=False,
+            reasons=(f"rollout does not fit: {result.reason}", *plan.reasons),
+            suggestions=(result.alternative, *plan.suggestions) if result.alternative else plan.suggestions,
+        )
     rundir.write_json(run_dir / rundir.ROLLOUT_FILE, asdict(result))
     return plan, result
 

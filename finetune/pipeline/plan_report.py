@@ -26,9 +26,15 @@ def print_plan(plan: Plan, title: str, console: Console | None = None) -> None:
     # On the CPU the host's RAM is the memory the job must fit in: no GPU is spoken of.
     size = f"{gpus}{kind}{hw.gpu_memory_gb:g} GB" if on_gpus else f"{hw.gpu_memory_gb:g} GB RAM"
     per = " per GPU" if on_gpus else " RAM"
+    # what does not fit beside the training side's terms (a generating objective's rollout): its reason's head
+    beside = (
+        f" ({plan.reasons[0].split(':')[0]})"
+        if not plan.fits and plan.reasons and m.total <= plan.usable_gpu_memory_gb
+        else ""
+    )
     console.print(
         f"\n[bold]{console_text(title)}[/] on [bold]{console_text(hw.name)}[/] ({size}): {verdict}"
-        f"  - {m.total:,.1f} GB of {plan.usable_gpu_memory_gb:,.1f} GB usable{per}"
+        f"  - {m.total:,.1f} GB of {plan.usable_gpu_memory_gb:,.1f} GB usable{per}{console_text(beside)}"
     )
     # a mixture of experts: the parameters a token runs through, what MoE models are compared by
     active = f", {plan.params_active:,} active" if plan.params_active != plan.params_total else ""

@@ -241,14 +241,24 @@ def plan_rollout(
     vllm_available: bool,
     requested: str = "auto",
     batch_size: Optional[int] = None,
+    gathered_bytes: float = 0.0,
+    vllm_modes: bool = True,
 ) -> RolloutPlan:
     """Where the rollout runs. `train_peak(n)`: the training side's peak on each GPU when `n` GPUs train
         (the planner's SFT model on `generation_batch_size` x (prompt + completion) tokens, plus the reference
         model when `beta > 0`). `requested`: objective.generation (`auto` lets this choose). `batch_size`: completions
-    a step over the training ranks (train.batch_size), which a server split's training GPUs divide."""
+    a step over the training ranks (train.batch_size), which a server split's training GPUs divide.
+    `gathered_bytes`: what generating inside the trainer gathers on each rank beyond the training side's weights
+    (ZeRO-3 gathers the whole model: `weights.generation_gathered`). `vllm_modes`: the objective can sample with
+    vLLM and in groups (GRPO's `generation` and `num_generations`; distillation samples inside its trainer only)."""
     if device != "cuda" or not vllm_available or requested == "transformers":
         why = "no CUDA" if device != "cuda" else ("vLLM not installed" if not vllm_available else "asked for")
-        peak = train_peak(gpus) + job.kv_bytes(job.generation_batch_size / gpus)
+        peak = train_peak(gpus) + job.kv_bytes(job.generation_batch_size / gpus) + gathered_bytes
+        gathered = (
+            f"; the engine gathers the whole model on each rank to generate (+{gathered_bytes / 1e9:.1f} GB)"
+            if gathered_bytes
+            else ""
+        )
         gen = (
             _per_step(
                 job, decode_seconds(job, job.weight_bytes, job.generation_batch_size / gpus, hbm_bytes_per_s)
@@ -263,7 +273,13 @@ def plan_rollout(
             train_budget_bytes=gpu_bytes,
             train_peak_bytes=peak,
             generation_s_per_step=gen,
-            reason=f"transformers' generation inside the trainer ({why}); its KV cache is on the training side",
+            reason=f"transformers' generation inside the trainer ({why}); its KV cache is on the training side"
+            + gathered,
+            alternative=", ".join(
+                ["objective.generation=colocate or server (vLLM)"] * vllm_modes
+                + ["train.engine=fsdp (FSDP2 gathers a layer at a time)"] * bool(gathered_bytes)
+                + ["or a shorter max_completion_length" + " or fewer num_generations" * vllm_modes]
+            ),
         )
     colocate = _colocate(job, gpus, gpu_bytes, hbm_bytes_per_s, train_peak)
     smaller = "QLoRA, a shorter max_completion_length or fewer num_generations"

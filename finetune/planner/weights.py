@@ -171,3 +171,17 @@ def weights(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
         # the tail unit (final norm and LM head; the embedding too when tied) stays gathered across the loss
         on_gpu += rt.compute * (job.counts.head + job.counts.final_norm)
     return on_gpu, host
+
+
+def generation_gathered(job: Job, s: Strategy, rt: Runtime) -> float:
+    """Bytes each rank holds beyond the weights term while TRL generates inside the trainer under an engine that
+    gathers the whole model for it (ZeRO-3's GatheredParameters): the rest of the base and of the trainable
+    parameters, beside this rank's share. 0 for an engine that gathers a layer at a time, or one that does not
+    shard."""
+    shards = state_shards(job, s)
+    if not rt.engine.gathers_whole_to_generate or shards == 1:
+        return 0.0
+    divided, whole = _base_parts(job, rt)
+    trainable = 0.0 if job.method.spec.trains_base_weights else job.adapter * rt.adapter_storage
+    on_gpu, _ = weights(job, s, rt)
+    return max(0.0, divided + whole + trainable * (1 - 1 / shards) - on_gpu)
