@@ -252,7 +252,8 @@ def plan_rollout(
     (ZeRO-3 gathers the whole model: `weights.generation_gathered`). `vllm_modes`: the objective can sample with
     vLLM and in groups (GRPO's `generation` and `num_generations`; distillation samples inside its trainer only)."""
     if device != "cuda" or not vllm_available or requested == "transformers":
-        why = "no CUDA" if device != "cuda" else ("vLLM not installed" if not vllm_available else "asked for")
+        asked = "asked for" if vllm_modes else "the objective's trainer samples itself"
+        why = "no CUDA" if device != "cuda" else ("vLLM not installed" if not vllm_available else asked)
         peak = train_peak(gpus) + job.kv_bytes(job.generation_batch_size / gpus) + gathered_bytes
         gathered = (
             f"; the engine gathers the whole model on each rank to generate (+{gathered_bytes / 1e9:.1f} GB)"
