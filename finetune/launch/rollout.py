@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -129,21 +129,6 @@ def _beside_server(cfg: Config, plan: Plan, result: rollout.RolloutPlan, replan:
     return replace(beside, hardware=hw, reasons=(why, *beside.reasons)).with_processes(result.train_gpus, 1)
 
 
-def _generation_gathered(cfg: Config, plan: Plan, who: str, sampler: rollout.RolloutJob) -> float:
-    """What a sampler's generation inside the trainer gathers on each rank beyond the plan's terms: the policy's
-    from its weights term; a frozen companion's (a teacher under `seq_kd`, which TRL unwraps the same way) its bf16
-    weights less the share its own term holds."""
-    job = make_job(
-        cfg.model, cfg.method, plan.hardware, cfg.train, plan.seq_len, objective=cfg.objective.spec
-    )
-    rt = runtime(job, plan.strategy)
-    if who == "policy":
-        return generation_gathered(job, plan.strategy, rt)
-    shards = plan.strategy.mesh(plan.hardware.total_gpus).state_shards
-    gathers = rt.engine.gathers_whole_to_generate and shards > 1
-    return sampler.weight_bytes * (1 - 1 / shards) if gathers else 0.0
-
-
 def _rollout_plan(cfg: Config, run_dir: Path, plan: Plan) -> rollout.RolloutPlan:
     """The training side is the plan's per-GPU peak (micro-batches of completions at train.seq_len), taken as
     the same on fewer GPUs: exact for one process and DDP, an underestimate for a sharded engine. The policy's
@@ -151,6 +136,10 @@ def _rollout_plan(cfg: Config, run_dir: Path, plan: Plan) -> rollout.RolloutPlan
     companion's."""
     hw = cfg.hardware
     peak = plan.gpu_memory.total * GB
+    policy = make_job(
+        cfg.model, cfg.method, plan.hardware, cfg.train, plan.seq_len, objective=cfg.objective.spec
+    )
+    rt = runtime(policy, plan.strategy)
     results = [
         rollout.plan_rollout(
             job,
@@ -163,9 +152,10 @@ def _rollout_plan(cfg: Config, run_dir: Path, plan: Plan) -> rollout.RolloutPlan
             vllm_available=hw.device == "cuda",
             requested=settings(cfg).generation,
             batch_size=cfg.train.batch_size,
-            gathered_bytes=_generation_gathered(cfg, plan, who, job),
-            # an objective whose settings choose the generation (GRPO's) can sample with vLLM
-            vllm_modes="generation" in {f.name for f in fields(settings(cfg))},
+            gathered_bytes=generation_gathered(
+                policy, plan.strategy, rt, companion_bytes=None if who == "policy" else job.weight_bytes
+            ),
+            vllm_modes=settings(cfg).samples_with_vllm,
         )
         for job, (who, _) in zip(rollout_jobs(cfg, run_dir, plan), settings(cfg).samplers())
     ]

@@ -4,6 +4,8 @@ the model holds on the host and the device. finetune/planner/memory.py says what
 
 from __future__ import annotations
 
+from typing import Optional
+
 from finetune.planner.contract import GB, Strategy
 from finetune.planner.job import ZERO3_SUB_GROUP, Job, Runtime, quant_constant_bits, runtime, state_shards
 from finetune.planner.params import ParamCounts, projection_shapes
@@ -173,14 +175,16 @@ def weights(job: Job, s: Strategy, rt: Runtime) -> tuple[float, float]:
     return on_gpu, host
 
 
-def generation_gathered(job: Job, s: Strategy, rt: Runtime) -> float:
-    """Bytes each rank holds beyond the weights term while TRL generates inside the trainer under an engine that
-    gathers the whole model for it (ZeRO-3's GatheredParameters): the rest of the base and of the trainable
-    parameters, beside this rank's share. 0 for an engine that gathers a layer at a time, or one that does not
-    shard."""
+def generation_gathered(job: Job, s: Strategy, rt: Runtime, companion_bytes: Optional[float] = None) -> float:
+    """Bytes each rank holds beyond its terms while TRL generates inside the trainer under an engine that gathers
+    the whole model for it (ZeRO-3's GatheredParameters): the policy's base and trainable parameters beyond its
+    weights term, or a frozen companion's `companion_bytes` (its weights whole) beyond the share its own term
+    holds. 0 for an engine that gathers a layer at a time, or one that does not shard."""
     shards = state_shards(job, s)
     if not rt.engine.gathers_whole_to_generate or shards == 1:
         return 0.0
+    if companion_bytes is not None:
+        return companion_bytes * (1 - 1 / shards)
     divided, whole = _base_parts(job, rt)
     trainable = 0.0 if job.method.spec.trains_base_weights else job.adapter * rt.adapter_storage
     on_gpu, _ = weights(job, s, rt)

@@ -45,8 +45,10 @@ class DistillObjective(ObjectiveConfig):
     # Tokens sampled per completion at most where the step generates (TRL's GKDConfig `max_new_tokens`).
     max_completion_length: int = 64
 
-    # Where completions are sampled: GKD generates inside the trainer with transformers (no vLLM path).
+    # Where completions are sampled: GKD generates inside the trainer with transformers (no vLLM path), one
+    # completion a prompt.
     generation = "transformers"
+    samples_with_vllm = False
     # Micro-batches trained on one generation round: GKD samples for each micro-batch it draws.
     steps_per_generation = 1
 

@@ -38,6 +38,10 @@ class ObjectiveConfig:
                 f"choose the objective with objective={self.name}"
             )
 
+    # A generating objective's settings choose where it samples (`generation`: vLLM colocated or served, or
+    # transformers) and how many completions a prompt (`num_generations`), GRPO's; read only where it generates.
+    samples_with_vllm = True
+
     def check_device(self, device: str) -> None:
         """Refuse settings this device cannot run (cpu | cuda | ...), in one line naming the key."""
 
