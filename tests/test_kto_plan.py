@@ -33,9 +33,9 @@ def _run(root: Path, method: str) -> tuple[dict, dict]:
     return train, plan
 
 
-# Measured (4 steps, the worker's VmHWM, mlflow and wandb installed as CI installs them): LoRA 0.807 GB against
-# 0.828 planned (earlier runs 0.789-0.817: LoRA's peak varies ~25 MB with the heap glibc keeps), full fine-tuning
-# 0.794 GB against 0.795. Before the plan counted the worker's imports of those libraries (memory.library_imports:
+# Measured (4 steps, the worker's VmHWM, mlflow and wandb installed as CI installs them, transformers 5.25): LoRA
+# 0.791 GB against 0.820 planned (earlier runs 0.789-0.817: LoRA's peak varies ~25 MB with the heap glibc keeps),
+# full fine-tuning 0.790 GB against 0.789. Before the plan counted the worker's imports of those libraries (memory.library_imports:
 # DeepSpeed's import brings mlflow's, TRL's trainers wandb's, 56 MB) the full run held 0.793 GB against 0.740
 # (6.7% above), as SFT's and DPO's full runs were above theirs.
 @pytest.mark.parametrize("method", ["lora", "full"])

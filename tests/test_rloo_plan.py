@@ -6,8 +6,8 @@ on the seven projections, fp32 on the CPU, completions of at most 8 tokens, tran
 trainer, beta = 0.05 so the reference forward runs: TRL's "ref" copy of the starting adapter, under no_grad
 in the rollout) through `mode=data` then `mode=train` (the worker process, 3 steps), and `+recipe=tiny_grpo`
 the same way. The plan is made at the rows TRL trains on (the longest kept prompt + max_completion_length).
-Measured: RLOO 0.712 GB, GRPO 0.713 GB, both planned at 0.730 GB (the plan 2.5% over; 0.674, 5.3% under, before
-it counted the worker's imports of the installed mlflow and wandb, finetune/planner/MEMORY_MODEL.md section 6):
+Measured (transformers 5.25): RLOO 0.719 GB, GRPO 0.718 GB, both planned at 0.722 GB (the plan 0.4% over; 0.674,
+5.3% under, before it counted the worker's imports of the installed mlflow and wandb, MEMORY_MODEL.md section 6):
 what RLOO runs beyond GRPO (the policy's and the reference's log-probabilities in every rollout) adds nothing to
 the peak.
 """
